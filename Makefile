@@ -1,0 +1,24 @@
+# The two commands of the README: `make demo` and `make test`.  `.ci/run` calls `make test`.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-all demo bench clean
+
+setup:
+	@bash scripts/bootstrap.sh
+
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc = 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+test-all: setup
+	$(PY) -m pytest -m "" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m examples.demo
+
+bench: setup
+	$(PY) -m bench.run $(if $(QUICK),--quick,)
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

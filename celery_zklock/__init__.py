@@ -1,0 +1,24 @@
+"""celery-zklock: fair ZooKeeper locks for Celery tasks.
+
+The lock protocol lives in :mod:`celery_zklock.lock`, znode naming in
+:mod:`celery_zklock.znodes`, test servers in :mod:`celery_zklock.testing`.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable, ZkLockError
+from .lock import Contender, FairLock, MultiLock, contenders
+
+__all__ = [
+    "FairLock",
+    "MultiLock",
+    "Contender",
+    "contenders",
+    "ZkLockError",
+    "ConfigurationError",
+    "LockTimeout",
+    "LockLost",
+    "LockUnavailable",
+]
+
+__version__ = "0.1.0"

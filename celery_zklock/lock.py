@@ -1,0 +1,656 @@
+"""The fair (FIFO) ZooKeeper lock engine: :class:`FairLock` and :class:`MultiLock`.
+
+Protocol, in one paragraph: each contender creates an EPHEMERAL_SEQUENTIAL child
+``_c_<uuid>-lock-<seq>`` under the lock path; the ``max_holders`` lowest sequences hold the
+lock.  ``create`` and ``get_children`` are pipelined (ZooKeeper answers one session's
+requests in order), so an uncontended acquire costs one round trip.  A waiter sets data
+watches (``get``, never ``exists``, so no creation watch is left behind) on the
+``max_holders`` contenders immediately ahead of it and re-reads the children when one
+fires: with ``max_holders=1`` that is exactly one notification per release and no herd.
+
+Why the window and not only "the node N places ahead": with N > 1 holders release in any
+order and waiters time out in any order; a waiter watching only the node N ahead misses
+the departure of the nodes between it and that node and can wait forever while a slot is
+free (e.g. N=2, queue A B C D me: D times out, B releases — C and I should now both hold,
+yet C watches A and I watch C).  Watching the N nodes immediately ahead is the smallest
+set whose changes can free a slot for us; at most N waiters wake per departure.
+
+Safety rules that kazoo's ``Lock`` leaves to the caller and this module enforces:
+
+* one monotonic deadline for the whole acquire; on timeout our node is deleted first;
+* a create whose reply was lost (connection loss) may have succeeded: we look for our
+  uuid among the children and adopt the node only if its ``ephemeralOwner`` is our
+  session, otherwise delete it and create anew (no ghost nodes that block the queue);
+* release retries the delete until it succeeds or the session is gone;
+* SUSPENDED makes :meth:`FairLock.is_held` False until the node is re-verified after
+  reconnection; LOST (session expired) makes it False for good and fires ``on_lost``.
+  No ZooKeeper I/O runs inside kazoo's state listener (it would block kazoo's
+  connection thread); verification runs on a handler-spawned worker;
+* the fencing token is our node's ``czxid``: zxids are totally ordered, so each later
+  holder's token is larger, even if the parent was deleted and recreated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable, Iterable, Sequence
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    ConnectionClosedError,
+    ConnectionLoss,
+    NoNodeError,
+    NotEmptyError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.protocol.states import KazooState
+
+from . import znodes
+from .errors import LockLost
+from .znodes import Contender
+
+__all__ = ["FairLock", "MultiLock", "Contender"]
+
+LostCallback = Callable[["FairLock"], None]
+
+# States of one FairLock.
+_IDLE, _WAITING, _HELD, _LOST = "idle", "waiting", "held", "lost"
+
+_RETRYABLE = (ConnectionLoss, OperationTimeoutError)
+
+
+def default_identifier() -> str:
+    """What a node says about its owner when the caller gives nothing: host, pid, thread."""
+    return json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "thread": threading.current_thread().name},
+        separators=(",", ":"),
+    )
+
+
+class _SessionGone(Exception):
+    """Internal: the session expired or the client was closed while we were working."""
+
+
+class FairLock:
+    """A fair, fenced, loss-aware ZooKeeper mutex (or N-holder semaphore) on ``path``.
+
+    Use one ``FairLock`` per acquisition site; it is not re-entrant and one instance must
+    not be acquired by two threads at once (create one per thread — they may all share one
+    started :class:`~kazoo.client.KazooClient`).
+
+    ``on_lost(lock)`` is called, outside kazoo's connection thread, when a held lock is
+    lost: session expired, our node deleted, or not verifiable after a reconnection.
+    """
+
+    def __init__(
+        self,
+        client: KazooClient,
+        path: str,
+        *,
+        max_holders: int = 1,
+        identifier: str | bytes | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        if not isinstance(client, KazooClient):
+            raise ValueError(f"client must be a kazoo KazooClient, got {type(client).__name__}")
+        self.path = znodes.validate_path(path)
+        if isinstance(max_holders, bool) or not isinstance(max_holders, int) or max_holders < 1:
+            raise ValueError(f"max_holders must be an int >= 1, got {max_holders!r}")
+        if identifier is None:
+            identifier = default_identifier()
+        if isinstance(identifier, str):
+            identifier = identifier.encode("utf-8")
+        if not isinstance(identifier, bytes):
+            raise ValueError(f"identifier must be str or bytes, got {type(identifier).__name__}")
+        if len(identifier) > 64 * 1024:
+            raise ValueError("identifier must be at most 64 KiB")
+        self.client = client
+        self.max_holders = max_holders
+        self.identifier = identifier
+        self.on_lost = on_lost
+        self._uuid = uuid.uuid4().hex
+        self._prefix = znodes.node_prefix(self._uuid)
+        self._node: str | None = None  # our child's name once created
+        self._token: int | None = None
+        self._session_id: int | None = None
+        self._state = _IDLE
+        self._suspended = False
+        self._cancelled = False
+        self._guard = client.handler.lock_object()
+        self._wake = client.handler.event_object()
+        self._connected = client.handler.event_object()
+        self._lost_reason: str | None = None
+        self._listening = False
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def token(self) -> int | None:
+        """Fencing token (our node's czxid) while held, else None."""
+        return self._token if self._state == _HELD else None
+
+    @property
+    def node(self) -> str | None:
+        """Full path of our lock node while we wait or hold."""
+        return f"{self.path}/{self._node}" if self._node else None
+
+    @property
+    def lost_reason(self) -> str | None:
+        return self._lost_reason
+
+    def is_held(self) -> bool:
+        """True only while we hold the lock and the connection gives no reason to doubt it.
+
+        False while SUSPENDED (the server may already have expired our session), and for
+        good after LOST.  No I/O: cheap enough to call before every fenced write.
+        """
+        return self._state == _HELD and not self._suspended
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless :meth:`is_held`."""
+        if not self.is_held():
+            raise LockLost(self.path, self._lost_reason or ("connection suspended" if self._suspended else "not held"))
+
+    def cancel(self) -> None:
+        """Make a pending (or the next) :meth:`acquire` give up and return False."""
+        self._cancelled = True
+        self._wake.set()
+
+    def acquire(self, timeout: float | None = None, blocking: bool = True) -> bool:
+        """Join the queue and wait until we hold the lock or give up.
+
+        ``timeout`` (seconds) bounds the *whole* call with one monotonic deadline;
+        ``blocking=False`` or ``timeout=0`` tries once.  Returns True when held, False on
+        timeout or :meth:`cancel` — in both cases our node is already deleted.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+        if not blocking:
+            timeout = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._guard:
+            if self._state in (_WAITING, _HELD):
+                raise RuntimeError(f"FairLock on {self.path} is already {self._state}; it is not re-entrant")
+            self._state = _WAITING
+            self._suspended = False
+            self._lost_reason = None
+        self._check_client()
+        self._listen()
+        try:
+            acquired = self._acquire(deadline)
+        except BaseException:
+            self._abandon()
+            raise
+        if not acquired:
+            self._abandon()
+        self._cancelled = False
+        return acquired
+
+    def release(self, wait: bool = True) -> bool:
+        """Let go: delete our node, retrying through connection loss until done.
+
+        ``wait=False`` pipelines the release: the delete is sent and this returns without
+        waiting for the reply, saving one round trip on the caller's path (the next
+        waiter is woken by the same delete either way).  The delete is still guaranteed:
+        a failed reply hands it to a background retry that runs until the node is gone or
+        the session is.  Only use it while the process keeps its ZooKeeper client open.
+
+        Returns True if a held lock was released; False if there was nothing to release
+        (never acquired, already released, or already lost).
+        """
+        with self._guard:
+            was_held = self._state == _HELD
+        self._abandon(wait)
+        return was_held
+
+    def contenders(self) -> list[Contender]:
+        """Every contender on this path in queue order, with identifiers and holder flag."""
+        return contenders(self.client, self.path, self.max_holders)
+
+    def __enter__(self) -> "FairLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<FairLock {self.path} {self._state} token={self.token}>"
+
+    # ------------------------------------------------------------------ acquire internals
+    def _check_client(self) -> None:
+        if self.client._stopped.is_set():
+            raise ValueError(
+                "the KazooClient is not started (or was stopped): call client.start() before acquiring"
+            )
+
+    def _remaining(self, deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _expired(self, deadline: float | None) -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _acquire(self, deadline: float | None) -> bool:
+        children = self._create(deadline)
+        if children is None:
+            return False
+        while True:
+            if self._cancelled:
+                return False
+            if self._session_lost():
+                # Our node died with the session: queue again at the back (new session).
+                children = self._create(deadline)
+                if children is None:
+                    return False
+                continue
+            ordered = znodes.sort_contenders(children)
+            try:
+                index = ordered.index(self._node)
+            except ValueError:
+                # Our node is gone (deleted by an operator or the worker-loss reaper).
+                self._node = None
+                children = self._create(deadline)
+                if children is None:
+                    return False
+                continue
+            if index < self.max_holders:
+                with self._guard:
+                    if self._state != _WAITING:
+                        return False
+                    self._state = _HELD
+                self._watch_own_node()
+                return True
+            if deadline is not None and self._expired(deadline):
+                return False
+            wake = self._wake = self.client.handler.event_object()
+            ahead = ordered[index - self.max_holders : index]
+            if self._watch_any(ahead, wake) and not self._cancelled:
+                wake.wait(self._remaining(deadline))
+            children = self._retry(lambda: self.client.get_children(self.path), deadline)
+            if children is None:
+                return False
+
+    def _watch_any(self, names: Sequence[str], wake) -> bool:
+        """Set a data watch on each of ``names``; False if one is already gone (re-check now)."""
+
+        def fired(_event) -> None:
+            wake.set()
+
+        results = [self.client.get_async(f"{self.path}/{n}", watch=fired) for n in names]
+        gone = False
+        for r in results:
+            try:
+                r.get()
+            except NoNodeError:
+                gone = True
+            except _RETRYABLE:
+                gone = True  # re-read the children once connected again
+        return not gone
+
+    def _create(self, deadline: float | None) -> list[str] | None:
+        """Create our node and return the children read right after it (one round trip).
+
+        Handles a missing parent (created as a container) and ghost nodes.  Returns None
+        when the deadline passes or the lock is cancelled before the node exists.
+        """
+        full_prefix = f"{self.path}/{self._prefix}"
+        maybe_ghost = False
+        while True:
+            if self._cancelled:
+                return None
+            if not self._wait_connected(deadline):
+                return None
+            session = self._current_session()
+            if maybe_ghost:
+                found = self._adopt_ghost(session, deadline)
+                if found is not None:
+                    return found
+                maybe_ghost = False
+                continue
+            created = self.client.create_async(
+                full_prefix, self.identifier, ephemeral=True, sequence=True, include_data=True
+            )
+            listed = self.client.get_children_async(self.path)
+            try:
+                path, stat = created.get()
+            except NoNodeError:
+                try:
+                    listed.get()
+                except Exception:
+                    pass
+                self._retry(lambda: znodes.create_container(self.client, self.path), deadline)
+                continue
+            except _RETRYABLE:
+                maybe_ghost = True
+                self._sleep_until_connected(deadline)
+                if self._expired(deadline):
+                    # We must still clean up a possible ghost before giving up.
+                    self._adopt_ghost(session, None, delete_only=True)
+                    return None
+                continue
+            except (SessionExpiredError, ConnectionClosedError):
+                if not self._wait_connected(deadline):
+                    return None
+                continue
+            self._node = path.rsplit("/", 1)[1]
+            self._token = stat.czxid
+            self._session_id = session
+            try:
+                return listed.get()
+            except _RETRYABLE:
+                return self._retry(lambda: self.client.get_children(self.path), deadline)
+
+    def _adopt_ghost(self, session: int | None, deadline: float | None, delete_only: bool = False):
+        """After a lost create reply: adopt our node if our session owns it, else delete it."""
+        children = self._retry(lambda: self.client.get_children(self.path), deadline, forever=delete_only)
+        if children is None:
+            return None
+        mine = [c for c in children if c.startswith(self._prefix)]
+        keep = None
+        for name in mine:
+            full = f"{self.path}/{name}"
+            stat = self._retry(lambda: self.client.exists(full), deadline, forever=delete_only)
+            if stat is None:
+                continue
+            if not delete_only and keep is None and stat.ephemeralOwner == self._current_session():
+                keep = (name, stat)
+            else:
+                self._delete(full)
+        if keep is None:
+            return None
+        self._node, stat = keep
+        self._token = stat.czxid
+        self._session_id = self._current_session()
+        return children
+
+    def _current_session(self) -> int | None:
+        # kazoo keeps the id across a reconnection and clears it when the session ends;
+        # ``client_id`` would read None during SUSPENDED, which is not what we mean.
+        return self.client._session_id
+
+    def _session_lost(self) -> bool:
+        return self._node is not None and self._session_id is not None and self._current_session() != self._session_id
+
+    # ------------------------------------------------------------------ retries and waiting
+    def _wait_connected(self, deadline: float | None) -> bool:
+        if self.client.connected:
+            return True
+        self._sleep_until_connected(deadline)
+        return self.client.connected and not self._cancelled
+
+    def _sleep_until_connected(self, deadline: float | None) -> None:
+        self._connected.clear()
+        if self.client.connected:
+            return
+        self._connected.wait(self._remaining(deadline))
+
+    def _retry(self, op: Callable, deadline: float | None, forever: bool = False):
+        """Run ``op``, retrying through connection loss until ``deadline`` (or forever)."""
+        while True:
+            try:
+                return op()
+            except _RETRYABLE:
+                if not forever and self._expired(deadline):
+                    return None
+                self._sleep_until_connected(None if forever else deadline)
+                if self._cancelled and not forever:
+                    return None
+            except (SessionExpiredError, ConnectionClosedError):
+                if forever:
+                    return None
+                raise
+
+    def _delete(self, full: str) -> None:
+        """Delete a node, retrying through connection loss until done or the session is gone.
+
+        While the ensemble is unreachable kazoo cannot learn that the session expired, so
+        after one session timeout we stop blocking the caller and leave a listener that
+        deletes the node on the next reconnection of the same session (a node must never
+        outlive its release just because the network blinked).
+        """
+        session = self._current_session()
+        give_up = time.monotonic() + self.client._session_timeout / 1000.0 + 1.0
+        while True:
+            if self._current_session() != session:
+                return  # ephemeral nodes die with their session
+            try:
+                self.client.delete(full)
+                return
+            except NoNodeError:
+                return
+            except (SessionExpiredError, ConnectionClosedError):
+                return
+            except _RETRYABLE:
+                if time.monotonic() >= give_up:
+                    _defer_delete(self.client, full, session)
+                    return
+                self._sleep_until_connected(min(give_up, time.monotonic() + 1.0))
+
+    def _abandon(self, wait: bool = True) -> None:
+        """Delete our node (if any) and go idle.  Used by release, timeout and errors."""
+        with self._guard:
+            node = self._node
+            session = self._session_id
+            self._node = None
+            self._token = None
+            if self._state != _LOST:
+                self._state = _IDLE
+        if node is not None and session == self._current_session():
+            if wait:
+                self._delete(f"{self.path}/{node}")
+            else:
+                self._delete_in_background(f"{self.path}/{node}")
+            if not znodes.uses_containers(self.client):
+                try:
+                    self.client.delete(self.path)
+                except Exception:
+                    pass
+        self._unlisten()
+
+    # ------------------------------------------------------------------ connection state
+    def _listen(self) -> None:
+        if not self._listening:
+            self.client.add_listener(self._on_state)
+            self._listening = True
+        if self.client.connected:
+            self._connected.set()
+
+    def _unlisten(self) -> None:
+        if self._listening:
+            self.client.remove_listener(self._on_state)
+            self._listening = False
+
+    def _on_state(self, state: str) -> None:
+        """kazoo state listener: flag, wake and hand off — never ZooKeeper I/O here."""
+        if state == KazooState.SUSPENDED:
+            self._connected.clear()
+            if self._state == _HELD:
+                self._suspended = True
+        elif state == KazooState.CONNECTED:
+            self._connected.set()
+            if self._state == _HELD and self._suspended:
+                self.client.handler.spawn(self._verify)
+        elif state == KazooState.LOST:
+            self._connected.clear()
+            if self._state == _HELD:
+                self._mark_lost("ZooKeeper session expired")
+        self._wake.set()
+
+    def _delete_in_background(self, full: str) -> None:
+        def done(result) -> None:
+            try:
+                result.get()
+            except NoNodeError:
+                pass
+            except (SessionExpiredError, ConnectionClosedError):
+                pass
+            except Exception:
+                self.client.handler.spawn(self._delete, full)
+
+        self.client.delete_async(full).rawlink(done)
+
+    def _watch_own_node(self) -> None:
+        """Learn at once if our node is deleted behind our back (operator, reaper, expiry).
+
+        The request is not waited for: it costs no latency on the acquire path.
+        """
+        node, session = self._node, self._session_id
+
+        def changed(event) -> None:
+            if event.type == "DELETED" and self._node == node and self._session_id == session:
+                self._mark_lost("lock node was deleted")
+
+        self.client.exists_async(f"{self.path}/{node}", watch=changed)
+
+    def _verify(self) -> None:
+        """After a reconnection: still ours only if the node exists and our session owns it."""
+        node = self._node
+        if node is None or self._state != _HELD:
+            return
+        try:
+            stat = self.client.exists(f"{self.path}/{node}")
+        except _RETRYABLE:
+            return  # still disconnected; the next CONNECTED re-verifies
+        except (SessionExpiredError, ConnectionClosedError):
+            self._mark_lost("ZooKeeper session expired")
+            return
+        if stat is not None and stat.ephemeralOwner == self._current_session() == self._session_id:
+            self._suspended = False
+            self._watch_own_node()  # kazoo dropped our watches when the connection broke
+        else:
+            self._mark_lost("lock node gone after reconnection")
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._guard:
+            if self._state != _HELD:
+                return
+            self._state = _LOST
+            self._lost_reason = reason
+        self._suspended = False
+        cb = self.on_lost
+        if cb is not None:
+            self.client.handler.spawn(cb, self)
+
+
+def _defer_delete(client: KazooClient, full: str, session: int | None) -> None:
+    """Delete ``full`` on the next reconnection of ``session``; drop the task if it ended."""
+
+    def on_state(state: str) -> bool:
+        if client._session_id != session:
+            return True  # session gone: the ephemeral node went with it
+        if state == KazooState.CONNECTED:
+            def run() -> None:
+                try:
+                    client.delete(full)
+                except NoNodeError:
+                    pass
+                except Exception:  # retried by the next reconnection
+                    client.add_listener(on_state)
+            client.handler.spawn(run)
+            return True
+        return False
+
+    client.add_listener(on_state)
+
+
+def contenders(client: KazooClient, path: str, max_holders: int = 1) -> list[Contender]:
+    """Holders and waiters on ``path`` in queue order (any of our, Curator's or kazoo's nodes)."""
+    try:
+        ordered = znodes.sort_contenders(client.get_children(path))
+    except NoNodeError:
+        return []
+    pending = [(name, client.get_async(f"{path}/{name}")) for name in ordered]
+    out = []
+    for name, result in pending:
+        try:
+            data, _ = result.get()
+        except NoNodeError:
+            continue
+        out.append(
+            Contender(name, znodes.sequence_of(name) or 0, data.decode("utf-8", "replace"), len(out) < max_holders)
+        )
+    return out
+
+
+class MultiLock:
+    """Several lock paths taken all-or-nothing under one deadline.
+
+    Paths are de-duplicated and taken in one canonical (sorted) order, so two
+    ``MultiLock`` users asking for the same paths in opposite orders can never deadlock.
+    If any path cannot be had in time, every path already taken is released.
+    """
+
+    def __init__(
+        self,
+        client: KazooClient,
+        paths: Iterable[str],
+        *,
+        max_holders: int = 1,
+        identifier: str | bytes | None = None,
+        on_lost: Callable[[FairLock], None] | None = None,
+    ) -> None:
+        unique = sorted({znodes.validate_path(p) for p in paths})
+        if not unique:
+            raise ValueError("MultiLock needs at least one path")
+        self.locks = [
+            FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost) for p in unique
+        ]
+        self.failed: FairLock | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        return [lk.path for lk in self.locks]
+
+    @property
+    def tokens(self) -> dict[str, int | None]:
+        return {lk.path: lk.token for lk in self.locks}
+
+    def acquire(self, timeout: float | None = None, blocking: bool = True) -> bool:
+        deadline = None if timeout is None or not blocking else time.monotonic() + timeout
+        taken: list[FairLock] = []
+        self.failed = None
+        try:
+            for lk in self.locks:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not lk.acquire(timeout=0 if not blocking else left):
+                    self.failed = lk
+                    break
+                taken.append(lk)
+            else:
+                return True
+        except BaseException:
+            for lk in reversed(taken):
+                lk.release()
+            raise
+        for lk in reversed(taken):
+            lk.release()
+        return False
+
+    def release(self) -> bool:
+        released = False
+        for lk in reversed(self.locks):
+            released = lk.release() or released
+        return released
+
+    def is_held(self) -> bool:
+        return all(lk.is_held() for lk in self.locks)
+
+    def ensure(self) -> None:
+        for lk in self.locks:
+            lk.ensure()
+
+    def cancel(self) -> None:
+        for lk in self.locks:
+            lk.cancel()
+
+    def __enter__(self) -> "MultiLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

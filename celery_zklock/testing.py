@@ -1,0 +1,383 @@
+"""Real ZooKeeper servers for tests: a standalone server and a 3-node ensemble.
+
+Why this exists: a lock library cannot be tested against a fake coordinator — the
+behaviours that matter (session expiry, leader loss, ghost nodes, watch delivery) only
+happen in the real server.  This module starts ZooKeeper from the local installation
+(Debian's ``zookeeper`` package jars, or ``$ZOOKEEPER_HOME``) on free loopback ports in a
+temporary directory, and lets tests stop, restart and pause (SIGSTOP) members.
+
+It doubles as a pytest plugin (entry point ``celery_zklock``) offering the fixtures
+``zk_server`` (session scoped standalone server), ``zk_ensemble`` (fresh 3-node ensemble)
+and ``zk_client`` (a started ``KazooClient`` on ``zk_server``), so users of
+celery-zklock can test their own locked tasks against the real thing.
+
+Test servers run with a short ``tickTime`` (200 ms by default) so the negotiated session
+timeout may be as low as 0.4 s: fault tests expire sessions in about a second.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+__all__ = [
+    "ZooKeeperNotInstalled",
+    "ZooKeeperServer",
+    "ZooKeeperEnsemble",
+    "zookeeper_classpath",
+    "free_port",
+    "four_letter_word",
+    "is_reachable",
+]
+
+# Jars a ZooKeeper 3.5+ server needs at run time, by file-name prefix.  Debian splits
+# them across /usr/share/java; a binary tarball has them all under $ZOOKEEPER_HOME/lib.
+_SERVER_JARS = (
+    "zookeeper",
+    "zookeeper-jute",
+    "netty-buffer",
+    "netty-codec",
+    "netty-common",
+    "netty-handler",
+    "netty-resolver",
+    "netty-transport",
+    "netty-transport-native-epoll",
+    "netty-transport-native-unix-common",
+    "slf4j-api",
+    "slf4j-simple",
+    "metrics-core",
+    "commons-cli",
+    "snappy-java",
+    "log4j-1.2",
+)
+
+_INSTALL_HINT = (
+    "No ZooKeeper installation found. Install one with "
+    "'apt-get install -y zookeeper' (Debian/Ubuntu), or download Apache ZooKeeper and "
+    "set ZOOKEEPER_HOME to its directory. A Java runtime ('java' on PATH) is needed too."
+)
+
+
+class ZooKeeperNotInstalled(RuntimeError):
+    """Raised when neither ``$ZOOKEEPER_HOME`` nor Debian's jars can be found."""
+
+
+def zookeeper_classpath() -> str:
+    """Return a Java classpath that can run ``ZooKeeperServerMain``.
+
+    ``$ZOOKEEPER_HOME`` wins when set (all jars under it and its ``lib/``); otherwise the
+    Debian layout in ``/usr/share/java`` is used, picking the unversioned symlinks.
+    """
+    if shutil.which("java") is None:
+        raise ZooKeeperNotInstalled(_INSTALL_HINT + " ('java' is not on PATH.)")
+    home = os.environ.get("ZOOKEEPER_HOME")
+    if home:
+        jars = sorted(glob.glob(os.path.join(home, "*.jar")) + glob.glob(os.path.join(home, "lib", "*.jar")))
+        if not any(os.path.basename(j).startswith("zookeeper") for j in jars):
+            raise ZooKeeperNotInstalled(f"ZOOKEEPER_HOME={home!r} holds no zookeeper jar. " + _INSTALL_HINT)
+        return os.pathsep.join(jars)
+    base = "/usr/share/java"
+    jars = [os.path.join(base, f"{name}.jar") for name in _SERVER_JARS]
+    if not os.path.exists(jars[0]):
+        raise ZooKeeperNotInstalled(_INSTALL_HINT)
+    return os.pathsep.join(j for j in jars if os.path.exists(j))
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def four_letter_word(host: str, port: int, word: str, timeout: float = 1.0) -> str:
+    """Send a ZooKeeper four-letter command (``ruok``, ``srvr``, ``mntr``...) and return the reply."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(word.encode())
+        chunks = []
+        while True:
+            data = s.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def is_reachable(hosts: str, timeout: float = 1.0) -> bool:
+    """True when any server in a kazoo-style ``hosts`` string answers ``ruok`` with ``imok``."""
+    for hp in hosts.split("/")[0].split(","):
+        host, _, port = hp.strip().rpartition(":")
+        try:
+            if four_letter_word(host or "127.0.0.1", int(port or 2181), "ruok", timeout) == "imok":
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+@dataclass
+class ZooKeeperServer:
+    """One ZooKeeper server process (standalone, or a member of an ensemble).
+
+    ``peers`` is filled in by :class:`ZooKeeperEnsemble`; a server without peers runs
+    ``ZooKeeperServerMain``.  All ports bind to 127.0.0.1.
+    """
+
+    tick_ms: int = 200
+    client_port: int = field(default_factory=free_port)
+    workdir: str | None = None
+    myid: int = 1
+    peers: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id -> (client, quorum, election)
+    fsync: bool = True
+    container_check_ms: int = 100
+    max_client_cnxns: int = 0
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    _own_workdir: bool = field(default=False, repr=False)
+
+    @property
+    def hosts(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def _write_config(self) -> str:
+        assert self.workdir
+        data = os.path.join(self.workdir, "data")
+        os.makedirs(data, exist_ok=True)
+        lines = [
+            f"tickTime={self.tick_ms}",
+            f"dataDir={data}",
+            f"clientPort={self.client_port}",
+            "clientPortAddress=127.0.0.1",
+            f"maxClientCnxns={self.max_client_cnxns}",
+            "initLimit=20",
+            "syncLimit=10",
+            "4lw.commands.whitelist=*",
+            "admin.enableServer=false",
+            f"forceSync={'yes' if self.fsync else 'no'}",
+            "autopurge.purgeInterval=0",
+        ]
+        if self.peers:
+            with open(os.path.join(data, "myid"), "w") as f:
+                f.write(str(self.myid))
+            for sid, (_, quorum, election) in sorted(self.peers.items()):
+                lines.append(f"server.{sid}=127.0.0.1:{quorum}:{election}")
+        path = os.path.join(self.workdir, "zoo.cfg")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def start(self, wait: bool = True, timeout: float = 30.0) -> "ZooKeeperServer":
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        if self.workdir is None:
+            self.workdir = tempfile.mkdtemp(prefix="zklock-zk-")
+            self._own_workdir = True
+        cfg = self._write_config()
+        main = (
+            "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+            if self.peers
+            else "org.apache.zookeeper.server.ZooKeeperServerMain"
+        )
+        cmd = [
+            "java",
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-Xshare:auto",
+            "-XX:TieredStopAtLevel=1",
+            "-cp",
+            zookeeper_classpath(),
+            f"-Dznode.container.checkIntervalMs={self.container_check_ms}",
+            "-Dznode.container.maxPerMinute=1000000",
+            "-Dzookeeper.admin.enableServer=false",
+            "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+            main,
+            cfg,
+        ]
+        log = open(os.path.join(self.workdir, "server.log"), "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        if wait:
+            self.wait_serving(timeout)
+        return self
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        """Block until the server answers ``ruok`` and (in an ensemble) has a role."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"ZooKeeper exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            if self.mode() in ("standalone", "leader", "follower"):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"ZooKeeper on {self.hosts} not serving after {timeout}s; log:\n{self.log_tail()}")
+
+    def mode(self) -> str | None:
+        """``standalone``, ``leader``, ``follower`` or None when not serving."""
+        try:
+            out = four_letter_word("127.0.0.1", self.client_port, "srvr", timeout=0.5)
+        except OSError:
+            return None
+        for line in out.splitlines():
+            if line.startswith("Mode:"):
+                return line.split(":", 1)[1].strip()
+        return None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(os.path.join(self.workdir or "", "server.log"), errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server (SIGTERM, or SIGKILL with ``kill=True``); data survives for restart."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.resume()
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(kill=True)
+
+    def restart(self, wait: bool = True) -> None:
+        self.stop()
+        self.start(wait=wait)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process is alive but answers nothing (a hung or partitioned server)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        """Stop and remove the temporary directory this object created."""
+        self.stop(kill=True)
+        if self._own_workdir and self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "ZooKeeperServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ZooKeeperEnsemble:
+    """A quorum of ``size`` ZooKeeper servers on loopback, for failover tests."""
+
+    def __init__(self, size: int = 3, tick_ms: int = 200, fsync: bool = True) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="zklock-ensemble-")
+        ports = {sid: (free_port(), free_port(), free_port()) for sid in range(1, size + 1)}
+        self.members = [
+            ZooKeeperServer(
+                tick_ms=tick_ms,
+                client_port=ports[sid][0],
+                workdir=os.path.join(self.workdir, f"zk{sid}"),
+                myid=sid,
+                peers=ports,
+                fsync=fsync,
+            )
+            for sid in sorted(ports)
+        ]
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(m.hosts for m in self.members)
+
+    def start(self, timeout: float = 60.0) -> "ZooKeeperEnsemble":
+        for m in self.members:
+            m.start(wait=False)
+        for m in self.members:
+            m.wait_serving(timeout)
+        return self
+
+    def leader(self) -> ZooKeeperServer:
+        for _ in range(200):
+            for m in self.members:
+                if m.proc is not None and m.mode() == "leader":
+                    return m
+            time.sleep(0.05)
+        raise RuntimeError("ensemble has no leader")
+
+    def followers(self) -> list[ZooKeeperServer]:
+        lead = self.leader()
+        return [m for m in self.members if m is not lead]
+
+    def wait_quorum(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            modes = [m.mode() for m in self.members if m.proc is not None]
+            if "leader" in modes and modes.count("follower") >= len(self.members) // 2:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("ensemble did not regain a quorum")
+
+    def close(self) -> None:
+        for m in self.members:
+            m.stop(kill=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "ZooKeeperEnsemble":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# pytest plugin
+# ---------------------------------------------------------------------------------------
+try:
+    import pytest
+except ImportError:  # pragma: no cover - the plugin is optional at run time
+    pytest = None  # type: ignore[assignment]
+
+if pytest is not None:
+
+    @pytest.fixture(scope="session")
+    def zk_server() -> Iterator[ZooKeeperServer]:
+        """A standalone ZooKeeper for the whole test session (tickTime 200 ms)."""
+        try:
+            server = ZooKeeperServer().start()
+        except ZooKeeperNotInstalled as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield server
+        server.close()
+
+    @pytest.fixture
+    def zk_ensemble() -> Iterator[ZooKeeperEnsemble]:
+        """A fresh 3-node ensemble; members may be stopped, restarted and paused."""
+        try:
+            ens = ZooKeeperEnsemble().start()
+        except ZooKeeperNotInstalled as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield ens
+        ens.close()
+
+    @pytest.fixture
+    def zk_client(zk_server: ZooKeeperServer):
+        """A started ``KazooClient`` connected to ``zk_server``; stopped after the test."""
+        from kazoo.client import KazooClient
+
+        client = KazooClient(hosts=zk_server.hosts, timeout=4.0)
+        client.start(timeout=15)
+        yield client
+        client.stop()
+        client.close()

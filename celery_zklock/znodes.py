@@ -1,0 +1,138 @@
+"""Znode naming, ordering and parent creation — the pure parts of the lock protocol.
+
+Why a module of its own: interoperability lives here.  Our children are named like Apache
+Curator's protected ``InterProcessMutex`` nodes (``_c_<uuid>-lock-<seq>``) and we order
+every child that carries a ``-lock-`` (Curator) or ``__lock__`` (kazoo ``Lock``) sequence,
+so a Java service using Curator and a kazoo ``Lock(..., extra_lock_patterns=["-lock-"])``
+on the same path queue in one FIFO line with us.  Children of any other shape are ignored,
+as Curator and kazoo ignore them.
+
+Parents are created as CONTAINER znodes (ZooKeeper >= 3.5.3): the server deletes a
+container once its last child is gone, so one parent per lock key (order ids, SKUs) never
+accumulates.  kazoo 2.x cannot create containers (its ``create`` only sends the ephemeral
+and sequence flags), so :class:`CreateContainer` adds the ``createContainer`` request
+(opcode 19) on kazoo's own serialisation; its wire format is ``Create2``'s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, NamedTuple
+
+from kazoo.exceptions import NodeExistsError, NoNodeError, UnimplementedError
+from kazoo.protocol.serialization import Create2
+from kazoo.security import OPEN_ACL_UNSAFE
+
+#: Sequence markers we order by, first match wins (Curator, then kazoo).
+LOCK_MARKERS = ("-lock-", "__lock__")
+_SEQ_RE = re.compile(r"(?:-lock-|__lock__)(\d{10})$")
+_CONTAINER_FLAG = 4  # CreateMode.CONTAINER.toFlag()
+
+
+def node_prefix(uuid_hex: str) -> str:
+    """The name we give ``create(..., sequence=True)``; the server appends 10 digits."""
+    return f"_c_{uuid_hex}-lock-"
+
+
+def sequence_of(name: str) -> int | None:
+    """The sequence number of a lock child, or None when the child is not a lock node."""
+    m = _SEQ_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def sort_contenders(children: Iterable[str]) -> list[str]:
+    """Lock children in queue order (numeric sequence, then name); others dropped."""
+    keyed = []
+    for name in children:
+        seq = sequence_of(name)
+        if seq is not None:
+            keyed.append((seq, name))
+    keyed.sort()
+    return [name for _, name in keyed]
+
+
+def validate_path(path: object) -> str:
+    """Return ``path`` if it is a usable absolute znode path, else raise ``ValueError``.
+
+    Rules are ZooKeeper's own (PathUtils.validatePath) so the error surfaces here with a
+    readable message instead of as a server-side ``BadArgumentsError`` mid-acquire.
+    """
+    if not isinstance(path, str):
+        raise ValueError(f"lock path must be a str, got {type(path).__name__}: {path!r}")
+    if not path.startswith("/") or path == "/":
+        raise ValueError(f"lock path must be absolute and not the root, e.g. '/locks/orders'; got {path!r}")
+    if path.endswith("/"):
+        raise ValueError(f"lock path must not end with '/': {path!r}")
+    for part in path[1:].split("/"):
+        if part == "":
+            raise ValueError(f"lock path has an empty component ('//'): {path!r}")
+        if part in (".", ".."):
+            raise ValueError(f"lock path must not contain '.' or '..' components: {path!r}")
+    for ch in path:
+        c = ord(ch)
+        if c == 0 or 0x01 <= c <= 0x1F or 0x7F <= c <= 0x9F or 0xD800 <= c <= 0xF8FF or 0xFFF0 <= c <= 0xFFFF:
+            raise ValueError(f"lock path contains a character ZooKeeper rejects (U+{c:04X}): {path!r}")
+    return path
+
+
+class CreateContainer(Create2):
+    """ZooKeeper ``createContainer`` (opcode 19); same request and reply as ``Create2``."""
+
+    type = 19
+
+
+# Servers that answered UNIMPLEMENTED to createContainer (pre-3.5.3): we fall back to a
+# persistent parent and delete it best-effort after release.
+_NO_CONTAINERS: set[str] = set()
+
+
+def _client_key(client) -> str:
+    return repr(getattr(client, "hosts", client))
+
+
+def create_container(client, path: str) -> None:
+    """Create ``path`` as a container znode (ancestors as persistent nodes); exists is fine.
+
+    Falls back to a persistent node when the server lacks containers; the fallback is
+    remembered per ensemble so later keys skip the failing round trip.
+    """
+    key = _client_key(client)
+    if key not in _NO_CONTAINERS:
+        for attempt in range(2):
+            result = client.handler.async_result()
+            client._call(CreateContainer(_chroot(client, path), b"", OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
+            try:
+                result.get()
+                return
+            except NodeExistsError:
+                return
+            except NoNodeError:
+                if attempt:
+                    raise
+                parent = path.rsplit("/", 1)[0]
+                if parent:
+                    client.ensure_path(parent)
+            except UnimplementedError:
+                _NO_CONTAINERS.add(key)
+                break
+    try:
+        client.create(path, b"", makepath=True)
+    except NodeExistsError:
+        pass
+
+
+def uses_containers(client) -> bool:
+    return _client_key(client) not in _NO_CONTAINERS
+
+
+def _chroot(client, path: str) -> str:
+    return client.chroot + path if client.chroot else path
+
+
+class Contender(NamedTuple):
+    """One node in a lock's queue, as :meth:`FairLock.contenders` reports it."""
+
+    node: str
+    sequence: int
+    identifier: str
+    holder: bool
