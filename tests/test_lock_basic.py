@@ -1,0 +1,183 @@
+"""FairLock against a real ZooKeeper: the single-client behaviours."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from kazoo.client import KazooClient
+
+from celery_zklock import FairLock, LockLost, MultiLock, contenders
+from tests.lockutil import overlapping  # noqa: F401  (keeps the helper's self-test collected)
+
+
+@pytest.fixture
+def path(request):
+    return f"/t/{request.node.name.replace('[', '_').replace(']', '')}"
+
+
+def test_acquire_release_token_and_node(zk_client, path):
+    lock = FairLock(zk_client, path)
+    assert lock.token is None and not lock.is_held()
+    assert lock.acquire() is True
+    assert lock.is_held()
+    stat = zk_client.exists(lock.node)
+    assert stat is not None and lock.token == stat.czxid
+    assert stat.ephemeralOwner == zk_client.client_id[0]
+    assert lock.node.rsplit("/", 1)[1].startswith("_c_") and "-lock-" in lock.node
+    node = lock.node
+    assert lock.release() is True
+    assert zk_client.exists(node) is None
+    assert lock.token is None and not lock.is_held()
+    assert lock.release() is False  # nothing left to release
+
+
+def test_timeout_is_bounded_and_leaves_no_node(zk_client, zk_server, path):
+    holder = FairLock(zk_client, path)
+    holder.acquire()
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    try:
+        waiter = FairLock(other, path)
+        t0 = time.monotonic()
+        assert waiter.acquire(timeout=0.4) is False
+        took = time.monotonic() - t0
+        assert 0.4 <= took < 1.0, took
+        assert waiter.node is None
+        assert zk_client.get_children(path) == [holder.node.rsplit("/", 1)[1]]
+    finally:
+        other.stop()
+        holder.release()
+
+
+def test_nonblocking_tries_once(zk_client, path):
+    a, b = FairLock(zk_client, path), FairLock(zk_client, path)
+    assert a.acquire(blocking=False)
+    t0 = time.monotonic()
+    assert b.acquire(blocking=False) is False
+    assert b.acquire(timeout=0) is False
+    assert time.monotonic() - t0 < 0.5
+    assert len(zk_client.get_children(path)) == 1
+    a.release()
+    assert b.acquire(blocking=False)
+    b.release()
+
+
+def test_context_manager_and_not_reentrant(zk_client, path):
+    with FairLock(zk_client, path) as lock:
+        assert lock.is_held()
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            lock.acquire()
+    assert not lock.is_held()
+    assert zk_client.get_children(path) == [] if zk_client.exists(path) else True
+
+
+def test_cancel_wakes_a_blocked_acquire(zk_client, path):
+    holder = FairLock(zk_client, path)
+    holder.acquire()
+    waiter = FairLock(zk_client, path)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("got", waiter.acquire()))
+    t.start()
+    time.sleep(0.3)
+    assert len(zk_client.get_children(path)) == 2
+    waiter.cancel()
+    t.join(5)
+    assert result["got"] is False
+    assert len(zk_client.get_children(path)) == 1
+    holder.release()
+
+
+def test_contenders_lists_holders_then_waiters_with_identifiers(zk_client, path):
+    a = FairLock(zk_client, path, identifier="worker-a", max_holders=2)
+    b = FairLock(zk_client, path, identifier=json.dumps({"task": "b"}), max_holders=2)
+    c = FairLock(zk_client, path, identifier="worker-c", max_holders=2)
+    assert a.acquire() and b.acquire()
+    t = threading.Thread(target=c.acquire)
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(zk_client.get_children(path)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    found = contenders(zk_client, path, max_holders=2)
+    assert [x.identifier for x in found] == ["worker-a", '{"task": "b"}', "worker-c"]
+    assert [x.holder for x in found] == [True, True, False]
+    assert [x.sequence for x in found] == sorted(x.sequence for x in found)
+    a.release()
+    t.join(5)
+    assert c.is_held()
+    b.release(), c.release()
+
+
+def test_release_without_wait_still_deletes(zk_client, path):
+    lock = FairLock(zk_client, path)
+    lock.acquire()
+    node = lock.node
+    assert lock.release(wait=False) is True
+    deadline = time.monotonic() + 5
+    while zk_client.exists(node) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert zk_client.exists(node) is None
+
+
+def test_node_deleted_behind_our_back_is_detected_as_lost(zk_client, zk_server, path):
+    lost = threading.Event()
+    lock = FairLock(zk_client, path, on_lost=lambda lk: lost.set())
+    lock.acquire()
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    other.delete(lock.node)  # an operator's forced unlock
+    other.stop()
+    assert lost.wait(5)
+    assert not lock.is_held()
+    with pytest.raises(LockLost, match="deleted"):
+        lock.ensure()
+    lock.release()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"path": "relative"}, "absolute"),
+        ({"path": "/a/"}, "end with"),
+        ({"max_holders": 0}, "max_holders"),
+        ({"max_holders": "2"}, "max_holders"),
+        ({"identifier": 5}, "identifier"),
+    ],
+)
+def test_bad_arguments_are_value_errors(zk_client, kwargs, message):
+    args = {"path": "/t/ok", **kwargs}
+    path = args.pop("path")
+    with pytest.raises(ValueError, match=message):
+        FairLock(zk_client, path, **args)
+
+
+def test_unstarted_client_is_a_clear_error():
+    client = KazooClient(hosts="127.0.0.1:1")
+    with pytest.raises(ValueError, match="client.start"):
+        FairLock(client, "/t/x").acquire(timeout=0.1)
+    with pytest.raises(ValueError, match="KazooClient"):
+        FairLock(object(), "/t/x")
+
+
+def test_negative_timeout_rejected(zk_client):
+    with pytest.raises(ValueError, match="timeout"):
+        FairLock(zk_client, "/t/neg").acquire(timeout=-1)
+
+
+def test_multilock_all_or_nothing(zk_client, path):
+    blocker = FairLock(zk_client, f"{path}/b")
+    blocker.acquire()
+    multi = MultiLock(zk_client, [f"{path}/c", f"{path}/a", f"{path}/b", f"{path}/a"])
+    assert multi.paths == [f"{path}/a", f"{path}/b", f"{path}/c"]
+    assert multi.acquire(timeout=0.3) is False
+    assert multi.failed.path == f"{path}/b"
+    # nothing left held on the other paths
+    for p in (f"{path}/a", f"{path}/c"):
+        assert not zk_client.exists(p) or zk_client.get_children(p) == []
+    blocker.release()
+    assert multi.acquire(timeout=2)
+    assert multi.is_held() and all(multi.tokens.values())
+    multi.release()
+    assert not multi.is_held()

@@ -1,0 +1,57 @@
+"""Pure logic of node names and ordering (no server needed)."""
+
+import re
+
+import pytest
+
+from celery_zklock import znodes
+
+
+def test_sequence_parsed_for_curator_and_kazoo_names():
+    assert znodes.sequence_of("_c_abc-lock-0000000042") == 42
+    assert znodes.sequence_of("3f2a__lock__0000000007") == 7
+    assert znodes.sequence_of("leader-0000000001") is None
+    assert znodes.sequence_of("_c_abc-lock-12") is None  # not a 10-digit sequence
+    assert znodes.sequence_of("something-else") is None
+
+
+def test_contenders_sorted_numerically_across_kinds_and_others_ignored():
+    children = [
+        "_c_b-lock-0000000010",
+        "zz__lock__0000000002",
+        "unrelated",
+        "_c_a-lock-0000000009",
+        "lease-0000000001",
+    ]
+    assert znodes.sort_contenders(children) == [
+        "zz__lock__0000000002",
+        "_c_a-lock-0000000009",
+        "_c_b-lock-0000000010",
+    ]
+
+
+def test_node_prefix_matches_curator_protected_name():
+    assert znodes.node_prefix("abc") == "_c_abc-lock-"
+    assert znodes.sequence_of(znodes.node_prefix("abc") + "0000000001") == 1
+
+
+@pytest.mark.parametrize(
+    "path, fragment",
+    [
+        ("locks/a", "absolute"),
+        ("/", "absolute"),
+        ("/a/", "end with"),
+        ("/a//b", "empty component"),
+        ("/a/../b", "'.' or '..'"),
+        ("/a/\x00b", "U+0000"),
+        (123, "must be a str"),
+    ],
+)
+def test_invalid_paths_rejected_with_a_reason(path, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        znodes.validate_path(path)
+
+
+def test_valid_paths_accepted():
+    for p in ("/a", "/locks/sku:42", "/x/y-z_1/ünïcode"):
+        assert znodes.validate_path(p) == p
