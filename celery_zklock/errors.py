@@ -22,15 +22,16 @@ class LockTimeout(ZkLockError):
     when we gave up, so "who holds the lock?" is answered in the error itself.
     """
 
-    def __init__(self, key: object, timeout: float | None, holders: list[str] | None = None) -> None:
+    def __init__(self, key: object = None, timeout: float | None = None, holders: list[str] | None = None) -> None:
         self.key = key
         self.timeout = timeout
         self.holders = list(holders or [])
-        held_by = ", ".join(self.holders) if self.holders else "unknown"
-        super().__init__(f"lock {key!r} not acquired within {timeout}s (held by: {held_by})")
+        # args are the constructor's: Celery's JSON result backend rebuilds cls(*args).
+        super().__init__(key, timeout, self.holders)
 
-    def __reduce__(self):  # keep the fields across pickling (Celery result backends)
-        return (type(self), (self.key, self.timeout, self.holders))
+    def __str__(self) -> str:
+        held_by = ", ".join(self.holders) if self.holders else "unknown"
+        return f"lock {self.key!r} not acquired within {self.timeout}s (held by: {held_by})"
 
 
 class LockLost(ZkLockError):
@@ -39,13 +40,13 @@ class LockLost(ZkLockError):
     Raised instead of letting work continue silently without mutual exclusion.
     """
 
-    def __init__(self, key: object, reason: str = "lock lost") -> None:
+    def __init__(self, key: object = None, reason: str = "lock lost") -> None:
         self.key = key
         self.reason = reason
-        super().__init__(f"lock {key!r} lost: {reason}")
+        super().__init__(key, reason)
 
-    def __reduce__(self):
-        return (type(self), (self.key, self.reason))
+    def __str__(self) -> str:
+        return f"lock {self.key!r} lost: {self.reason}"
 
 
 class LockUnavailable(ZkLockError):

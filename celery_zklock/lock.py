@@ -96,6 +96,8 @@ class FairLock:
         max_holders: int = 1,
         identifier: str | bytes | None = None,
         on_lost: LostCallback | None = None,
+        on_wait: Callable[["FairLock", int], None] | None = None,
+        suspended_grace: float | None = None,
     ) -> None:
         if not isinstance(client, KazooClient):
             raise ValueError(f"client must be a kazoo KazooClient, got {type(client).__name__}")
@@ -114,6 +116,15 @@ class FairLock:
         self.max_holders = max_holders
         self.identifier = identifier
         self.on_lost = on_lost
+        self.on_wait = on_wait
+        # How long a held lock may stay SUSPENDED before we declare it lost.  kazoo cannot
+        # learn that the server expired our session while it is cut off, and it notices the
+        # cut only after 2/3 of the session timeout without replies; the server expires the
+        # session one session timeout after it last heard from us.  So once SUSPENDED, at
+        # most ~1/3 of the session timeout is left before another contender may hold the
+        # lock: past that we must assume it is gone (Curator's "simulated expiration").
+        self.suspended_grace = suspended_grace
+        self._suspend_epoch = 0
         self._uuid = uuid.uuid4().hex
         self._prefix = znodes.node_prefix(self._uuid)
         self._node: str | None = None  # our child's name once created
@@ -177,6 +188,7 @@ class FairLock:
             if self._state in (_WAITING, _HELD):
                 raise RuntimeError(f"FairLock on {self.path} is already {self._state}; it is not re-entrant")
             self._state = _WAITING
+            self._waited = False
             self._suspended = False
             self._lost_reason = None
         self._check_client()
@@ -267,6 +279,9 @@ class FairLock:
                 return True
             if deadline is not None and self._expired(deadline):
                 return False
+            if self.on_wait is not None and not self._waited:
+                self._waited = True
+                self.on_wait(self, index)
             wake = self._wake = self.client.handler.event_object()
             ahead = ordered[index - self.max_holders : index]
             if self._watch_any(ahead, wake) and not self._cancelled:
@@ -471,6 +486,8 @@ class FairLock:
             self._connected.clear()
             if self._state == _HELD:
                 self._suspended = True
+                self._suspend_epoch += 1
+                self.client.handler.spawn(self._expire_if_still_suspended, self._suspend_epoch)
         elif state == KazooState.CONNECTED:
             self._connected.set()
             if self._state == _HELD and self._suspended:
@@ -506,6 +523,16 @@ class FairLock:
                 self._mark_lost("lock node was deleted")
 
         self.client.exists_async(f"{self.path}/{node}", watch=changed)
+
+    def _grace(self) -> float:
+        if self.suspended_grace is not None:
+            return self.suspended_grace
+        return self.client._session_timeout / 1000.0 / 3.0
+
+    def _expire_if_still_suspended(self, epoch: int) -> None:
+        self.client.handler.sleep_func(self._grace())
+        if self._state == _HELD and self._suspended and self._suspend_epoch == epoch:
+            self._mark_lost("disconnected from ZooKeeper past the session-expiry safety margin")
 
     def _verify(self) -> None:
         """After a reconnection: still ours only if the node exists and our session owns it."""
@@ -593,12 +620,14 @@ class MultiLock:
         max_holders: int = 1,
         identifier: str | bytes | None = None,
         on_lost: Callable[[FairLock], None] | None = None,
+        on_wait: Callable[[FairLock, int], None] | None = None,
     ) -> None:
         unique = sorted({znodes.validate_path(p) for p in paths})
         if not unique:
             raise ValueError("MultiLock needs at least one path")
         self.locks = [
-            FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost) for p in unique
+            FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost, on_wait=on_wait)
+            for p in unique
         ]
         self.failed: FairLock | None = None
 
@@ -631,10 +660,10 @@ class MultiLock:
             lk.release()
         return False
 
-    def release(self) -> bool:
+    def release(self, wait: bool = True) -> bool:
         released = False
         for lk in reversed(self.locks):
-            released = lk.release() or released
+            released = lk.release(wait) or released
         return released
 
     def is_held(self) -> bool:

@@ -1,0 +1,1 @@
+"""Benchmarks for celery-zklock (run as scripts, not tests)."""

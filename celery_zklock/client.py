@@ -1,0 +1,102 @@
+"""One KazooClient per process: created lazily, pid-checked, handler matched to the pool.
+
+Why: kazoo clients own threads and a socket and do not survive ``fork`` (celery#3129,
+kazoo#554), so a client made in the prefork parent must never be used by a child.  We key
+the client on the pid and create it on first use in each process.  ``worker_process_init``
+is not relied on (it never fires for threads/gevent pools, eager mode or direct calls, and
+must not block); shutdown signals stop the client so our ephemeral nodes go at once
+instead of after the session timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+from celery.utils.log import get_logger
+from kazoo.client import KazooClient
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
+
+from .config import ZkSettings
+from .errors import LockUnavailable
+
+logger = get_logger("celery_zklock.worker")
+
+_lock = threading.Lock()
+_clients: dict[tuple[int, str, float], KazooClient] = {}
+
+
+def _handler():
+    """gevent/eventlet pools monkey-patch the process: use the matching kazoo handler."""
+    try:
+        from gevent import monkey
+
+        if monkey.is_module_patched("socket"):
+            from kazoo.handlers.gevent import SequentialGeventHandler
+
+            return SequentialGeventHandler()
+    except ImportError:
+        pass
+    try:
+        import eventlet.patcher
+
+        if eventlet.patcher.is_monkey_patched("socket"):
+            from kazoo.handlers.eventlet import SequentialEventletHandler
+
+            return SequentialEventletHandler()
+    except ImportError:
+        pass
+    return None
+
+
+def get_client(settings: ZkSettings) -> KazooClient:
+    """This process's started client for ``settings.hosts``; raises LockUnavailable."""
+    key = (os.getpid(), settings.hosts, settings.session_timeout)
+    client = _clients.get(key)
+    if client is not None:
+        return client
+    with _lock:
+        client = _clients.get(key)
+        if client is not None:
+            return client
+        for stale in [k for k in _clients if k[0] != os.getpid()]:
+            _clients.pop(stale)  # inherited through fork: never touch its threads/socket
+        client = KazooClient(
+            hosts=settings.hosts,
+            timeout=settings.session_timeout,
+            handler=_handler(),
+            connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
+        )
+        try:
+            client.start(timeout=settings.connect_timeout)
+        except (KazooTimeoutError, Exception) as exc:
+            try:
+                client.stop()
+                client.close()
+            except Exception:
+                pass
+            raise LockUnavailable(
+                f"cannot reach ZooKeeper at {settings.hosts!r} within {settings.connect_timeout}s "
+                f"({type(exc).__name__}: {exc}); check zklock_hosts and that the ensemble is up"
+            ) from exc
+        _clients[key] = client
+        logger.debug("zklock: connected to %s (pid %s)", settings.hosts, os.getpid())
+        return client
+
+
+def close_clients() -> None:
+    """Stop this process's clients: closing the session deletes its ephemeral nodes now."""
+    with _lock:
+        mine = [k for k in _clients if k[0] == os.getpid()]
+        for k in mine:
+            client = _clients.pop(k)
+            try:
+                client.stop()
+                client.close()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                pass
+
+
+atexit.register(close_clients)

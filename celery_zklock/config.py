@@ -1,0 +1,190 @@
+"""Settings: the ``zklock_*`` keys of ``app.conf``, their defaults and their validation.
+
+Why a module: every setting is declared once here (name, default, checker, help), so the
+README table, the worker-start validation and the error messages cannot drift apart.
+Settings are read with ``app.conf.get`` (Celery's lowercase convention) and a task may
+override the per-task ones through ``task_annotations`` or decorator options.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ConfigurationError
+
+TIMEOUT_POLICIES = ("retry", "skip", "fail")
+LOST_POLICIES = ("fail", "interrupt")
+UNAVAILABLE_POLICIES = ("retry", "fail")
+
+_HOST_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)(:\d{1,5})?$")
+
+
+def _hosts(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("must be a non-empty string like '127.0.0.1:2181' or 'zk1:2181,zk2:2181/chroot'")
+    servers, _, chroot = value.partition("/")
+    for hp in servers.split(","):
+        hp = hp.strip()
+        if not _HOST_RE.match(hp):
+            raise ValueError(f"{hp!r} is not host[:port]; expected e.g. 'zk1:2181,zk2:2181'")
+        if ":" in hp and not hp.endswith("]"):
+            port = int(hp.rsplit(":", 1)[1])
+            if not 0 < port < 65536:
+                raise ValueError(f"port {port} out of range in {hp!r}")
+    if chroot:
+        from .znodes import validate_path
+
+        validate_path("/" + chroot)
+    return value
+
+
+def _root(value: Any) -> str:
+    from .znodes import validate_path
+
+    return validate_path(value)
+
+
+def _positive(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError("must be a number of seconds > 0")
+    return float(value)
+
+
+def _non_negative_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError("must be a number of seconds >= 0, or None to wait without limit")
+    return float(value)
+
+
+def _non_negative(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError("must be a number >= 0")
+    return float(value)
+
+
+def _int_or_none(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("must be an int >= 0, or None for the task's max_retries")
+    return value
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(map(repr, options))}")
+        return value
+
+    return check
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be True or False")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    check: Callable[[Any], Any]
+    help: str
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("zklock_hosts", "127.0.0.1:2181", _hosts, "ZooKeeper connect string (kazoo/ZooKeeper syntax, optional /chroot)."),
+        Setting("zklock_root", "/celery-zklock", _root, "Znode under which lock keys live."),
+        Setting("zklock_session_timeout", 10.0, _positive, "ZooKeeper session timeout (s): bound on how long a dead worker's lock survives."),
+        Setting("zklock_connect_timeout", 10.0, _positive, "How long a worker process waits for ZooKeeper before the task follows zklock_on_unavailable."),
+        Setting("zklock_timeout", 60.0, _non_negative_or_none, "Default seconds a task waits in the lock queue (0 = try once, None = no limit)."),
+        Setting("zklock_on_timeout", "retry", _choice(TIMEOUT_POLICIES), "Default policy when the lock is not had in time."),
+        Setting("zklock_on_lost", "fail", _choice(LOST_POLICIES), "Default policy when a held lock is lost mid-run."),
+        Setting("zklock_on_unavailable", "retry", _choice(UNAVAILABLE_POLICIES), "What a task does when ZooKeeper is unreachable (it never runs unprotected)."),
+        Setting("zklock_retry_countdown", 1.0, _non_negative, "First retry delay (s) for the retry policy."),
+        Setting("zklock_retry_backoff", 2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant)."),
+        Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s)."),
+        Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries)."),
+        Setting("zklock_release_on_worker_loss", True, _bool, "The worker parent deletes a killed child's lock nodes at once."),
+    )
+}
+
+#: Settings a task may override by option (``lock_timeout=``) or ``task_annotations``.
+TASK_OPTIONS: dict[str, str] = {
+    "lock_timeout": "zklock_timeout",
+    "on_lock_timeout": "zklock_on_timeout",
+    "on_lock_lost": "zklock_on_lost",
+    "on_lock_unavailable": "zklock_on_unavailable",
+    "lock_retry_countdown": "zklock_retry_countdown",
+    "lock_retry_backoff": "zklock_retry_backoff",
+    "lock_retry_backoff_max": "zklock_retry_backoff_max",
+    "lock_max_retries": "zklock_max_retries",
+}
+
+
+def suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def check_setting(name: str, value: Any, where: str) -> Any:
+    try:
+        return SETTINGS[name].check(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"{where}: {value!r} is invalid: {exc}. ({SETTINGS[name].help})") from None
+
+
+@dataclass(frozen=True)
+class ZkSettings:
+    hosts: str
+    root: str
+    session_timeout: float
+    connect_timeout: float
+    timeout: float | None
+    on_timeout: str
+    on_lost: str
+    on_unavailable: str
+    retry_countdown: float
+    retry_backoff: float
+    retry_backoff_max: float
+    max_retries: int | None
+    release_on_worker_loss: bool
+
+
+def load_settings(conf: Any) -> ZkSettings:
+    """Read and validate every ``zklock_*`` setting of ``conf`` (``app.conf``).
+
+    Unknown ``zklock_*`` keys are errors with a suggestion: a typo must not silently fall
+    back to a default (e.g. ``zklock_host`` leaving the lock on the wrong ensemble).
+    """
+    for key in list(getattr(conf, "keys", lambda: [])()):
+        if isinstance(key, str) and key.lower().startswith("zklock_") and key not in SETTINGS:
+            raise ConfigurationError(f"unknown setting {key!r}.{suggest(key, list(SETTINGS))} Known: {', '.join(SETTINGS)}")
+    values = {}
+    for name, setting in SETTINGS.items():
+        values[name.removeprefix("zklock_")] = check_setting(name, conf.get(name, setting.default), f"setting {name}")
+    return ZkSettings(**values)
+
+
+def cached_settings(app: Any) -> ZkSettings:
+    """``load_settings(app.conf)`` computed once per app (validated at worker start).
+
+    Call :func:`reset_settings` after changing ``zklock_*`` settings at run time.
+    """
+    cached = getattr(app, "_zklock_settings", None)
+    if cached is None:
+        cached = load_settings(app.conf)
+        app._zklock_settings = cached
+    return cached
+
+
+def reset_settings(app: Any) -> None:
+    app._zklock_settings = None

@@ -1,0 +1,187 @@
+"""Lock keys: from a task's ``lock_key`` option and call arguments to znode paths.
+
+Why here and checked early: a template naming a parameter the task does not have is a bug
+that should stop the worker from starting, not a ``KeyError`` at 3 a.m.; and keys built
+from UUIDs, Decimals or user input (``/``, unicode, megabytes) must map to valid,
+deterministic znode names so every worker — and a Java service using Curator on the
+documented path — agrees on the same lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import string
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, Union
+
+from .errors import ConfigurationError
+
+KeySource = Union[str, Callable[..., Any], None]
+
+_SAFE = frozenset(string.ascii_letters + string.digits + "-_.:@=+,")
+_MAX_NAME = 200  # bytes of encoded key kept readable before hashing the rest
+
+
+def encode_key(key: str) -> str:
+    """Map any key string to one znode name, deterministically and reversibly for short keys.
+
+    Safe ASCII is kept (so ``sku:42`` stays ``sku:42`` for operators reading the tree);
+    everything else, ``/`` included, is percent-encoded from UTF-8.  Names longer than
+    200 characters keep a readable head and end with ``~`` and a SHA-256 of the whole key.
+    A name that would be ``.``/``..`` or start with ``_c_`` (a lock node) is escaped.
+    """
+    if not isinstance(key, str):
+        raise ConfigurationError(f"lock key must be a str, got {type(key).__name__}: {key!r}")
+    if key == "":
+        raise ConfigurationError("lock key is empty; give lock_key a template or callable that yields text")
+    out = []
+    for ch in key:
+        if ch in _SAFE:
+            out.append(ch)
+        else:
+            out.append("".join(f"%{b:02X}" for b in ch.encode("utf-8")))
+    name = "".join(out)
+    if name in (".", "..") or name.startswith("_c_") or name.startswith("."):
+        name = "%" + format(ord(name[0]), "02X") + name[1:]
+    if len(name) > _MAX_NAME:
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        name = name[: _MAX_NAME - 66] + "~" + digest
+    return name
+
+
+def key_path(root: str, key: str) -> str:
+    return f"{root.rstrip('/')}/{encode_key(key)}"
+
+
+class _KeyFormatter(string.Formatter):
+    """``str.format`` that renders values the way users expect in a key."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if format_spec:
+            return super().format_field(value, format_spec)
+        return key_text(value)
+
+
+def key_text(value: Any) -> str:
+    """Text of one argument in a key: UUID canonical form, Decimal normalised, bytes hex."""
+    import decimal
+    import uuid
+
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, decimal.Decimal):
+        return format(value.normalize(), "f")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    if isinstance(value, str):
+        return value
+    return str(value)
+
+
+_FORMATTER = _KeyFormatter()
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """A compiled ``lock_key``: call :meth:`keys` with a task's args to get its lock keys."""
+
+    parts: tuple[Any, ...]  # each a template str or a callable
+    signature: inspect.Signature | None
+    task_name: str
+
+    def keys(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
+        if not self.parts:
+            return [self.task_name]
+        bound = None
+        out = []
+        for part in self.parts:
+            if callable(part):
+                value = part(*args, **kwargs)
+                values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+                for v in values:
+                    out.append(key_text(v))
+                continue
+            if bound is None:
+                bound = self._bind(args, kwargs)
+            try:
+                out.append(_FORMATTER.vformat(part, (), bound))
+            except (KeyError, AttributeError, IndexError, TypeError) as exc:
+                raise ConfigurationError(
+                    f"task {self.task_name}: lock_key {part!r} could not be rendered from the call's "
+                    f"arguments ({type(exc).__name__}: {exc})"
+                ) from None
+        for k in out:
+            encode_key(k)  # raises on empty/non-text keys with a clear message
+        return sorted(set(out))
+
+    def _bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.signature is None:
+            return dict(kwargs)
+        try:
+            ba = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConfigurationError(f"task {self.task_name}: arguments do not match its signature: {exc}") from None
+        ba.apply_defaults()
+        values = dict(ba.arguments)
+        for p in self.signature.parameters.values():  # flatten **kwargs so templates may name them
+            if p.kind is inspect.Parameter.VAR_KEYWORD and p.name in values:
+                values.update(values.pop(p.name))
+        return values
+
+
+def compile_key(source: KeySource | Sequence[KeySource], fun: Callable | None, task_name: str) -> KeySpec:
+    """Validate ``lock_key`` against the task function's signature; raise ConfigurationError."""
+    signature = _signature(fun)
+    if source is None:
+        return KeySpec((), signature, task_name)
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
+    if not sources:
+        raise ConfigurationError(f"task {task_name}: lock_key is an empty list; use None for a per-task singleton")
+    params = _param_names(signature)
+    for s in sources:
+        if callable(s):
+            continue
+        if not isinstance(s, str):
+            raise ConfigurationError(
+                f"task {task_name}: lock_key must be a format string, a callable, a list of those, or None; "
+                f"got {type(s).__name__}: {s!r}"
+            )
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(s) if f is not None]
+        except ValueError as exc:
+            raise ConfigurationError(f"task {task_name}: lock_key {s!r} is not a valid format string: {exc}") from None
+        for field in fields:
+            root = field.split(".", 1)[0].split("[", 1)[0]
+            if root == "" or root.isdigit():
+                raise ConfigurationError(
+                    f"task {task_name}: lock_key {s!r} uses a positional field {{{field}}}; name the parameter, "
+                    f"e.g. {{{next(iter(params), 'sku_id')}}}"
+                )
+            if params is not None and root not in params:
+                raise ConfigurationError(
+                    f"task {task_name}: lock_key {s!r} names {{{root}}}, which is not a parameter of the task "
+                    f"(parameters: {', '.join(params) or 'none'})"
+                )
+    return KeySpec(tuple(sources), signature, task_name)
+
+
+def _signature(fun: Callable | None) -> inspect.Signature | None:
+    if fun is None:
+        return None
+    try:
+        return inspect.signature(fun)
+    except (TypeError, ValueError):
+        return None
+
+
+def _param_names(signature: inspect.Signature | None) -> list[str] | None:
+    if signature is None:
+        return None
+    names = []
+    for p in signature.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            return None  # **kwargs: any name may arrive; checked at call time
+        if p.kind is not inspect.Parameter.VAR_POSITIONAL:
+            names.append(p.name)
+    return names

@@ -1,0 +1,434 @@
+"""The Celery glue: :class:`ZkLockedTask` and :func:`current_lock`.
+
+Why the lock is taken in ``__call__`` with a ``finally``: Celery skips ``after_return`` for
+RETRY/IGNORED/REJECTED and runs hard-time-limit handlers in the *parent* process, where the
+child's ZooKeeper client does not exist; ``__call__`` wraps exactly the body in the process
+that runs it, whatever sent the task (``delay``, ``send_task``, beat, a direct call).
+Lock state lives in locals and a context variable, never on ``self``: one task instance is
+shared by every thread of a process.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import difflib
+import json
+import math
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Ignore
+from celery.utils.log import get_task_logger
+
+from . import config, worker_loss
+from .client import get_client
+from .config import ZkSettings, cached_settings, load_settings
+from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable
+from .keys import KeySpec, compile_key, key_path
+from .lock import FairLock, MultiLock
+
+logger = get_task_logger("celery_zklock")
+
+#: Options ZkLockedTask understands (decorator kwargs / class attributes / annotations).
+LOCK_OPTIONS = ("lock_key", "lock_max_holders", *config.TASK_OPTIONS)
+
+SKIPPED = "SKIPPED"  # custom state stored for a task skipped by on_lock_timeout="skip"
+LOCK_WAITING = "LOCK_WAITING"  # custom state while a task waits in the lock queue
+
+_current: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
+
+
+@dataclass
+class HeldLock:
+    """What :func:`current_lock` returns inside a running locked task."""
+
+    keys: list[str]
+    paths: list[str]
+    tokens: dict[str, int]
+    _lock: Any = field(repr=False)
+
+    @property
+    def key(self) -> str:
+        return self.keys[0]
+
+    @property
+    def path(self) -> str:
+        return self.paths[0]
+
+    @property
+    def token(self) -> int:
+        """Fencing token: pass it with every write the lock protects; reject lower ones."""
+        return max(self.tokens.values())
+
+    def is_held(self) -> bool:
+        return self._lock.is_held()
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lock is still held (no I/O)."""
+        if not self._lock.is_held():
+            reason = next((lk.lost_reason for lk in _fair_locks(self._lock) if lk.lost_reason), "not held")
+            raise LockLost(self.key, reason)
+
+
+def current_lock() -> HeldLock:
+    """The lock held by the locked task running in this thread/greenlet."""
+    held = _current.get()
+    if held is None:
+        raise RuntimeError("current_lock() called outside a running ZkLockedTask")
+    return held
+
+
+def _fair_locks(lock) -> list[FairLock]:
+    return lock.locks if isinstance(lock, MultiLock) else [lock]
+
+
+@dataclass(frozen=True)
+class _Options:
+    settings: ZkSettings
+    timeout: float | None
+    on_timeout: str
+    on_lost: str
+    on_unavailable: str
+    retry_countdown: float
+    retry_backoff: float
+    retry_backoff_max: float
+    max_retries: int | None
+
+
+class ZkLockedTask(Task):
+    """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
+
+    Options (decorator kwargs): ``lock_key`` (template, callable, list of those, or None
+    for one lock per task name), ``lock_timeout``, ``lock_max_holders``,
+    ``on_lock_timeout`` (retry/skip/fail), ``on_lock_lost`` (fail/interrupt),
+    ``on_lock_unavailable`` (retry/fail), ``lock_retry_countdown``, ``lock_retry_backoff``,
+    ``lock_retry_backoff_max``, ``lock_max_retries``.  Unset options fall back to the
+    ``zklock_*`` settings.
+    """
+
+    Request = "celery_zklock.worker_loss:LockAwareRequest"
+
+    lock_key: Any = None
+    lock_max_holders: int = 1
+    lock_timeout: float | None = None
+    on_lock_timeout: str | None = None
+    on_lock_lost: str | None = None
+    on_lock_unavailable: str | None = None
+    lock_retry_countdown: float | None = None
+    lock_retry_backoff: float | None = None
+    lock_retry_backoff_max: float | None = None
+    lock_max_retries: int | None = None
+
+    _lock_spec: KeySpec | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_option_names(cls)
+        _check_option_values(cls, {k: v for k, v in vars(cls).items() if k in LOCK_OPTIONS})
+        cls._lock_spec = compile_key(cls.__dict__.get("lock_key", cls.lock_key), _body(cls), _name(cls))
+
+    # -------------------------------------------------------------- option resolution
+    def lock_options(self) -> _Options:
+        """Task options over ``zklock_*`` settings (annotations included), validated."""
+        settings = cached_settings(self.app)
+        cached = self.__dict__.get("_zk_options")
+        if cached is not None and cached.settings is settings:
+            return cached
+        _check_option_values(type(self), {k: getattr(self, k) for k in LOCK_OPTIONS})
+
+        def pick(option: str, value_name: str):
+            v = getattr(self, option)
+            return getattr(settings, value_name) if v is None else v
+
+        timeout = pick("lock_timeout", "timeout")
+        self.__dict__["_zk_options"] = opts = _Options(
+            settings=settings,
+            timeout=None if timeout is None or timeout == math.inf else float(timeout),
+            on_timeout=pick("on_lock_timeout", "on_timeout"),
+            on_lost=pick("on_lock_lost", "on_lost"),
+            on_unavailable=pick("on_lock_unavailable", "on_unavailable"),
+            retry_countdown=pick("lock_retry_countdown", "retry_countdown"),
+            retry_backoff=pick("lock_retry_backoff", "retry_backoff"),
+            retry_backoff_max=pick("lock_retry_backoff_max", "retry_backoff_max"),
+            max_retries=pick("lock_max_retries", "max_retries"),
+        )
+        return opts
+
+    def lock_keys(self, args: tuple, kwargs: dict) -> list[str]:
+        spec = self._lock_spec or compile_key(self.lock_key, _body(type(self)), self.name)
+        if spec.task_name != self.name and not spec.parts:
+            spec = KeySpec((), spec.signature, self.name)
+        return spec.keys(args, kwargs)
+
+    def lock_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> list[str]:
+        settings = settings or load_settings(self.app.conf)
+        return [key_path(settings.root, k) for k in self.lock_keys(args, kwargs)]
+
+    # -------------------------------------------------------------- the wrapper
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request
+        direct = bool(req.called_directly)
+        opts = self.lock_options()
+        keys = self.lock_keys(args, kwargs)
+        paths = [key_path(opts.settings.root, k) for k in keys]
+        label = keys[0] if len(keys) == 1 else keys
+
+        try:
+            client = get_client(opts.settings)
+        except LockUnavailable as exc:
+            return self._unavailable(exc, opts, label, direct)
+
+        run_state = _RunState(threading.get_ident())
+        identity = json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "task_id": req.id,
+                "task": self.name,
+                "worker": req.hostname,
+            },
+            separators=(",", ":"),
+        )
+        started = time.monotonic()
+
+        def on_wait(_lock: FairLock, position: int) -> None:
+            logger.info("%s[%s] waiting for lock %s (position %s)", self.name, req.id, label, position)
+            self._lock_event("task-lock-waiting", key=label, position=position)
+            if req.id and not direct and not self.ignore_result:
+                self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
+
+        def on_lost(lock: FairLock) -> None:
+            run_state.lost(lock.lost_reason or "lock lost", opts.on_lost == "interrupt")
+
+        common = dict(max_holders=self.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
+        lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
+
+        acquired = lock.acquire(timeout=opts.timeout)
+        waited = time.monotonic() - started
+        if not acquired:
+            if not client.connected:
+                return self._unavailable(
+                    LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"), opts, label, direct
+                )
+            holders = [c.identifier for lk in _fair_locks(lock) for c in lk.contenders() if c.holder]
+            return self._timed_out(LockTimeout(label, opts.timeout, holders), opts, waited, direct)
+
+        held = HeldLock(keys, paths, {lk.path: lk.token for lk in _fair_locks(lock)}, lock)
+        if self.acks_late and not direct and self._duplicate_running(lock, req.id):
+            lock.release()
+            logger.warning("%s[%s] is already running or queued under lock %s: not running a redelivered copy",
+                           self.name, req.id, label)
+            self._lock_event("task-lock-duplicate", key=label)
+            raise Ignore()
+        logger.debug("%s[%s] acquired lock %s token=%s after %.3fs", self.name, req.id, label, held.token, waited)
+        self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
+        ctx_token = _current.set(held)
+        run_state.enter()
+        try:
+            if direct:
+                result = super().__call__(*args, **kwargs)
+            else:
+                result = self.run(*args, **kwargs)
+        except LockLost:
+            run_state.leave()
+            raise self._lost_error(label, run_state)
+        finally:
+            run_state.leave()
+            _current.reset(ctx_token)
+            try:
+                self._settle(lock, opts)
+            finally:
+                lock.release(wait=False)
+        if run_state.reason is not None:
+            raise self._lost_error(label, run_state)
+        return result
+
+    # -------------------------------------------------------------- outcomes
+    def _settle(self, lock, opts: _Options) -> None:
+        """If the connection is suspended at the end, wait for the verdict before releasing.
+
+        A reconnection on the same session means the node never went away, so exclusion
+        held throughout; past the grace period FairLock declares the lock lost.
+        """
+        deadline = time.monotonic() + opts.settings.session_timeout
+        while time.monotonic() < deadline:
+            locks = _fair_locks(lock)
+            if any(lk.lost_reason for lk in locks) or lock.is_held():
+                return
+            time.sleep(0.02)
+
+    def _lost_error(self, label: Any, run_state: "_RunState") -> LockLost:
+        reason = run_state.reason or "lock lost"
+        logger.error("%s[%s] lost its lock %s while running (%s): reporting failure", self.name, self.request.id, label, reason)
+        self._lock_event("task-lock-lost", key=label, reason=reason)
+        return LockLost(label, reason)
+
+    def _timed_out(self, exc: LockTimeout, opts: _Options, waited: float, direct: bool) -> Any:
+        self._lock_event("task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
+        if opts.on_timeout == "fail":
+            logger.warning("%s[%s]: %s; failing", self.name, self.request.id, exc)
+            raise exc
+        if opts.on_timeout == "skip":
+            logger.warning("%s[%s]: %s; skipped (on_lock_timeout='skip')", self.name, self.request.id, exc)
+            if direct:
+                return None
+            if self.request.id and not self.ignore_result:
+                self.update_state(state=SKIPPED, meta={"key": exc.key, "holders": exc.holders, "timeout": exc.timeout})
+            raise Ignore()
+        raise self._retry(exc, opts, f"lock timeout: {exc}")
+
+    def _unavailable(self, exc: LockUnavailable, opts: _Options, label: Any, direct: bool) -> Any:
+        logger.error("%s[%s] not run: %s", self.name, self.request.id, exc)
+        self._lock_event("task-lock-unavailable", key=label, error=str(exc))
+        if opts.on_unavailable == "fail" or direct:
+            raise exc
+        raise self._retry(exc, opts, str(exc))
+
+    def _retry(self, exc: Exception, opts: _Options, why: str) -> Exception:
+        retries = self.request.retries or 0
+        countdown = min(opts.retry_backoff_max, opts.retry_countdown * (opts.retry_backoff ** retries))
+        max_retries = self.max_retries if opts.max_retries is None else opts.max_retries
+        logger.info("%s[%s] retry %s in %.2fs: %s", self.name, self.request.id, retries + 1, countdown, why)
+        return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
+
+    def _duplicate_running(self, lock, task_id: str | None) -> bool:
+        """acks_late redelivery: another node in our queue carries the same task id."""
+        if not task_id:
+            return False
+        for lk in _fair_locks(lock):
+            for c in lk.contenders():
+                if c.node == (lk.node or "").rsplit("/", 1)[-1]:
+                    continue
+                try:
+                    if json.loads(c.identifier).get("task_id") == task_id:
+                        return True
+                except (ValueError, AttributeError):
+                    continue
+        return False
+
+    def _lock_event(self, type_: str, **fields: Any) -> None:
+        """Celery event for Flower/monitors; only when task events are on (``-E``)."""
+        if not self.app.conf.worker_send_task_events or self.request.called_directly or not self.request.hostname:
+            return
+        try:
+            self.send_event(type_, **fields)
+        except Exception as exc:  # monitoring must never break the task
+            logger.debug("could not send %s event: %r", type_, exc)
+
+
+class _RunState:
+    """Whether the body is running, and how to interrupt it when the lock is lost."""
+
+    def __init__(self, thread_ident: int) -> None:
+        self.thread_ident = thread_ident
+        self.guard = threading.Lock()
+        self.running = False
+        self.reason: str | None = None
+        self.greenlet = _current_greenlet()
+
+    def enter(self) -> None:
+        with self.guard:
+            self.running = True
+
+    def leave(self) -> None:
+        with self.guard:
+            self.running = False
+
+    def lost(self, reason: str, interrupt: bool) -> None:
+        with self.guard:
+            self.reason = reason
+            if not (interrupt and self.running):
+                return
+            if self.greenlet is not None:
+                _kill_greenlet(self.greenlet, reason)
+            else:
+                # Raised in the task's thread at its next bytecode, like a soft time limit.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_ident), ctypes.py_object(LockLost))
+
+
+def _current_greenlet():
+    try:
+        from gevent import getcurrent, monkey
+
+        if monkey.is_module_patched("threading"):
+            return getcurrent()
+    except ImportError:
+        pass
+    return None
+
+
+def _kill_greenlet(glet, reason: str) -> None:
+    import gevent
+
+    gevent.get_hub().loop.run_callback(lambda: glet.throw(LockLost("lock", reason)))
+
+
+# ------------------------------------------------------------------ class validation
+_TASK_ATTRS = frozenset(dir(Task)) | {
+    "app", "name", "run", "_decorated", "__doc__", "__module__", "__annotations__", "__header__",
+    "__wrapped__", "__qualname__", "_lock_spec", "__dict__", "__weakref__", "__orig_bases__",
+}
+
+
+def _check_option_names(cls: type) -> None:
+    for attr in vars(cls):
+        if attr in LOCK_OPTIONS or attr in _TASK_ATTRS or attr.startswith("__"):
+            continue
+        close = difflib.get_close_matches(attr, LOCK_OPTIONS, n=1, cutoff=0.8)
+        if attr.startswith(("lock_", "on_lock_", "zklock_")) or close:
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(
+                f"task {_name(cls)}: unknown lock option {attr!r}.{hint} Known options: {', '.join(LOCK_OPTIONS)}"
+            )
+
+
+def _check_option_values(cls: type, values: dict[str, Any]) -> None:
+    where = f"task {_name(cls)}"
+    if "lock_max_holders" in values:
+        v = values["lock_max_holders"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigurationError(f"{where}: lock_max_holders must be an int >= 1, got {v!r}")
+    for option, setting in config.TASK_OPTIONS.items():
+        v = values.get(option)
+        if v is None or (option == "lock_timeout" and v == math.inf):
+            continue
+        config.check_setting(setting, v, f"{where}: option {option}")
+
+
+def _body(cls: type):
+    """The task function, minus ``self`` for bound tasks, for signature checks."""
+    run = cls.__dict__.get("run")
+    if run is None:
+        return None
+    if isinstance(run, staticmethod):
+        return run.__func__
+    import functools
+    import inspect
+
+    try:
+        params = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return functools.partial(run, None)
+    return run
+
+
+def _name(cls: type) -> str:
+    return cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
+
+
+def lock_path(key: str, app=None) -> str:
+    """The znode path of lock ``key`` under ``zklock_root`` — share it with Curator/kazoo users."""
+    if app is None:
+        from celery import current_app as app  # only for the documented helper's convenience
+    return key_path(load_settings(app.conf).root, key)
+
+
+worker_loss.install()

@@ -1,0 +1,114 @@
+"""Celery app used by the real-worker tests; configured from environment variables so the
+worker subprocesses and the test process agree on the broker, backend and ZooKeeper."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_zklock import ZkLockedTask, current_lock
+
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+app = Celery("locked")
+app.conf.update(
+    broker_url=REDIS_URL,
+    result_backend=REDIS_URL.rsplit("/", 1)[0] + "/1",
+    zklock_hosts=os.environ.get("TEST_ZK_HOSTS", "127.0.0.1:2181"),
+    zklock_root=os.environ.get("TEST_ZK_ROOT", "/celery-zklock"),
+    zklock_session_timeout=float(os.environ.get("TEST_ZK_SESSION", "4")),
+    zklock_connect_timeout=3.0,
+    zklock_retry_countdown=0.2,
+    zklock_retry_backoff=1.5,
+    worker_prefetch_multiplier=1,
+    task_acks_late=False,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+)
+_r = redis.Redis.from_url(REDIS_URL)
+
+
+def _record(kind: str, key, tag, start: float, end: float, token=None) -> None:
+    _r.rpush(
+        "history",
+        json.dumps({"kind": kind, "key": key, "tag": tag, "start": start, "end": end, "pid": os.getpid(), "token": token}),
+    )
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60)
+def hold(key, ms=20, tag=None):
+    lk = current_lock()
+    start = time.time()
+    _r.rpush("arrivals", json.dumps({"tag": tag, "start": start}))
+    time.sleep(ms / 1000)
+    _record("hold", key, tag, start, time.time(), lk.token)
+    return lk.token
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0.3, on_lock_timeout="fail")
+def hold_fail(key, ms=0):
+    time.sleep(ms / 1000)
+    return "ran"
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0.3, on_lock_timeout="skip")
+def hold_skip(key, ms=0):
+    time.sleep(ms / 1000)
+    return "ran"
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0.2, on_lock_timeout="retry",
+          lock_retry_countdown=0.3, lock_max_retries=20, bind=True)
+def hold_retry(self, key, ms=0):
+    _r.rpush("retry-runs", json.dumps({"retries": self.request.retries, "at": time.time()}))
+    time.sleep(ms / 1000)
+    return self.request.retries
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_max_holders=2)
+def hold_two(key, ms=50, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("two", key, tag, start, time.time())
+
+
+@app.task(base=ZkLockedTask, lock_key=["m:{a}", "m:{b}"])
+def hold_multi(a, b, ms=5, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("multi", sorted([a, b]), tag, start, time.time())
+
+
+@app.task(base=ZkLockedTask)
+def singleton(ms=50, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("singleton", "singleton", tag, start, time.time())
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}")
+def report_pid(key, ms=5000):
+    _r.set(f"pid:{key}", os.getpid())
+    time.sleep(ms / 1000)
+    return "finished"
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", on_lock_lost="fail")
+def lose_fail(key, ms=3000):
+    _r.set(f"pid:{key}", os.getpid())
+    time.sleep(ms / 1000)
+    return "body returned"
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", on_lock_lost="interrupt")
+def lose_interrupt(key, ms=3000):
+    _r.set(f"pid:{key}", os.getpid())
+    deadline = time.time() + ms / 1000
+    while time.time() < deadline:
+        time.sleep(0.01)
+    _r.set(f"finished:{key}", 1)
+    return "body returned"

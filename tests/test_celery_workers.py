@@ -1,0 +1,217 @@
+"""ZkLockedTask with real `celery worker` processes, a real Redis broker and real ZooKeeper."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import time
+import uuid
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_zklock import LockLost, LockTimeout
+from tests.lockutil import overlapping
+from tests.workers import Worker
+
+
+@pytest.fixture(scope="module")
+def env(redis_server, zk_server):
+    values = {
+        "TEST_REDIS_URL": redis_server.url,
+        "TEST_ZK_HOSTS": zk_server.hosts,
+        "TEST_ZK_ROOT": f"/celery-zklock-{uuid.uuid4().hex[:8]}",
+        "TEST_ZK_SESSION": "4",
+    }
+    os.environ.update(values)
+    yield values
+
+
+@pytest.fixture(scope="module")
+def mod(env):
+    import tests.apps.locked as m
+
+    return importlib.reload(m)
+
+
+@pytest.fixture(scope="module")
+def workers(mod, env):
+    ws = [Worker(env, f"w{i}") for i in (1, 2)]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.wait_ready(mod.app)
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean(mod):
+    mod._r.delete("history", "arrivals", "retry-runs")
+    yield
+
+
+def history(mod, kind=None):
+    rows = [json.loads(x) for x in mod._r.lrange("history", 0, -1)]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def test_many_tasks_one_key_never_overlap_and_run_fifo(mod, workers):
+    results = [mod.hold.delay("hot", 15, i) for i in range(24)]
+    tokens = [r.get(timeout=60) for r in results]
+    rows = history(mod, "hold")
+    assert len(rows) == 24
+    assert overlapping([(r["start"], r["end"]) for r in rows]) is None
+    # fencing tokens grow in the order the holds happened
+    by_start = sorted(rows, key=lambda r: r["start"])
+    assert [r["token"] for r in by_start] == sorted(tokens)
+    assert len({r["pid"] for r in rows}) >= 2  # really spread over processes
+
+
+def test_different_keys_run_in_parallel(mod, workers):
+    results = [mod.hold.delay(f"p{i}", 300, i) for i in range(4)]
+    for r in results:
+        r.get(timeout=30)
+    rows = history(mod, "hold")
+    assert overlapping([(r["start"], r["end"]) for r in rows], max_holders=3) is not None  # 4 ran together
+
+
+def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
+    """Tasks queue on the lock in the order their nodes were created; they must run in that order."""
+    blocker = mod.hold.delay("fifo", 1500, "blocker")
+    path = f"{env['TEST_ZK_ROOT']}/k:fifo"
+    deadline = time.time() + 10
+    while time.time() < deadline and not (zk_client.exists(path) and zk_client.get_children(path)):
+        time.sleep(0.02)
+    rs = []
+    for i in range(3):  # 3 waiters fit in the 3 free worker slots
+        rs.append(mod.hold.delay("fifo", 10, i))
+        n = 2 + i
+        while time.time() < deadline and len(zk_client.get_children(path)) < n:
+            time.sleep(0.01)
+    for r in [blocker, *rs]:
+        r.get(timeout=30)
+    order = [r["tag"] for r in sorted(history(mod, "hold"), key=lambda r: r["start"])]
+    assert order == ["blocker", 0, 1, 2]
+
+
+def test_timeout_policy_fail_raises_lock_timeout_with_holder(mod, workers):
+    blocker = mod.report_pid.delay("tf", 1500)
+    time.sleep(0.4)
+    r = mod.hold_fail.delay("tf")
+    with pytest.raises(LockTimeout) as info:
+        r.get(timeout=30)
+    assert info.value.key == "k:tf"
+    assert info.value.holders and json.loads(info.value.holders[0])["task"] == "tests.apps.locked.report_pid"
+    blocker.get(timeout=30)
+
+
+def test_timeout_policy_skip_is_visible(mod, workers):
+    blocker = mod.report_pid.delay("ts", 1500)
+    time.sleep(0.4)
+    r = mod.hold_skip.delay("ts")
+    deadline = time.time() + 20
+    while time.time() < deadline and r.state != "SKIPPED":
+        time.sleep(0.05)
+    assert r.state == "SKIPPED"
+    assert r.info["key"] == "k:ts"
+    blocker.get(timeout=30)
+
+
+def test_timeout_policy_retry_keeps_no_lock_and_eventually_runs(mod, workers, zk_client, env):
+    blocker = mod.report_pid.delay("tr", 1500)
+    time.sleep(0.4)
+    r = mod.hold_retry.delay("tr")
+    path = f"{env['TEST_ZK_ROOT']}/k:tr"
+    seen_max = 0
+    while not r.ready():
+        seen_max = max(seen_max, len(zk_client.get_children(path)) if zk_client.exists(path) else 0)
+        time.sleep(0.02)
+    assert r.get(timeout=30) >= 1  # it ran after at least one retry
+    blocker.get(timeout=30)
+    # between retries the retrying task held no node: only blocker + one waiting attempt at once
+    assert seen_max <= 2
+
+
+def test_max_holders_two(mod, workers):
+    rs = [mod.hold_two.delay("two", 150, i) for i in range(6)]
+    for r in rs:
+        r.get(timeout=30)
+    iv = [(r["start"], r["end"]) for r in history(mod, "two")]
+    assert overlapping(iv, 2) is None
+    assert overlapping(iv, 1) is not None
+
+
+def test_multi_key_opposite_orders_do_not_deadlock(mod, workers):
+    rs = [mod.hold_multi.delay(*(("x", "y") if i % 2 else ("y", "x")), 10, i) for i in range(16)]
+    for r in rs:
+        r.get(timeout=60)
+    iv = [(r["start"], r["end"]) for r in history(mod, "multi")]
+    assert len(iv) == 16 and overlapping(iv) is None
+
+
+def test_singleton_and_send_task(mod, workers):
+    rs = [mod.singleton.delay(30, i) for i in range(3)]
+    rs += [mod.app.send_task("tests.apps.locked.singleton", args=(30, f"s{i}")) for i in range(3)]
+    for r in rs:
+        r.get(timeout=30)
+    iv = [(r["start"], r["end"]) for r in history(mod, "singleton")]
+    assert len(iv) == 6 and overlapping(iv) is None
+
+
+def _wait_pid(mod, key, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pid = mod._r.get(f"pid:{key}")
+        if pid:
+            return int(pid)
+        time.sleep(0.01)
+    raise AssertionError("task never started")
+
+
+def test_sigkill_of_child_frees_lock_fast(mod, workers):
+    key = f"kill-{uuid.uuid4().hex[:6]}"
+    victim = mod.report_pid.delay(key, 30000)
+    pid = _wait_pid(mod, key)
+    waiter = mod.hold.delay(key, 1, "after-kill")
+    time.sleep(0.3)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    waiter.get(timeout=30)
+    started = min(r["start"] for r in history(mod, "hold") if r["tag"] == "after-kill")
+    assert started - killed_at < 1.0, f"next task started {started - killed_at:.2f}s after the kill"
+    assert victim.state == "FAILURE"
+
+
+def test_lock_lost_mid_run_fails_even_if_body_returns(mod, workers, zk_client, env):
+    key = f"lost-{uuid.uuid4().hex[:6]}"
+    r = mod.lose_fail.delay(key, 1500)
+    _wait_pid(mod, key)
+    path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+    for name in zk_client.get_children(path):  # an operator force-releases the lock
+        zk_client.delete(f"{path}/{name}")
+    with pytest.raises(LockLost):
+        r.get(timeout=30)
+
+
+def test_lock_lost_interrupt_stops_the_body(mod, workers, zk_client, env):
+    key = f"int-{uuid.uuid4().hex[:6]}"
+    r = mod.lose_interrupt.delay(key, 4000)
+    _wait_pid(mod, key)
+    path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+    for name in zk_client.get_children(path):
+        zk_client.delete(f"{path}/{name}")
+    with pytest.raises(LockLost):
+        r.get(timeout=30)
+    assert mod._r.get(f"finished:{key}") is None  # the body did not run to its end
+
+
+def test_no_lock_nodes_left_behind(mod, workers, zk_client, env):
+    mod.hold.delay("left", 1).get(timeout=30)
+    time.sleep(0.5)
+    root = env["TEST_ZK_ROOT"]
+    leftovers = [(k, zk_client.get_children(f"{root}/{k}")) for k in zk_client.get_children(root)]
+    assert [x for x in leftovers if x[1] and not x[0].startswith("k:kill")] == []

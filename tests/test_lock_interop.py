@@ -1,0 +1,438 @@
+"""FairLock sharing one lock path with kazoo's ``Lock`` and Apache Curator's ``InterProcessMutex``.
+
+Our children are named like Curator's protected nodes (``_c_<uuid>-lock-<seq>``) and we
+order kazoo's ``<uuid>__lock__<seq>`` nodes too, so all three must form one FIFO queue
+with one holder.  Everything runs against a real ZooKeeper; Curator runs in a real JVM
+(``tests/java/CuratorHolder.java``, compiled per test session with ``javac``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.recipe.lock import Lock as KazooLock
+
+from celery_zklock import FairLock, contenders
+from tests.lockutil import overlapping
+
+JAVA_SRC = os.path.join(os.path.dirname(__file__), "java", "CuratorHolder.java")
+JAR_DIR = os.environ.get("CURATOR_JAR_DIR", "/usr/share/java")
+# The Debian jars carry Class-Path manifests that pull in guava, zookeeper and slf4j-api.
+CURATOR_JARS = ("curator-recipes", "curator-framework", "curator-client")
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+def _wait_children(client, path, n, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.exists(path) and len(client.get_children(path)) >= n:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{path} never reached {n} children: {client.get_children(path)}")
+
+
+def _clients(hosts, n):
+    out = []
+    for _ in range(n):
+        c = KazooClient(hosts=hosts, timeout=4.0)
+        c.start(timeout=15)
+        out.append(c)
+    return out
+
+
+def _stop(clients):
+    for c in clients:
+        try:
+            c.stop()
+            c.close()
+        except Exception:
+            pass
+
+
+def _kazoo_lock(client, path):
+    return KazooLock(client, path, identifier="kazoo", extra_lock_patterns=["-lock-"])
+
+
+def _make(kind, client, path):
+    return _kazoo_lock(client, path) if kind == "kazoo" else FairLock(client, path, identifier="fair")
+
+
+@pytest.fixture
+def path(request):
+    name = request.node.name.replace("[", "_").replace("]", "")
+    return f"/t/interop/{name}"
+
+
+# --------------------------------------------------------------------------------------
+# kazoo Lock(extra_lock_patterns=["-lock-"])
+# --------------------------------------------------------------------------------------
+def test_control_kazoo_lock_without_pattern_ignores_fairlock(zk_client, path):
+    """Control: proves the checks below can fail.  A kazoo Lock that is *not* told about
+    '-lock-' nodes does not see our holder and acquires alongside it."""
+    zk_client.ensure_path(path)
+    ours = FairLock(zk_client, path)
+    assert ours.acquire(timeout=5)
+    try:
+        blind = KazooLock(zk_client, path)
+        assert blind.acquire(blocking=False) is True
+        blind.release()
+        aware = _kazoo_lock(zk_client, path)
+        assert aware.acquire(blocking=False) is False
+    finally:
+        ours.release()
+
+
+def test_kazoo_lock_and_fairlock_mutual_exclusion(zk_server, zk_client, path):
+    # Persistent parent: kazoo's Lock only ensure_path()s once per instance and would hit
+    # NoNodeError if a *container* parent were reaped between its ensure_path and create.
+    zk_client.ensure_path(path)
+    clients = _clients(zk_server.hosts, 6)
+    intervals, guard, errors = [], threading.Lock(), []
+    max_queue = [0]
+
+    def worker(i):
+        kind = "kazoo" if i % 2 else "fair"
+        try:
+            for _ in range(12):
+                lk = _make(kind, clients[i], path)
+                assert lk.acquire(timeout=30)
+                start = time.monotonic()
+                time.sleep(0.002)
+                end = time.monotonic()
+                lk.release()
+                with guard:
+                    intervals.append((start, end, kind))
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    stop = threading.Event()
+
+    def sampler():
+        while not stop.is_set():
+            try:
+                max_queue[0] = max(max_queue[0], len(zk_client.get_children(path)))
+            except Exception:
+                pass
+            time.sleep(0.003)
+
+    s = threading.Thread(target=sampler, daemon=True)
+    s.start()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    stop.set()
+    s.join(5)
+    _stop(clients)
+    assert not errors, errors
+    assert len(intervals) == 72
+    assert overlapping([(s_, e_) for s_, e_, _ in intervals]) is None
+    # Real contention between the two kinds: the queue was deep and holders alternated.
+    assert max_queue[0] >= 3, max_queue[0]
+    kinds = [k for _, _, k in sorted(intervals)]
+    switches = sum(1 for a, b in zip(kinds, kinds[1:]) if a != b)
+    assert switches >= 10, kinds
+
+
+@pytest.mark.parametrize("holder_kind", ["fair", "kazoo"])
+def test_fifo_across_kazoo_lock_and_fairlock(zk_server, zk_client, path, holder_kind):
+    zk_client.ensure_path(path)
+    holder = _make(holder_kind, zk_client, path)
+    assert holder.acquire(timeout=5)
+    kinds = ["kazoo", "fair"] * 4
+    clients = _clients(zk_server.hosts, len(kinds))
+    order, errors, threads = [], [], []
+    guard = threading.Lock()
+    for i, kind in enumerate(kinds):
+        lk = _make(kind, clients[i], path)
+
+        def run(i=i, lk=lk):
+            try:
+                assert lk.acquire(timeout=30)
+                with guard:
+                    order.append(i)
+                time.sleep(0.003)
+                lk.release()
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        threads.append(t)
+        _wait_children(zk_client, path, i + 2)  # the i-th waiter is queued before the next starts
+    # Everybody is queued behind the holder, in enqueue order, and nobody jumped it.
+    queued = contenders(zk_client, path)
+    assert [c.identifier for c in queued] == [holder_kind] + kinds
+    assert [c.holder for c in queued] == [True] + [False] * len(kinds)
+    time.sleep(0.2)
+    assert order == []
+    holder.release()
+    for t in threads:
+        t.join(30)
+    _stop(clients)
+    assert not errors, errors
+    assert order == list(range(len(kinds)))
+
+
+# --------------------------------------------------------------------------------------
+# Apache Curator InterProcessMutex (a real JVM)
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def curator_classpath(tmp_path_factory):
+    javac = shutil.which("javac")
+    if javac is None:
+        pytest.skip("javac not found: install a JDK (scripts/bootstrap.sh installs default-jdk-headless)")
+    jars = [os.path.join(JAR_DIR, f"{name}.jar") for name in CURATOR_JARS]
+    missing = [j for j in jars if not os.path.exists(j)]
+    if missing:
+        pytest.skip(
+            f"Curator jars not found ({', '.join(missing)}): "
+            "apt-get install libcurator-recipes-java (scripts/bootstrap.sh does)"
+        )
+    out = tmp_path_factory.mktemp("curator-classes")
+    cp = os.pathsep.join(jars)
+    res = subprocess.run([javac, "-d", str(out), "-cp", cp, JAVA_SRC], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"javac failed:\n{res.stdout}\n{res.stderr}"
+    extra = [os.path.join(JAR_DIR, "slf4j-nop.jar")]  # silence slf4j's no-binding warning
+    return os.pathsep.join([str(out)] + jars + [j for j in extra if os.path.exists(j)])
+
+
+class Curator:
+    """One JVM running CuratorHolder; commands over stdin, replies read from stdout.
+
+    Stamps in replies are System.nanoTime(); on Linux that is CLOCK_MONOTONIC, the clock of
+    Python's time.monotonic(), which the constructor verifies.
+    """
+
+    def __init__(self, classpath, hosts, path):
+        self.lines: "queue.Queue[str | None]" = queue.Queue()
+        self.stderr: list[str] = []
+        before = time.monotonic()
+        self.proc = subprocess.Popen(
+            ["java", "-Xshare:auto", "-XX:TieredStopAtLevel=1", "-Xmx128m", "-cp", classpath, "CuratorHolder",
+             hosts, path, "4000"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+        )
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True).start()
+        ready = self.expect("READY", timeout=60)
+        after = time.monotonic()
+        assert before <= ready <= after, (
+            f"CuratorHolder's System.nanoTime() ({ready}) is not time.monotonic() ({before}..{after})"
+        )
+
+    @staticmethod
+    def _pump(stream, put):
+        for line in stream:
+            put(line.rstrip("\n"))
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def next_line(self, timeout: float):
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def expect(self, word: str, timeout: float = 15.0) -> float:
+        """The next line must start with ``word``; returns its stamp in monotonic seconds."""
+        line = self.next_line(timeout)
+        if line is None or not line.startswith(word):
+            raise AssertionError(
+                f"expected {word!r} from CuratorHolder, got {line!r}; stderr:\n" + "\n".join(self.stderr[-30:])
+            )
+        parts = line.split()
+        return int(parts[1]) / 1e9 if len(parts) > 1 and parts[1].isdigit() else float("nan")
+
+    def assert_silent(self, seconds: float) -> None:
+        line = self.next_line(seconds)
+        assert line is None, f"CuratorHolder said {line!r} while it should have been blocked"
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.send("quit")
+                self.proc.wait(10)
+        except Exception:
+            pass
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def curator(curator_classpath, zk_server, path):
+    cur = Curator(curator_classpath, zk_server.hosts, path)
+    yield cur
+    cur.close()
+
+
+def _curator_node(client, path, ours=()):
+    names = [c for c in client.get_children(path) if c not in ours]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def test_curator_holds_fairlock_times_out(curator, zk_client, path):
+    curator.send("acquire")
+    curator.expect("ACQUIRING")
+    curator.expect("ACQUIRED")
+    cnode = _curator_node(zk_client, path)
+    assert cnode.startswith("_c_") and "-lock-" in cnode  # Curator's protected name, like ours
+
+    lock = FairLock(zk_client, path)
+    t0 = time.monotonic()
+    assert lock.acquire(timeout=0.5) is False
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 2.0, took
+    assert zk_client.get_children(path) == [cnode]  # our node was removed on timeout
+    assert [c.node for c in contenders(zk_client, path) if c.holder] == [cnode]
+
+    curator.send("release")
+    curator.expect("RELEASED")
+    assert lock.acquire(timeout=5) is True
+    lock.release()
+
+
+def test_fairlock_queued_behind_curator_acquires_after_release(curator, zk_client, path):
+    curator.send("acquire")
+    curator.expect("ACQUIRING")
+    curator.expect("ACQUIRED")
+    lock = FairLock(zk_client, path)
+    got = {}
+
+    def run():
+        got["ok"] = lock.acquire(timeout=30)
+        got["at"] = time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    _wait_children(zk_client, path, 2)
+    time.sleep(0.3)
+    assert "ok" not in got and not lock.is_held(), "FairLock acquired while Curator held the mutex"
+    curator.send("release")
+    released = curator.expect("RELEASED")
+    t.join(10)
+    assert got.get("ok") is True
+    assert got["at"] > released
+    lock.release()
+
+
+def test_curator_blocks_while_fairlock_holds(curator, zk_client, path):
+    lock = FairLock(zk_client, path)
+    assert lock.acquire(timeout=5)
+    curator.send("acquire")
+    curator.expect("ACQUIRING")
+    _wait_children(zk_client, path, 2)
+    curator.assert_silent(0.6)
+    released_at = time.monotonic()
+    lock.release()
+    acquired = curator.expect("ACQUIRED", timeout=10)
+    assert acquired > released_at
+    curator.send("release")
+    curator.expect("RELEASED")
+
+
+def test_fifo_between_fairlock_waiters_and_curator(curator, zk_server, zk_client, path):
+    """Queue: our holder H, our waiter W1, Curator, our waiter W2.
+    Expected grant order: W1, then Curator, then W2."""
+    holder = FairLock(zk_client, path)
+    assert holder.acquire(timeout=5)
+    c1, c2 = _clients(zk_server.hosts, 2)
+    w1, w2 = FairLock(c1, path), FairLock(c2, path)
+    events, go = {}, {"w1": threading.Event(), "w2": threading.Event()}
+
+    def run(name, lk):
+        events[name + "_ok"] = lk.acquire(timeout=30)
+        events[name + "_at"] = time.monotonic()
+        go[name].wait(30)
+        events[name + "_rel"] = time.monotonic()
+        lk.release()
+
+    t1 = threading.Thread(target=run, args=("w1", w1))
+    t1.start()
+    _wait_children(zk_client, path, 2)
+    curator.send("acquire")
+    curator.expect("ACQUIRING")
+    _wait_children(zk_client, path, 3)
+    t2 = threading.Thread(target=run, args=("w2", w2))
+    t2.start()
+    _wait_children(zk_client, path, 4)
+    try:
+        holder.release()
+        deadline = time.monotonic() + 10
+        while "w1_ok" not in events and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert events.get("w1_ok") is True, "W1 (first in line) did not get the lock"
+        curator.assert_silent(0.4)  # Curator is behind W1
+        assert "w2_ok" not in events  # and so is W2
+        go["w1"].set()
+        t1.join(10)
+        acquired = curator.expect("ACQUIRED", timeout=10)
+        assert acquired > events["w1_rel"]
+        time.sleep(0.4)
+        assert "w2_ok" not in events, "W2 jumped ahead of Curator"
+        curator.send("release")
+        released = curator.expect("RELEASED")
+        deadline = time.monotonic() + 10
+        while "w2_ok" not in events and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert events.get("w2_ok") is True
+        assert events["w2_at"] > released
+    finally:
+        go["w1"].set(), go["w2"].set()
+        t1.join(10), t2.join(10)
+        _stop([c1, c2])
+
+
+def test_mutual_exclusion_with_curator_under_contention(curator, zk_server, path):
+    """Curator takes the mutex 15 times back to back while three FairLock threads hammer
+    the same path; hold intervals from both processes (same monotonic clock) never overlap."""
+    clients = _clients(zk_server.hosts, 3)
+    intervals, guard, errors = [], threading.Lock(), []
+
+    def worker(c):
+        try:
+            for _ in range(10):
+                lk = FairLock(c, path)
+                assert lk.acquire(timeout=30)
+                start = time.monotonic()
+                time.sleep(0.003)
+                end = time.monotonic()
+                lk.release()
+                with guard:
+                    intervals.append((start, end, "fair"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
+    for _ in range(15):
+        curator.send("hold 3")
+    for t in threads:
+        t.start()
+    for _ in range(15):
+        curator.expect("ACQUIRING", timeout=30)
+        start = curator.expect("ACQUIRED", timeout=30)
+        end = curator.expect("RELEASED", timeout=30)
+        intervals.append((start, end, "curator"))
+    for t in threads:
+        t.join(60)
+    _stop(clients)
+    assert not errors, errors
+    assert len(intervals) == 45
+    assert overlapping([(s, e) for s, e, _ in intervals]) is None
+    kinds = [k for _, _, k in sorted(intervals)]
+    assert sum(1 for a, b in zip(kinds, kinds[1:]) if a != b) >= 4, kinds
