@@ -80,18 +80,26 @@ class Settings:
     """Sizes of each scenario; QUICK trades precision (mainly p99) for run time."""
 
     uncontended_iters: int
-    warmup: int
+    warmup: int  # per contender and variant; the first one also warms the server's JIT
+    block: int  # uncontended iterations a contender runs before the next takes its turn
     handoff_rounds: int
-    handoff_settle: float  # seconds the holder waits so the waiter is surely queued
+    handoff_settle: float  # seconds the holder waits after seeing the waiter queued
     throughput_procs: int
     throughput_seconds: float
     fairness_procs: int
     fairness_seconds: float
     fairness_hold: float
+    passes: int  # time windows are split in this many passes of alternating contender order
 
 
-FULL = Settings(500, 30, 150, 0.02, 4, 5.0, 8, 5.0, 0.005)
-QUICK = Settings(120, 10, 40, 0.02, 4, 1.5, 8, 2.0, 0.005)
+FULL = Settings(
+    uncontended_iters=500, warmup=150, block=10, handoff_rounds=150, handoff_settle=0.01,
+    throughput_procs=4, throughput_seconds=6.0, fairness_procs=8, fairness_seconds=6.0, fairness_hold=0.005, passes=6,
+)
+QUICK = Settings(
+    uncontended_iters=150, warmup=60, block=10, handoff_rounds=40, handoff_settle=0.01,
+    throughput_procs=4, throughput_seconds=2.0, fairness_procs=8, fairness_seconds=2.0, fairness_hold=0.005, passes=2,
+)
 
 ACQUIRE_CAP = 30.0  # seconds; no scenario should ever wait this long for one acquire
 
@@ -165,11 +173,14 @@ class Backend:
             self.zk = KazooClient(hosts=endpoints["zk_hosts"], timeout=10.0)
             self.zk.start(timeout=20)
 
+    def zk_path(self, key: str) -> str:
+        return f"/bench/{self.contender.slug}/{key}"
+
     def new_lock(self, key: str):
         kind = self.contender.kind
         if kind == "redis":
             return RedisPollLock(self.redis, f"bench:{self.contender.slug}:{key}", self.release_script)
-        path = f"/bench/{self.contender.slug}/{key}"
+        path = self.zk_path(key)
         if kind == "ours":
             from celery_zklock import FairLock
 
@@ -194,6 +205,20 @@ class Backend:
             lock.release(wait=self.contender.wait_release)
         else:
             lock.release()
+
+    def queue_length(self, key: str) -> int | None:
+        """Contenders queued on ``key`` (holder included); None where there is no queue (Redis)."""
+        if self.zk is None:
+            return None
+        return len(self.zk.get_children(self.zk_path(key)))
+
+    def drain(self) -> None:
+        """Wait until every request this session sent has been answered (e.g. a pipelined delete).
+
+        ZooKeeper answers one session's requests in order, so one cheap read suffices.
+        """
+        if self.zk is not None:
+            self.zk.exists("/")
 
     def close(self) -> None:
         if self.zk is not None:
@@ -258,10 +283,11 @@ def uncontended_worker(backends: dict[str, Backend], iters: int, warmup: int, bl
 def handoff_holder(backends: dict[str, Backend], pipe, rounds: int, warmup: int, settle: float) -> dict:
     """Hold, let the waiter queue up, release; the waiter reports when its acquire returned.
 
-    Contenders take turns round by round (see :func:`uncontended_worker` for why).  The
-    settle sleep (not a handshake) is how we know the waiter is blocked: none of the
-    contenders exposes "I am queued" uniformly, and a waiter not yet queued would measure
-    an uncontended acquire instead of a handoff.
+    Contenders take turns round by round (see :func:`uncontended_worker` for why).  A
+    waiter not yet blocked would measure an uncontended acquire instead of a handoff, so
+    before releasing the holder sees the waiter's node in the queue (ZooKeeper) and then
+    sleeps ``settle`` more, for the waiter's watch to be set (the Redis waiter is polling
+    as soon as it has called acquire).
     """
     names = list(backends)
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -272,6 +298,7 @@ def handoff_holder(backends: dict[str, Backend], pipe, rounds: int, warmup: int,
             if not b.acquire(lock):
                 raise RuntimeError(f"{name}: handoff holder could not acquire")
             pipe.send(name)
+            wait_for_waiter(b, "handoff")
             time.sleep(settle)
             t0 = now()
             b.release(lock)
@@ -282,6 +309,15 @@ def handoff_holder(backends: dict[str, Backend], pipe, rounds: int, warmup: int,
                 samples[name].append(t1 - t0)
     pipe.send(None)
     return samples
+
+
+def wait_for_waiter(b: Backend, key: str, timeout: float = 10.0) -> None:
+    """Block until a second contender is queued on ``key`` (no-op where queues are invisible)."""
+    deadline = now() + timeout
+    while (n := b.queue_length(key)) is not None and n < 2:
+        if now() > deadline:
+            raise RuntimeError(f"{b.contender.name}: handoff waiter never queued")
+        time.sleep(0.001)
 
 
 def handoff_waiter(backends: dict[str, Backend], pipe) -> None:
@@ -296,8 +332,9 @@ def handoff_waiter(backends: dict[str, Backend], pipe) -> None:
         pipe.send(t1 if got else None)
 
 
-def throughput_worker(b: Backend, barrier, seconds: float) -> int:
+def throughput_worker(backends: dict[str, Backend], barrier, seconds: float) -> int:
     """Loop acquire/release on one key; count acquisitions that completed in the window."""
+    (b,) = backends.values()
     barrier.wait()
     end = now() + seconds
     count = 0
@@ -311,12 +348,13 @@ def throughput_worker(b: Backend, barrier, seconds: float) -> int:
     return count
 
 
-def fairness_worker(b: Backend, barrier, seconds: float, hold: float) -> list[tuple[float, float, float]]:
+def fairness_worker(backends: dict[str, Backend], barrier, seconds: float, hold: float) -> list[tuple[float, float, float]]:
     """Hold ``hold`` seconds, release, re-request at once; return (request, acquire, release) stamps.
 
     Requests stop at the end of the window but pending ones run to completion, so a
     starved waiter's full wait is counted rather than cut off.
     """
+    (b,) = backends.values()
     barrier.wait()
     end = now() + seconds
     holds = []
@@ -340,21 +378,23 @@ def fairness_worker(b: Backend, barrier, seconds: float, hold: float) -> list[tu
 _ctx = mp.get_context("fork")
 
 
-def _child(index: int, fn: Callable, contender: Contender, endpoints: dict, args: tuple, out) -> None:
-    """Child entry point: open a Backend, run ``fn``, report its result or traceback."""
-    backend = None
+def _child(index: int, fn: Callable, contenders: list[Contender], endpoints: dict, args: tuple, out) -> None:
+    """Child entry point: open a Backend per contender, run ``fn``, report its result or traceback."""
+    backends: dict[str, Backend] = {}
     try:
-        backend = Backend(contender, endpoints)
-        result = fn(backend, *args)
-        out.put((index, True, result))
+        for c in contenders:
+            backends[c.name] = Backend(c, endpoints)
+        out.put((index, True, fn(backends, *args)))
     except BaseException:
         out.put((index, False, traceback.format_exc()))
     finally:
-        if backend is not None:
-            backend.close()
+        for b in backends.values():
+            b.close()
 
 
-def run_processes(contender: Contender, endpoints: dict, jobs: list[tuple[Callable, tuple]], timeout: float) -> list:
+def run_processes(
+    contenders: list[Contender], endpoints: dict, jobs: list[tuple[Callable, tuple]], timeout: float
+) -> list:
     """Run each ``(fn, args)`` in its own process at once; return results in job order.
 
     On any failure or timeout the processes started here (and only those) are killed and
@@ -362,7 +402,7 @@ def run_processes(contender: Contender, endpoints: dict, jobs: list[tuple[Callab
     """
     out = _ctx.Queue()
     procs = [
-        _ctx.Process(target=_child, args=(i, fn, contender, endpoints, args, out), daemon=True)
+        _ctx.Process(target=_child, args=(i, fn, contenders, endpoints, args, out), daemon=True)
         for i, (fn, args) in enumerate(jobs)
     ]
     for p in procs:
@@ -373,7 +413,7 @@ def run_processes(contender: Contender, endpoints: dict, jobs: list[tuple[Callab
         for _ in jobs:
             index, ok, payload = out.get(timeout=max(0.1, deadline - time.monotonic()))
             if not ok:
-                raise RuntimeError(f"{contender.name}: child {index} failed:\n{payload}")
+                raise RuntimeError(f"child {index} ({fn_names(jobs)[index]}) failed:\n{payload}")
             results[index] = payload
     finally:
         for p in procs:
@@ -382,6 +422,10 @@ def run_processes(contender: Contender, endpoints: dict, jobs: list[tuple[Callab
                 p.kill()
                 p.join()
     return results
+
+
+def fn_names(jobs: list[tuple[Callable, tuple]]) -> list[str]:
+    return [fn.__name__ for fn, _ in jobs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -399,55 +443,84 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-def measure_uncontended(c: Contender, endpoints: dict, s: Settings) -> dict:
-    (res,) = run_processes(c, endpoints, [(uncontended_worker, (s.uncontended_iters, s.warmup))], timeout=300)
+def measure_uncontended(contenders: list[Contender], endpoints: dict, s: Settings) -> dict[str, dict]:
+    """All contenders interleaved in one process (see :func:`uncontended_worker`)."""
+    job = (uncontended_worker, (s.uncontended_iters, s.warmup, s.block))
+    (res,) = run_processes(contenders, endpoints, [job], timeout=600)
     return {
-        "uncontended_p50_ms": ms(percentile(res["same_key"], 50)),
-        "uncontended_p99_ms": ms(percentile(res["same_key"], 99)),
-        "new_key_p50_ms": ms(percentile(res["new_key"], 50)),
-        "new_key_p99_ms": ms(percentile(res["new_key"], 99)),
+        name: {
+            "uncontended_p50_ms": ms(percentile(r["same_key"], 50)),
+            "uncontended_p99_ms": ms(percentile(r["same_key"], 99)),
+            "new_key_p50_ms": ms(percentile(r["new_key"], 50)),
+            "new_key_p99_ms": ms(percentile(r["new_key"], 99)),
+        }
+        for name, r in res.items()
     }
 
 
-def measure_handoff(c: Contender, endpoints: dict, s: Settings) -> dict:
+def measure_handoff(contenders: list[Contender], endpoints: dict, s: Settings) -> dict[str, dict]:
+    """One holder and one waiter process, all contenders taking turns round by round."""
     holder_end, waiter_end = _ctx.Pipe()
-    warmup = 3
     jobs = [
-        (handoff_holder, (holder_end, s.handoff_rounds, warmup, s.handoff_settle)),
-        (handoff_waiter, (waiter_end, s.handoff_rounds, warmup)),
+        (handoff_holder, (holder_end, s.handoff_rounds, 3, s.handoff_settle)),
+        (handoff_waiter, (waiter_end,)),
     ]
-    samples, _ = run_processes(c, endpoints, jobs, timeout=300)
-    return {"handoff_p50_ms": ms(percentile(samples, 50)), "handoff_p99_ms": ms(percentile(samples, 99))}
+    samples, _ = run_processes(contenders, endpoints, jobs, timeout=600)
+    return {
+        name: {"handoff_p50_ms": ms(percentile(v, 50)), "handoff_p99_ms": ms(percentile(v, 99))}
+        for name, v in samples.items()
+    }
 
 
-def measure_throughput(c: Contender, endpoints: dict, s: Settings) -> dict:
-    barrier = _ctx.Barrier(s.throughput_procs)
-    jobs = [(throughput_worker, (barrier, s.throughput_seconds))] * s.throughput_procs
-    counts = run_processes(c, endpoints, jobs, timeout=s.throughput_seconds + 120)
-    return {"throughput_per_s": round(sum(counts) / s.throughput_seconds, 1)}
+def windowed(contenders: list[Contender], endpoints: dict, procs: int, seconds: float, passes: int, worker: Callable, *args) -> dict:
+    """Run ``worker`` in ``procs`` processes for ``seconds``, per contender, split in passes.
+
+    Time-window scenarios cannot interleave contenders within a window, so the window is
+    split into ``passes`` parts run in alternating contender order (A B C D, then D C B A):
+    a server that speeds up or slows down over the run then favours no one.
+    Returns, per contender, one list of per-process results per pass.
+    """
+    out: dict[str, list] = {c.name: [] for c in contenders}
+    for k in range(passes):
+        for c in contenders if k % 2 == 0 else contenders[::-1]:
+            _log(f"  {worker.__name__} pass {k + 1}/{passes}: {c.name}")
+            barrier = _ctx.Barrier(procs)
+            jobs = [(worker, (barrier, seconds / passes) + args)] * procs
+            out[c.name].append(run_processes([c], endpoints, jobs, timeout=seconds + 120))
+    return out
 
 
-def measure_fairness(c: Contender, endpoints: dict, s: Settings) -> dict:
-    barrier = _ctx.Barrier(s.fairness_procs)
-    jobs = [(fairness_worker, (barrier, s.fairness_seconds, s.fairness_hold))] * s.fairness_procs
-    per_proc = run_processes(c, endpoints, jobs, timeout=s.fairness_seconds + 120)
-    return fairness_stats(per_proc)
+def measure_throughput(contenders: list[Contender], endpoints: dict, s: Settings) -> dict[str, dict]:
+    """Total acquisitions per second on one key with ``throughput_procs`` looping processes."""
+    res = windowed(contenders, endpoints, s.throughput_procs, s.throughput_seconds, s.passes, throughput_worker)
+    return {name: {"throughput_per_s": round(sum(map(sum, p)) / s.throughput_seconds, 1)} for name, p in res.items()}
 
 
-def fairness_stats(per_proc: list[list[tuple[float, float, float]]]) -> dict:
-    """Order all holds by acquire time and summarise repeats, waits and exclusion.
+def measure_fairness(contenders: list[Contender], endpoints: dict, s: Settings) -> dict[str, dict]:
+    """Hold order and waits of ``fairness_procs`` processes re-requesting after each hold."""
+    res = windowed(contenders, endpoints, s.fairness_procs, s.fairness_seconds, s.passes, fairness_worker, s.fairness_hold)
+    return {name: fairness_stats(passes) for name, passes in res.items()}
+
+
+def fairness_stats(passes: list[list[list[tuple[float, float, float]]]]) -> dict:
+    """Order each pass's holds by acquire time and summarise repeats, waits and exclusion.
 
     ``overlaps`` counts holds that began before the previous holder started releasing:
     for a mutex it must be 0, so a non-zero value is a correctness bug, not a speed issue.
     """
-    holds = sorted((t_acq, proc, t_req, t_rel) for proc, hs in enumerate(per_proc) for t_req, t_acq, t_rel in hs)
-    order = [h[1] for h in holds]
-    repeats = sum(1 for a, b in zip(order, order[1:]) if a == b)
-    overlaps = sum(1 for prev, cur in zip(holds, holds[1:]) if cur[0] < prev[3])
-    waits = [t_acq - t_req for t_acq, _, t_req, _ in holds]
+    holds_total = repeats = overlaps = 0
+    waits: list[float] = []
+    for per_proc in passes:
+        holds = sorted((t_acq, proc, t_req, t_rel) for proc, hs in enumerate(per_proc) for t_req, t_acq, t_rel in hs)
+        order = [h[1] for h in holds]
+        holds_total += len(holds)
+        repeats += sum(1 for a, b in zip(order, order[1:]) if a == b)
+        overlaps += sum(1 for prev, cur in zip(holds, holds[1:]) if cur[0] < prev[3])
+        waits += [t_acq - t_req for t_acq, _, t_req, _ in holds]
+    pairs = max(1, holds_total - len(passes))
     return {
-        "fairness_holds": len(holds),
-        "same_holder_pct": round(100.0 * repeats / max(1, len(holds) - 1), 2),
+        "fairness_holds": holds_total,
+        "same_holder_pct": round(100.0 * repeats / pairs, 2),
         "max_wait_ms": ms(max(waits)) if waits else None,
         "p50_wait_ms": ms(percentile(waits, 50)) if waits else None,
         "exclusion_overlaps": overlaps,
@@ -500,14 +573,15 @@ def run(quick: bool = False) -> dict:
     """Measure every contender in every scenario and return the results (no printing but progress)."""
     settings = QUICK if quick else FULL
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     zk, redis_server = start_servers()
     try:
         endpoints = {"zk_hosts": zk.hosts, "redis_port": redis_server.port}
         rows: dict[str, dict] = {c.name: {} for c in CONTENDERS}
         for scenario, measure in SCENARIOS:
-            for c in CONTENDERS:
-                _log(f"{scenario:<12} {c.name}")
-                rows[c.name].update(measure(c, endpoints, settings))
+            _log(scenario)
+            for name, metrics in measure(list(CONTENDERS), endpoints, settings).items():
+                rows[name].update(metrics)
     finally:
         zk.close()
         redis_server.close()
@@ -515,7 +589,7 @@ def run(quick: bool = False) -> dict:
         "benchmark": "lock_engine",
         "quick": quick,
         "settings": asdict(settings),
-        "environment": environment(),
+        "environment": environment() | {"loadavg_1min_start": load_before, "loadavg_1min_end": os.getloadavg()[0]},
         "contenders": rows,
         "ratios_vs_kazoo": ratios(rows),
         "elapsed_s": round(time.monotonic() - started, 1),
@@ -606,6 +680,11 @@ def format_table(results: dict) -> str:
     fmt = lambda r: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in body]
     lines.append("(x) = ours/kazoo Lock ratio for latency metrics; below 1.00x is faster than kazoo.")
+    env = results["environment"]
+    lines.append(
+        f"ZooKeeper fsync on; {env['cpus']} CPUs; 1-min load average {env['loadavg_1min_start']:.2f} at start,"
+        f" {env['loadavg_1min_end']:.2f} at end (other processes on this machine add noise)."
+    )
     overlaps = {n: r["exclusion_overlaps"] for n, r in rows.items() if r.get("exclusion_overlaps")}
     if overlaps:
         lines.append(f"WARNING: mutual exclusion violated (overlapping holds) for {overlaps}")

@@ -197,8 +197,15 @@ class ZkLockedTask(Task):
         )
         started = time.monotonic()
 
-        def on_wait(_lock: FairLock, position: int) -> None:
-            logger.info("%s[%s] waiting for lock %s (position %s)", self.name, req.id, label, position)
+        check_duplicates = bool(self.acks_late and not direct and req.id)
+        duplicate: list[bool] = []
+
+        def on_wait(fair: FairLock, position: int) -> None:
+            if check_duplicates and self._duplicate_running(fair, req.id):
+                duplicate.append(True)  # a redelivered copy: the original is ahead of us
+                lock.cancel()
+                return
+            logger.info("waiting for lock %s (position %s)", label, position)
             self._lock_event("task-lock-waiting", key=label, position=position)
             if req.id and not direct and not self.ignore_result:
                 self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
@@ -211,6 +218,14 @@ class ZkLockedTask(Task):
 
         acquired = lock.acquire(timeout=opts.timeout)
         waited = time.monotonic() - started
+        if acquired and check_duplicates and self._duplicate_running(lock, req.id):
+            lock.release()
+            acquired, duplicate = False, [True]
+        if duplicate:
+            logger.warning("same task id already running or queued under lock %s: not running this redelivered copy",
+                           label)
+            self._lock_event("task-lock-duplicate", key=label)
+            raise Ignore()
         if not acquired:
             if not client.connected:
                 return self._unavailable(
@@ -220,13 +235,7 @@ class ZkLockedTask(Task):
             return self._timed_out(LockTimeout(label, opts.timeout, holders), opts, waited, direct)
 
         held = HeldLock(keys, paths, {lk.path: lk.token for lk in _fair_locks(lock)}, lock)
-        if self.acks_late and not direct and self._duplicate_running(lock, req.id):
-            lock.release()
-            logger.warning("%s[%s] is already running or queued under lock %s: not running a redelivered copy",
-                           self.name, req.id, label)
-            self._lock_event("task-lock-duplicate", key=label)
-            raise Ignore()
-        logger.debug("%s[%s] acquired lock %s token=%s after %.3fs", self.name, req.id, label, held.token, waited)
+        logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
         self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
         ctx_token = _current.set(held)
         run_state.enter()
@@ -265,17 +274,17 @@ class ZkLockedTask(Task):
 
     def _lost_error(self, label: Any, run_state: "_RunState") -> LockLost:
         reason = run_state.reason or "lock lost"
-        logger.error("%s[%s] lost its lock %s while running (%s): reporting failure", self.name, self.request.id, label, reason)
+        logger.error("lock %s lost while running (%s): reporting failure", label, reason)
         self._lock_event("task-lock-lost", key=label, reason=reason)
         return LockLost(label, reason)
 
     def _timed_out(self, exc: LockTimeout, opts: _Options, waited: float, direct: bool) -> Any:
         self._lock_event("task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
         if opts.on_timeout == "fail":
-            logger.warning("%s[%s]: %s; failing", self.name, self.request.id, exc)
+            logger.warning("%s; failing", exc)
             raise exc
         if opts.on_timeout == "skip":
-            logger.warning("%s[%s]: %s; skipped (on_lock_timeout='skip')", self.name, self.request.id, exc)
+            logger.warning("%s; skipped (on_lock_timeout='skip')", exc)
             if direct:
                 return None
             if self.request.id and not self.ignore_result:
@@ -284,7 +293,7 @@ class ZkLockedTask(Task):
         raise self._retry(exc, opts, f"lock timeout: {exc}")
 
     def _unavailable(self, exc: LockUnavailable, opts: _Options, label: Any, direct: bool) -> Any:
-        logger.error("%s[%s] not run: %s", self.name, self.request.id, exc)
+        logger.error("task not run (never unprotected): %s", exc)
         self._lock_event("task-lock-unavailable", key=label, error=str(exc))
         if opts.on_unavailable == "fail" or direct:
             raise exc
@@ -294,13 +303,11 @@ class ZkLockedTask(Task):
         retries = self.request.retries or 0
         countdown = min(opts.retry_backoff_max, opts.retry_countdown * (opts.retry_backoff ** retries))
         max_retries = self.max_retries if opts.max_retries is None else opts.max_retries
-        logger.info("%s[%s] retry %s in %.2fs: %s", self.name, self.request.id, retries + 1, countdown, why)
+        logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
         return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
 
     def _duplicate_running(self, lock, task_id: str | None) -> bool:
         """acks_late redelivery: another node in our queue carries the same task id."""
-        if not task_id:
-            return False
         for lk in _fair_locks(lock):
             for c in lk.contenders():
                 if c.node == (lk.node or "").rsplit("/", 1)[-1]:

@@ -167,6 +167,9 @@ def validate_app(app) -> None:
 def _on_worker_init(sender=None, **_):
     app = getattr(sender, "app", None)
     if app is not None:
+        if getattr(sender, "task_events", False):
+            # `-E` reaches the WorkController, not app.conf; pool children read app.conf.
+            app.conf.worker_send_task_events = True
         validate_app(app)
 
 

@@ -112,3 +112,10 @@ def lose_interrupt(key, ms=3000):
         time.sleep(0.01)
     _r.set(f"finished:{key}", 1)
     return "body returned"
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", acks_late=True)
+def hold_late(key, ms=20, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("hold", key, tag, start, time.time(), current_lock().token)

@@ -1,0 +1,156 @@
+"""Other pools, worker start-up checks, whole-worker loss, beat, redelivery and events."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from tests.lockutil import overlapping
+from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
+from tests.workers import ROOT, Worker
+
+
+@pytest.fixture(autouse=True)
+def clean(mod):
+    mod._r.flushdb()
+    yield
+
+
+@pytest.mark.parametrize("pool, conc", [("threads", 4), ("solo", 1), ("gevent", 8)])
+def test_pool_keeps_exclusion(mod, env, pool, conc):
+    workers = [Worker(env, f"{pool}{i}", pool=pool, concurrency=conc) for i in (1, 2)]
+    for w in workers:
+        w.start()
+    try:
+        for w in workers:
+            w.wait_ready(mod.app)
+        rs = [mod.hold.delay(f"pool-{pool}", 10, i) for i in range(16)]
+        for r in rs:
+            r.get(timeout=60)
+        rows = history(mod, "hold")
+        assert len(rows) == 16
+        assert overlapping([(r["start"], r["end"]) for r in rows]) is None
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_worker_refuses_to_start_with_bad_settings(env):
+    w = Worker({**env, "TEST_ZK_ROOT": "no-slash"}, "badconf")
+    w.start()
+    assert w.proc.wait(60) != 0
+    log = w.log()
+    assert "celery-zklock: configuration error" in log and "zklock_root" in log and "absolute" in log
+
+
+def test_worker_refuses_to_start_without_zookeeper(env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    w = Worker({**env, "TEST_ZK_HOSTS": dead}, "nozk")
+    w.start()
+    assert w.proc.wait(60) != 0
+    assert "cannot reach ZooKeeper" in w.log() and "run unprotected" in w.log()
+
+
+def test_whole_worker_sigkill_frees_lock_after_session_timeout(mod, env):
+    victim = Worker(env, "victim").start(mod.app)
+    other = Worker(env, "survivor", concurrency=1)
+    try:
+        key = f"wk-{uuid.uuid4().hex[:6]}"
+        mod.report_pid.delay(key, 60000)
+        pid = _wait_pid(mod, key)
+        assert pid in victim.child_pids()  # the holder runs in the victim
+        other.start(mod.app)
+        waiter = mod.hold.delay(key, 1, "after")
+        time.sleep(0.3)
+        killed = time.time()
+        victim.kill()
+        waiter.get(timeout=30)
+        started = [r["start"] for r in history(mod, "hold") if r["tag"] == "after"][0]
+        # bounded by the session timeout (4 s here), with margin for detection
+        assert started - killed < 4 + 2.5, started - killed
+    finally:
+        victim.kill()
+        other.stop()
+
+
+def test_redelivered_copy_with_same_task_id_does_not_run_twice(mod, env):
+    """acks_late redelivery looks like the same task id arriving again while it runs."""
+    workers = [Worker(env, f"dup{i}", concurrency=1).start(mod.app) for i in (1, 2)]
+    try:
+        key = f"dup-{uuid.uuid4().hex[:6]}"
+        tid = str(uuid.uuid4())
+        sig = mod.hold_late.signature((key, 800, "orig"))
+        sig.apply_async(task_id=tid)
+        time.sleep(0.3)
+        sig.apply_async(task_id=tid)
+        time.sleep(2.5)
+        rows = [r for r in history(mod, "hold") if r["key"] == key]
+        assert len(rows) == 1, rows
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_beat_sent_tasks_are_locked(mod, env, tmp_path):
+    """Two beat processes (the classic misconfiguration) send a job longer than its period."""
+    worker = Worker(env, "beatw", concurrency=4).start(mod.app)
+    beats = []
+    try:
+        for i in range(2):
+            log = open(tmp_path / f"beat{i}.log", "wb")
+            beats.append(subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.apps.beat", "beat", "-s", str(tmp_path / f"sched{i}"),
+                 "-l", "info"], env={**os.environ, **env, "PYTHONPATH": ROOT}, cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(6)
+    finally:
+        for b in beats:
+            b.terminate()
+            b.wait(10)
+        time.sleep(1.5)
+        worker.stop()
+    rows = history(mod, "singleton")
+    assert len(rows) >= 3, rows
+    assert overlapping([(r["start"], r["end"]) for r in rows]) is None
+
+
+def test_lock_events_are_sent(mod, env):
+    import threading
+
+    worker = Worker(env, "events", concurrency=2, extra=["-E"]).start(mod.app)
+    seen = []
+    try:
+        with mod.app.connection() as conn:
+            recv = mod.app.events.Receiver(conn, handlers={"*": seen.append})
+            listener = threading.Thread(target=lambda: recv.capture(limit=None, timeout=None, wakeup=False), daemon=True)
+            listener.start()
+            time.sleep(1.0)  # the receiver's queue is bound before events are sent
+            key = f"ev-{uuid.uuid4().hex[:6]}"
+            r1, r2 = mod.hold.delay(key, 300, 1), mod.hold.delay(key, 10, 2)
+            r1.get(timeout=30), r2.get(timeout=30)
+            deadline = time.time() + 10
+            while time.time() < deadline and not any(
+                e["type"] == "task-lock-acquired" and e.get("uuid") == r2.id for e in seen
+            ):
+                time.sleep(0.1)
+            recv.should_stop = True
+    finally:
+        worker.stop()
+    types = {(e["type"], e.get("uuid")) for e in seen}
+    assert ("task-lock-acquired", r1.id) in types and ("task-lock-acquired", r2.id) in types
+    waiting = [e for e in seen if e["type"] == "task-lock-waiting"]
+    assert waiting and waiting[0]["key"] == f"k:{key}"
+    first, second = sorted((r1.id, r2.id), key=lambda tid: [e["uuid"] for e in seen if e["type"] == "task-lock-acquired"].index(tid))
+    acquired = [e for e in seen if e["type"] == "task-lock-acquired" and e["uuid"] == second][0]
+    assert acquired["token"] > 0 and acquired["wait"] > 0.1

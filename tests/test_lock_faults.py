@@ -1,0 +1,532 @@
+"""FairLock under real faults: session expiry, SUSPENDED connections, leader failover in a
+3-node ensemble, lost create replies (ghost nodes) and fencing across parent re-creation.
+
+Nothing is mocked: faults are produced on real ZooKeeper servers (a dedicated server when
+the fault is destructive, the shared ``zk_server`` otherwise) and on the wire by
+``tests/tcpproxy.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.protocol.states import KazooState
+
+from celery_zklock import FairLock, LockLost
+from celery_zklock.testing import ZooKeeperServer
+from tests.tcpproxy import OP_CREATE, OP_CREATE2, TcpProxy, wait_for
+
+SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s
+
+# Reconnect promptly.  kazoo's default connection retry backs off to 0.1, 0.2, 0.4, 0.8 s...
+# while a held FairLock declares itself lost after SESSION/3 of SUSPENDED (its
+# simulated expiration), so with the default a failover can outlast the grace by backoff
+# alone.  A short, flat retry keeps reconnection times a property of the server.
+FAST_RETRY = {"max_tries": -1, "delay": 0.05, "backoff": 1.5, "max_delay": 0.2, "max_jitter": 0.2}
+
+
+def _client(hosts, **kw):
+    kw.setdefault("timeout", SESSION)
+    kw.setdefault("connection_retry", dict(FAST_RETRY))
+    c = KazooClient(hosts=hosts, **kw)
+    c.start(timeout=30)
+    return c
+
+
+def _stop(*clients):
+    for c in clients:
+        try:
+            c.stop()
+            c.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def path(request):
+    name = request.node.name.replace("[", "_").replace("]", "")
+    return f"/t/faults/{name}"
+
+
+@pytest.fixture
+def private_zk():
+    """A standalone server of our own, for faults that would disturb the shared one."""
+    server = ZooKeeperServer().start()
+    yield server
+    server.close()
+
+
+class HolderMonitor:
+    """Samples ``is_held()`` of several locks every millisecond; records any moment at which
+    more than one claims to hold, and whether each was ever seen not holding."""
+
+    def __init__(self, locks):
+        self.locks = locks
+        self.duplicates: list[tuple[float, list[int]]] = []
+        self.seen_not_held = [False] * len(locks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            held = [lk.is_held() for lk in self.locks]
+            for i, h in enumerate(held):
+                if not h:
+                    self.seen_not_held[i] = True
+            if sum(held) > 1:
+                self.duplicates.append((time.monotonic(), [i for i, h in enumerate(held) if h]))
+            time.sleep(0.001)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _children_with(client, path, prefix):
+    return [c for c in client.get_children(path) if c.startswith(prefix)]
+
+
+# --------------------------------------------------------------------------------------
+# a. session expiry while holding
+# --------------------------------------------------------------------------------------
+def test_session_expiry_while_holding(zk_server, zk_client, path):
+    a = _client(zk_server.hosts)
+    try:
+        lost, lost_event = [], threading.Event()
+
+        def on_lost(lk):
+            lost.append(lk)
+            lost_event.set()
+
+        # A long grace keeps the SUSPENDED safety timer out of the picture: the loss must be
+        # learnt from the expiry itself.
+        lock = FairLock(a, path, on_lost=on_lost, suspended_grace=60.0)
+        assert lock.acquire(timeout=5)
+        node, token = lock.node, lock.token
+        session_id, password = a.client_id  # only available while connected
+        states = []
+        a.add_listener(lambda s: states.append(s))
+
+        # The standard trick: attach a second client to A's session and close it; the
+        # server ends the session (deleting its ephemeral nodes) and A then sees LOST.
+        zombie = KazooClient(hosts=zk_server.hosts, client_id=(session_id, password), timeout=SESSION)
+        zombie.start(timeout=15)
+        assert zombie.client_id[0] == session_id
+        zombie.stop()
+        zombie.close()
+
+        assert lost_event.wait(10), "on_lost was not called after the session expired"
+        assert lost == [lock]
+        assert not lock.is_held()
+        assert lock.token is None
+        with pytest.raises(LockLost):
+            lock.ensure()
+        assert wait_for(lambda: KazooState.LOST in states, 10), states
+        assert zk_client.exists(node) is None
+
+        # Someone else gets the lock, with a larger fencing token.
+        other = FairLock(zk_client, path)
+        assert other.acquire(timeout=5)
+        assert other.token > token
+
+        # A's client carries on with a new session; the lost lock stays lost.
+        assert wait_for(lambda: a.connected, 10)
+        assert a.client_id[0] != session_id
+        time.sleep(0.3)
+        assert not lock.is_held()
+        with pytest.raises(LockLost):
+            lock.ensure()
+        assert lost == [lock], "on_lost fired more than once"
+        assert lock.release() is False
+        assert other.is_held()
+        other.release()
+    finally:
+        _stop(a)
+
+
+# --------------------------------------------------------------------------------------
+# b. SUSPENDED: not held while cut off, held again once re-verified on the same session
+# --------------------------------------------------------------------------------------
+def test_suspended_server_paused_then_same_session_reverified(private_zk, path):
+    """SIGSTOP our own server: kazoo notices after its ping times out (2/3 of the session
+    timeout), reports SUSPENDED; the lock must not claim to be held.  The server resumes
+    before the session could expire: same session, node re-verified, held again."""
+    c = _client(private_zk.hosts)
+    try:
+        lost = []
+        lock = FairLock(c, path, on_lost=lost.append)
+        assert lock.acquire(timeout=5)
+        node, token, session = lock.node, lock.token, c.client_id[0]
+        suspended = threading.Event()
+        c.add_listener(lambda s: suspended.set() if s == KazooState.SUSPENDED else None)
+
+        private_zk.pause()
+        try:
+            assert suspended.wait(SESSION), "kazoo never noticed the paused server"
+            assert wait_for(lambda: not lock.is_held(), 0.5), "is_held() stayed True while SUSPENDED"
+            with pytest.raises(LockLost):
+                lock.ensure()
+        finally:
+            private_zk.resume()
+
+        assert wait_for(lock.is_held, SESSION / 3), "lock not re-verified after reconnecting"
+        assert c.client_id[0] == session
+        assert lock.node == node and lock.token == token
+        assert lost == []
+        check = _client(private_zk.hosts)
+        try:
+            stat = check.exists(node)
+            assert stat is not None and stat.ephemeralOwner == session
+        finally:
+            _stop(check)
+        assert lock.release() is True
+    finally:
+        _stop(c)
+
+
+def test_suspended_connection_cut_then_same_session_reverified(zk_server, zk_client, path):
+    """Cut the connection at the proxy and keep the client from reconnecting for 0.6 s
+    (well inside the SESSION/3 grace): not held meanwhile, held again afterwards."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lost = []
+            lock = FairLock(c, path, on_lost=lost.append)
+            assert lock.acquire(timeout=5)
+            node, token, session = lock.node, lock.token, c.client_id[0]
+
+            proxy.hold()
+            assert wait_for(lambda: not lock.is_held(), 1.0), "is_held() stayed True while SUSPENDED"
+            t_end = time.monotonic() + 0.6
+            while time.monotonic() < t_end:
+                assert not lock.is_held()
+                assert not c.connected
+                time.sleep(0.01)
+            # Nobody else can take it meanwhile: our node is still there on the server.
+            assert zk_client.exists(node).ephemeralOwner == session
+            proxy.release_held()
+
+            assert wait_for(lock.is_held, 2.0), "lock not re-verified after reconnecting"
+            assert c.client_id[0] == session
+            assert lock.node == node and lock.token == token
+            assert lost == []
+            lock.ensure()
+            assert lock.release() is True
+            assert zk_client.exists(node) is None
+        finally:
+            _stop(c)
+
+
+def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
+    """Cut off longer than the grace (SESSION/3): the lock is declared lost even though the
+    session survives and reconnects; release() then still removes the node."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lost = threading.Event()
+            lock = FairLock(c, path, on_lost=lambda lk: lost.set())
+            assert lock.acquire(timeout=5)
+            node, session = lock.node, c.client_id[0]
+            proxy.hold()
+            t0 = time.monotonic()
+            assert lost.wait(SESSION), "on_lost not called while cut off past the grace"
+            took = time.monotonic() - t0
+            assert SESSION / 3 - 0.2 <= took <= SESSION / 3 + 1.0, took
+            proxy.release_held()
+            assert wait_for(lambda: c.connected, 3)
+            assert c.client_id[0] == session  # the session itself survived
+            time.sleep(0.3)
+            assert not lock.is_held()
+            with pytest.raises(LockLost):
+                lock.ensure()
+            assert zk_client.exists(node) is not None
+            assert lock.release() is False
+            assert wait_for(lambda: zk_client.exists(node) is None, 3), "release() left the node behind"
+            other = FairLock(zk_client, path)
+            assert other.acquire(timeout=5)
+            other.release()
+        finally:
+            _stop(c)
+
+
+# --------------------------------------------------------------------------------------
+# c. 3-node ensemble: leader failover
+# --------------------------------------------------------------------------------------
+def _acquire_in_thread(lock, result, timeout=30):
+    def run():
+        try:
+            result["ok"] = lock.acquire(timeout=timeout)
+        except BaseException as exc:
+            result["error"] = exc
+        result["at"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_leader_killed_while_holding(zk_ensemble, path):
+    a = _client(zk_ensemble.hosts)
+    b = _client(zk_ensemble.hosts)
+    try:
+        lost = []
+        holder = FairLock(a, path, on_lost=lost.append)
+        assert holder.acquire(timeout=10)
+        node, token, session = holder.node, holder.token, a.client_id[0]
+        waiter = FairLock(b, path)
+        result = {}
+        t = _acquire_in_thread(waiter, result)
+        assert wait_for(lambda: len(b.get_children(path)) == 2, 5)
+
+        with HolderMonitor([holder, waiter]) as mon:
+            leader = zk_ensemble.leader()
+            leader.kill()
+            # Every member drops its clients (the followers lose their leader): suspended.
+            assert wait_for(lambda: not holder.is_held(), 3), "holder still claimed the lock while SUSPENDED"
+            zk_ensemble.wait_quorum(15)
+            assert wait_for(holder.is_held, 10), f"lock not re-verified after failover (lost: {holder.lost_reason})"
+            assert a.client_id[0] == session and holder.node == node and holder.token == token
+            assert lost == []
+            # The waiter is still queued behind us, on the same session.
+            assert wait_for(lambda: b.connected, 10)
+            time.sleep(0.3)
+            assert "ok" not in result and not waiter.is_held()
+            names = sorted(b.get_children(path), key=lambda n: n[-10:])
+            assert len(names) == 2 and node.endswith(names[0]), names
+            released_at = time.monotonic()
+            assert holder.release() is True
+            t.join(15)
+        assert result.get("ok") is True, result
+        assert result["at"] >= released_at
+        assert waiter.token > token
+        assert not mon.duplicates, mon.duplicates
+        assert mon.seen_not_held[0]
+        waiter.release()
+    finally:
+        _stop(a, b)
+
+
+def test_leader_killed_while_waiting(zk_ensemble, path):
+    """The waiter's own server is the leader and dies; the holder releases in the middle
+    of the failover (its delete is retried until reconnected).  The waiter still gets the
+    lock, after the release, and never alongside the holder."""
+    leader = zk_ensemble.leader()
+    others = [m for m in zk_ensemble.members if m is not leader]
+    a = _client(zk_ensemble.hosts)
+    # Connect the waiter to the leader first so that it is the waiter's server that dies.
+    b = _client(",".join([leader.hosts] + [m.hosts for m in others]), randomize_hosts=False)
+    try:
+        holder = FairLock(a, path)
+        assert holder.acquire(timeout=10)
+        holder_node, token = holder.node, holder.token
+        waiter = FairLock(b, path)
+        result = {}
+        t = _acquire_in_thread(waiter, result)
+        assert wait_for(lambda: len(a.get_children(path)) == 2, 5)
+        waiter_session = b.client_id[0]
+
+        with HolderMonitor([holder, waiter]) as mon:
+            leader.kill()
+            # Both clients are cut off (the followers drop their clients when they lose the
+            # leader): the release below must be carried through the failover.
+            assert wait_for(lambda: not b.connected and not a.connected, 3)
+            release_started = time.monotonic()
+            released = {}
+            r = threading.Thread(target=lambda: released.setdefault("ok", holder.release()), daemon=True)
+            r.start()
+            r.join(15)
+            t.join(20)
+        assert released.get("ok") is True
+        assert result.get("ok") is True, result
+        assert result["at"] >= release_started
+        assert b.client_id[0] == waiter_session  # queued on the same session throughout
+        assert waiter.is_held() and waiter.token > token
+        assert not mon.duplicates, mon.duplicates
+        assert a.exists(holder_node) is None
+        assert a.get_children(path) == [waiter.node.rsplit("/", 1)[1]]
+        waiter.release()
+    finally:
+        _stop(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# d. ghost nodes: a create that succeeded but whose reply was lost
+# --------------------------------------------------------------------------------------
+def test_lost_create_reply_adopts_own_node(zk_server, zk_client, path):
+    zk_client.ensure_path(path)  # so the cut hits the create of the lock node itself
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            session = c.client_id[0]
+            lock = FairLock(c, path)
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=True)
+            assert lock.acquire(timeout=10) is True
+            assert cut.fired.is_set(), "the proxy never cut a create"
+            assert cut.reply_err == 0, "the server did not execute the create whose reply we swallowed"
+            assert proxy.accepted >= 2  # kazoo reconnected through the proxy
+            assert c.client_id[0] == session  # ... on the same session
+
+            mine = _children_with(zk_client, path, lock._prefix)
+            assert len(mine) == 1, mine
+            assert lock.node == f"{path}/{mine[0]}"
+            stat = zk_client.exists(lock.node)
+            assert stat.ephemeralOwner == session
+            assert lock.token == stat.czxid
+            assert lock.is_held()
+            lock.release()
+            assert zk_client.get_children(path) == []
+        finally:
+            _stop(c)
+
+
+def test_lost_create_reply_while_queued_leaves_no_ghost(zk_server, zk_client, path):
+    """The ghost case that hurts: queued behind a holder, our create's reply is lost.  We
+    must adopt our node (not add a second one), get the lock when the holder leaves, and
+    after our release the next waiter must not be blocked by a leftover node of ours."""
+    zk_client.ensure_path(path)
+    holder = FairLock(zk_client, path)
+    assert holder.acquire(timeout=5)
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        third_client = _client(zk_server.hosts)
+        try:
+            session = c.client_id[0]
+            lock = FairLock(c, path)
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=True)
+            result = {}
+            t = _acquire_in_thread(lock, result)
+            assert cut.fired.wait(5) and cut.reply_err == 0
+            assert wait_for(lambda: lock.node is not None, 5)
+            time.sleep(0.3)
+            mine = _children_with(zk_client, path, lock._prefix)
+            assert len(mine) == 1, mine
+            assert zk_client.exists(f"{path}/{mine[0]}").ephemeralOwner == session
+            assert "ok" not in result
+
+            third = FairLock(third_client, path)
+            third_result = {}
+            t3 = _acquire_in_thread(third, third_result)
+            assert wait_for(lambda: len(zk_client.get_children(path)) == 3, 5)
+
+            holder.release()
+            t.join(10)
+            assert result.get("ok") is True, result
+            assert "ok" not in third_result
+            lock.release()
+            t3.join(10)
+            assert third_result.get("ok") is True, "a node of ours outlived our release"
+            assert _children_with(zk_client, path, lock._prefix) == []
+            third.release()
+        finally:
+            _stop(c, third_client)
+
+
+def test_stale_node_with_our_prefix_from_another_session_is_replaced(zk_server, zk_client, path):
+    """A node named with our prefix but owned by another session is not ours: after a lost
+    create (dropped before reaching the server) it must be deleted, not adopted, and a
+    fresh node created."""
+    zk_client.ensure_path(path)
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            session = c.client_id[0]
+            lock = FairLock(c, path)
+            stale = zk_client.create(f"{path}/{lock._prefix}", b"stale", ephemeral=True, sequence=True)
+            stale_owner = zk_client.exists(stale).ephemeralOwner
+            assert stale_owner != session
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=False)
+            assert lock.acquire(timeout=5) is True, "blocked behind a stale node with our prefix"
+            assert cut.fired.is_set()
+            assert zk_client.exists(stale) is None, "the stale node was not deleted"
+            mine = _children_with(zk_client, path, lock._prefix)
+            assert len(mine) == 1 and f"{path}/{mine[0]}" == lock.node != stale, (mine, stale)
+            stat = zk_client.exists(lock.node)
+            assert stat.ephemeralOwner == session and lock.token == stat.czxid
+            lock.release()
+        finally:
+            _stop(c)
+
+
+def test_lost_create_reply_with_stale_twin_keeps_ours_deletes_stale(zk_server, zk_client, path):
+    """Both a stale node (other session) and our real ghost carry our prefix: ours is
+    adopted, the stale one deleted."""
+    zk_client.ensure_path(path)
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            session = c.client_id[0]
+            lock = FairLock(c, path)
+            stale = zk_client.create(f"{path}/{lock._prefix}", b"stale", ephemeral=True, sequence=True)
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=True)
+            assert lock.acquire(timeout=5) is True
+            assert cut.fired.is_set() and cut.reply_err == 0
+            assert zk_client.exists(stale) is None
+            mine = _children_with(zk_client, path, lock._prefix)
+            assert len(mine) == 1 and lock.node == f"{path}/{mine[0]}"
+            stat = zk_client.exists(lock.node)
+            assert stat.ephemeralOwner == session
+            assert stat.czxid == cut.reply_zxid  # the node the lost reply was about, adopted
+            assert lock.token == stat.czxid
+            lock.release()
+        finally:
+            _stop(c)
+
+
+# --------------------------------------------------------------------------------------
+# e. fencing tokens
+# --------------------------------------------------------------------------------------
+def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk_server, zk_client, path):
+    """20 successive holders from 4 clients contending; between the two halves the parent
+    znode is deleted (and it is a container, so the server may reap it in any idle gap
+    too).  Every holder's token is its node's czxid and strictly larger than the previous
+    holder's."""
+    clients = [_client(zk_server.hosts) for _ in range(4)]
+    holds, guard, errors = [], threading.Lock(), []
+
+    def worker(c, rounds):
+        try:
+            for _ in range(rounds):
+                lk = FairLock(c, path)
+                assert lk.acquire(timeout=30)
+                start = time.monotonic()
+                token = lk.token
+                stat, parent = c.exists(lk.node), c.exists(path)
+                time.sleep(0.002)
+                lk.release()
+                with guard:
+                    holds.append((start, token, stat.czxid if stat else None, parent.czxid if parent else None))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def phase(rounds_per_client):
+        threads = [threading.Thread(target=worker, args=(c, n)) for c, n in zip(clients, rounds_per_client)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    try:
+        phase([3, 3, 2, 2])  # 10 holders
+        first_parents = {p for *_, p in holds}
+        if zk_client.exists(path) is not None:
+            zk_client.delete(path, recursive=True)
+        assert zk_client.exists(path) is None
+        phase([2, 2, 3, 3])  # 10 more, on a re-created parent
+        assert not errors, errors
+        assert len(holds) == 20
+        holds.sort()  # exclusive holds: start order is holder order
+        second_parents = {p for *_, p in holds[10:]}
+        assert None not in first_parents | second_parents
+        assert max(first_parents) < min(second_parents), "the parent was not re-created"
+        tokens = [tok for _, tok, _, _ in holds]
+        assert all(tok == czxid for _, tok, czxid, _ in holds), holds  # token is the node's czxid
+        assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
+    finally:
+        _stop(*clients)

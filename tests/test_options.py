@@ -1,0 +1,113 @@
+"""Options, settings and keys: validation and mapping (pure logic, no worker)."""
+
+from __future__ import annotations
+
+import decimal
+import uuid
+
+import pytest
+from celery import Celery
+
+from celery_zklock import ConfigurationError, ZkLockedTask, encode_key, lock_path
+from celery_zklock.config import load_settings
+from celery_zklock.keys import compile_key
+
+
+def make_app(**conf):
+    app = Celery("opts", broker="memory://", backend="cache+memory://")
+    app.conf.update(conf)
+    return app
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"lok_key": "x"}, "unknown lock option 'lok_key'. Did you mean 'lock_key'"),
+        ({"lock_timout": 3}, "Did you mean 'lock_timeout'"),
+        ({"lock_key": "sku:{sku}"}, "names {sku}, which is not a parameter"),
+        ({"lock_key": "sku:{0}"}, "positional field"),
+        ({"lock_key": "sku:{"}, "not a valid format string"),
+        ({"lock_key": 42}, "must be a format string, a callable"),
+        ({"lock_key": []}, "empty list"),
+        ({"lock_max_holders": 0}, "lock_max_holders must be an int >= 1"),
+        ({"on_lock_timeout": "wait"}, "on_lock_timeout: 'wait' is invalid: must be one of 'retry', 'skip', 'fail'"),
+        ({"on_lock_lost": "ignore"}, "must be one of 'fail', 'interrupt'"),
+        ({"lock_timeout": -1}, "lock_timeout: -1 is invalid"),
+    ],
+)
+def test_bad_task_options_fail_at_registration(options, message):
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, **options)
+    def buy(sku_id, qty=1):
+        return qty
+
+    with pytest.raises(ConfigurationError) as info:
+        app.finalize()
+    assert message in str(info.value)
+    assert "opts.buy" in str(info.value) or "buy" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "conf, message",
+    [
+        ({"zklock_hosts": ""}, "zklock_hosts"),
+        ({"zklock_hosts": "zk1:99999"}, "out of range"),
+        ({"zklock_hosts": "zk 1:2181"}, "is not host[:port]"),
+        ({"zklock_root": "locks"}, "absolute"),
+        ({"zklock_session_timeout": 0}, "> 0"),
+        ({"zklock_on_timeout": "later"}, "must be one of"),
+        ({"zklock_host": "zk:2181"}, "unknown setting 'zklock_host'. Did you mean 'zklock_hosts'"),
+        ({"zklock_release_on_worker_loss": "yes"}, "True or False"),
+    ],
+)
+def test_bad_settings_say_what_to_fix(conf, message):
+    with pytest.raises(ConfigurationError, match=None) as info:
+        load_settings(make_app(**conf).conf)
+    assert message in str(info.value)
+
+
+def test_good_settings_and_defaults():
+    s = load_settings(make_app(zklock_hosts="a:2181,b:2181/chroot", zklock_timeout=None).conf)
+    assert s.hosts == "a:2181,b:2181/chroot" and s.timeout is None and s.on_timeout == "retry"
+    assert s.root == "/celery-zklock" and s.session_timeout == 10.0
+
+
+def test_template_binds_defaults_positionals_and_kwargs():
+    def buy(sku_id, qty=1, *, region="eu"):
+        pass
+
+    spec = compile_key(["sku:{sku_id}:{region}", "qty:{qty}"], buy, "t")
+    assert spec.keys((7,), {}) == ["qty:1", "sku:7:eu"]
+    assert spec.keys((), {"sku_id": 7, "region": "us", "qty": 3}) == ["qty:3", "sku:7:us"]
+
+
+def test_keys_from_uuid_decimal_int_and_callables():
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    spec = compile_key("o:{order}", lambda order: None, "t")
+    assert spec.keys((u,), {}) == [f"o:{u}"]
+    assert spec.keys((decimal.Decimal("1.500"),), {}) == ["o:1.5"]
+    assert spec.keys((10,), {}) == ["o:10"]
+    by_callable = compile_key(lambda a, b: [f"x:{a}", f"x:{b}"], lambda a, b: None, "t")
+    assert by_callable.keys((2, 1), {}) == ["x:1", "x:2"]  # canonical order
+
+
+def test_singleton_key_is_task_name():
+    assert compile_key(None, lambda: None, "proj.tasks.report").keys((), {}) == ["proj.tasks.report"]
+
+
+def test_key_to_znode_mapping_is_safe_and_deterministic():
+    assert encode_key("sku:42") == "sku:42"
+    assert encode_key("a/b") == "a%2Fb"
+    assert encode_key("ü") == "%C3%BC"
+    assert encode_key("..") == "%2E."
+    assert encode_key("_c_x").startswith("%5F")
+    long = encode_key("k" * 5000)
+    assert len(long) <= 200 and long == encode_key("k" * 5000) and long != encode_key("k" * 4999)
+    with pytest.raises(ConfigurationError, match="empty"):
+        encode_key("")
+
+
+def test_lock_path_helper_uses_root():
+    app = make_app(zklock_root="/locks")
+    assert lock_path("sku/1", app) == "/locks/sku%2F1"
