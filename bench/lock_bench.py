@@ -7,7 +7,9 @@ Run from the project root::
 Why one script measures all contenders in one run: latency on a loopback ZooKeeper with
 fsync on depends mostly on the disk and the machine's load at that moment, so numbers
 taken in separate runs cannot be compared.  Here every contender runs against the same
-freshly started ZooKeeper (fsync on, the default) and Redis, one after the other.
+freshly started ZooKeeper (fsync on, the default) and Redis, and the contenders take
+turns (interleaved blocks, or time windows in alternating order) so that drift in the
+machine's state over the run favours none of them.
 
 Scenarios (all timings with ``time.perf_counter``, which on Linux is the system-wide
 CLOCK_MONOTONIC, so stamps taken in different processes are comparable):
@@ -26,7 +28,9 @@ prints a table with ratios against kazoo's ``Lock`` and writes JSON.
 KazooClients are created only inside child processes (a client's threads and socket do
 not survive a fork).  Children are forked: the parent never holds a KazooClient or starts a
 thread, and forking costs milliseconds where spawning (re-importing kazoo and celery in
-every child) would cost half a second per process.
+every child) would cost half a second per process -- the fairness scenario alone starts
+8 processes per pass.  A caller folding :func:`run` into a bigger runner must call it
+before it starts threads of its own (forking a threaded process is unsafe).
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ QUICK = Settings(
 )
 
 ACQUIRE_CAP = 30.0  # seconds; no scenario should ever wait this long for one acquire
+HANDOFF_WARMUP_ROUNDS = 3  # per contender, not recorded
 
 # ---------------------------------------------------------------------------------------
 # The Redis contender: the lock people hand-roll when they "just use Redis"
@@ -229,7 +234,7 @@ class Backend:
 
 
 # ---------------------------------------------------------------------------------------
-# Scenario bodies (run in child processes; each gets its own Backend)
+# Scenario bodies (run in child processes; each gets {contender name: Backend})
 # ---------------------------------------------------------------------------------------
 
 now = time.perf_counter
@@ -348,8 +353,8 @@ def throughput_worker(backends: dict[str, Backend], barrier, seconds: float) -> 
     return count
 
 
-def fairness_worker(backends: dict[str, Backend], barrier, seconds: float, hold: float) -> list[tuple[float, float, float]]:
-    """Hold ``hold`` seconds, release, re-request at once; return (request, acquire, release) stamps.
+def fairness_worker(backends: dict[str, Backend], barrier, seconds: float, hold: float) -> list[tuple]:
+    """Hold ``hold`` s, release, re-request at once; return (request, acquire, release) stamps.
 
     Requests stop at the end of the window but pending ones run to completion, so a
     starved waiter's full wait is counted rather than cut off.
@@ -462,7 +467,7 @@ def measure_handoff(contenders: list[Contender], endpoints: dict, s: Settings) -
     """One holder and one waiter process, all contenders taking turns round by round."""
     holder_end, waiter_end = _ctx.Pipe()
     jobs = [
-        (handoff_holder, (holder_end, s.handoff_rounds, 3, s.handoff_settle)),
+        (handoff_holder, (holder_end, s.handoff_rounds, HANDOFF_WARMUP_ROUNDS, s.handoff_settle)),
         (handoff_waiter, (waiter_end,)),
     ]
     samples, _ = run_processes(contenders, endpoints, jobs, timeout=600)
@@ -472,7 +477,9 @@ def measure_handoff(contenders: list[Contender], endpoints: dict, s: Settings) -
     }
 
 
-def windowed(contenders: list[Contender], endpoints: dict, procs: int, seconds: float, passes: int, worker: Callable, *args) -> dict:
+def windowed(
+    contenders: list[Contender], endpoints: dict, procs: int, seconds: float, passes: int, worker: Callable, *args
+) -> dict:
     """Run ``worker`` in ``procs`` processes for ``seconds``, per contender, split in passes.
 
     Time-window scenarios cannot interleave contenders within a window, so the window is
@@ -493,38 +500,51 @@ def windowed(contenders: list[Contender], endpoints: dict, procs: int, seconds: 
 def measure_throughput(contenders: list[Contender], endpoints: dict, s: Settings) -> dict[str, dict]:
     """Total acquisitions per second on one key with ``throughput_procs`` looping processes."""
     res = windowed(contenders, endpoints, s.throughput_procs, s.throughput_seconds, s.passes, throughput_worker)
-    return {name: {"throughput_per_s": round(sum(map(sum, p)) / s.throughput_seconds, 1)} for name, p in res.items()}
+    return {n: {"throughput_per_s": round(sum(map(sum, p)) / s.throughput_seconds, 1)} for n, p in res.items()}
 
 
 def measure_fairness(contenders: list[Contender], endpoints: dict, s: Settings) -> dict[str, dict]:
     """Hold order and waits of ``fairness_procs`` processes re-requesting after each hold."""
-    res = windowed(contenders, endpoints, s.fairness_procs, s.fairness_seconds, s.passes, fairness_worker, s.fairness_hold)
+    res = windowed(
+        contenders, endpoints, s.fairness_procs, s.fairness_seconds, s.passes, fairness_worker, s.fairness_hold
+    )
     return {name: fairness_stats(passes) for name, passes in res.items()}
 
 
 def fairness_stats(passes: list[list[list[tuple[float, float, float]]]]) -> dict:
     """Order each pass's holds by acquire time and summarise repeats, waits and exclusion.
 
+    A *same-holder repeat* is a process holding twice in a row while another process was
+    already waiting (had requested before the repeat's request and not yet acquired).
+    Without that condition the end of every window would count: once the others have
+    stopped re-requesting, the last active process legitimately holds twice in a row.
+
     ``overlaps`` counts holds that began before the previous holder started releasing:
     for a mutex it must be 0, so a non-zero value is a correctness bug, not a speed issue.
     """
-    holds_total = repeats = overlaps = 0
+    holds_total = pairs = repeats = overlaps = 0
     waits: list[float] = []
     for per_proc in passes:
-        holds = sorted((t_acq, proc, t_req, t_rel) for proc, hs in enumerate(per_proc) for t_req, t_acq, t_rel in hs)
-        order = [h[1] for h in holds]
+        holds = sorted((a, proc, r, rel) for proc, hs in enumerate(per_proc) for r, a, rel in hs)
         holds_total += len(holds)
-        repeats += sum(1 for a, b in zip(order, order[1:]) if a == b)
+        pairs += max(0, len(holds) - 1)
+        repeats += sum(1 for prev, cur in zip(holds, holds[1:]) if prev[1] == cur[1] and overtook(cur, holds))
         overlaps += sum(1 for prev, cur in zip(holds, holds[1:]) if cur[0] < prev[3])
         waits += [t_acq - t_req for t_acq, _, t_req, _ in holds]
-    pairs = max(1, holds_total - len(passes))
     return {
         "fairness_holds": holds_total,
-        "same_holder_pct": round(100.0 * repeats / pairs, 2),
+        "same_holder_pct": round(100.0 * repeats / max(1, pairs), 2),
         "max_wait_ms": ms(max(waits)) if waits else None,
         "p50_wait_ms": ms(percentile(waits, 50)) if waits else None,
+        "p99_wait_ms": ms(percentile(waits, 99)) if waits else None,
         "exclusion_overlaps": overlaps,
     }
+
+
+def overtook(hold: tuple, holds: list[tuple]) -> bool:
+    """True if another process requested before ``hold`` did and acquired after it."""
+    t_acq, proc, t_req, _ = hold
+    return any(p != proc and r < t_req and a > t_acq for a, p, r, _ in holds)
 
 
 SCENARIOS = (
@@ -570,7 +590,7 @@ def start_servers():
 
 
 def run(quick: bool = False) -> dict:
-    """Measure every contender in every scenario and return the results (no printing but progress)."""
+    """Measure every contender in every scenario; return the results (progress goes to stderr)."""
     settings = QUICK if quick else FULL
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -677,9 +697,12 @@ def format_table(results: dict) -> str:
     header = ["contender"] + [label for _, label in COLUMNS]
     body = [[name] + [cell(name, m) for m, _ in COLUMNS] for name in rows]
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-    fmt = lambda r: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+
     lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in body]
-    lines.append("(x) = ours/kazoo Lock ratio for latency metrics; below 1.00x is faster than kazoo.")
+    lines.append("(x) = this row / kazoo Lock, for latency metrics; below 1.00x is faster than kazoo.")
     env = results["environment"]
     lines.append(
         f"ZooKeeper fsync on; {env['cpus']} CPUs; 1-min load average {env['loadavg_1min_start']:.2f} at start,"

@@ -5,7 +5,7 @@ limit) nothing runs in the child, and its ZooKeeper session — with its lock no
 survive until the session timeout (10 s by default), stalling every task queued on that
 key.  The parent learns of the loss in ``Request.on_failure`` (``WorkerLostError``) or
 ``Request.on_timeout`` (hard limit), knows the child's pid (``worker_pid``) and the task's
-arguments, so it can compute the task's lock paths and delete exactly the nodes whose data
+arguments, so it can compute the task's lock paths and have a short-lived reaper process delete exactly the nodes whose data
 names this host, that pid and that task id — once the pid is confirmed dead.  Celery
 documents per-task ``Request`` classes for this purpose.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
+import subprocess
+import sys
 import time
 
 from celery import signals
@@ -42,65 +43,68 @@ def _pid_dead(pid: int) -> bool:
         return False
 
 
-def reap(task, task_id: str, pid: int | None, args, kwargs, wait_dead: float = 5.0) -> int:
-    """Delete lock nodes of ``task_id`` held by dead ``pid`` on this host; return how many."""
+def reap_nodes(hosts: str, session_timeout: float, paths: list[str], task_id: str, pid: int, host: str,
+               wait_dead: float = 5.0) -> int:
+    """Delete the lock nodes under ``paths`` owned by ``task_id`` in dead ``pid`` on ``host``."""
+    from kazoo.client import KazooClient
     from kazoo.exceptions import NoNodeError
 
-    from .client import get_client
-    from .config import cached_settings
-
-    if not pid:
-        return 0
     deadline = time.monotonic() + wait_dead
     while not _pid_dead(pid):
         if time.monotonic() > deadline:
             logger.warning("zklock: child %s still alive; leaving its locks to its session timeout", pid)
             return 0
-        time.sleep(0.01)
-    settings = cached_settings(task.app)
-    if not settings.release_on_worker_loss:
-        return 0
-    try:
-        paths = task.lock_paths(tuple(args or ()), dict(kwargs or {}), settings)
-    except Exception as exc:
-        logger.warning("zklock: cannot compute lock keys of lost task %s: %r", task_id, exc)
-        return 0
-    client = get_client(settings)
-    host = socket.gethostname()
+        time.sleep(0.005)
+    client = KazooClient(hosts=hosts, timeout=session_timeout)
+    client.start(timeout=session_timeout)
     removed = 0
-    for path in paths:
-        try:
-            children = client.get_children(path)
-        except NoNodeError:
-            continue
-        for name in children:
+    try:
+        for path in paths:
             try:
-                data, _ = client.get(f"{path}/{name}")
-                info = json.loads(data)
-            except (NoNodeError, ValueError):
+                children = client.get_children(path)
+            except NoNodeError:
                 continue
-            if info.get("task_id") == task_id and info.get("pid") == pid and info.get("host") == host:
+            pending = [(name, client.get_async(f"{path}/{name}")) for name in children]
+            for name, result in pending:
                 try:
-                    client.delete(f"{path}/{name}")
-                    removed += 1
-                except NoNodeError:
-                    pass
-    if removed:
-        logger.warning("zklock: released %d lock node(s) of task %s after its worker process %s died", removed, task_id, pid)
+                    info = json.loads(result.get()[0])
+                except (NoNodeError, ValueError):
+                    continue
+                if info.get("task_id") == task_id and info.get("pid") == pid and info.get("host") == host:
+                    try:
+                        client.delete(f"{path}/{name}")
+                        removed += 1
+                    except NoNodeError:
+                        pass
+    finally:
+        client.stop()
+        client.close()
     return removed
 
 
+# Reaper processes still running or not yet waited for (never a thread in the parent: a
+# thread alive while the pool forks a replacement child can leave a lock held in the child).
+_reapers: list[subprocess.Popen] = []
+
+
 def _reap_async(request: Request) -> None:
-    task, tid, pid = request.task, request.id, request.worker_pid
-    args, kwargs = request.args, request.kwargs
-    threading.Thread(target=_safe_reap, args=(task, tid, pid, args, kwargs), daemon=True, name="zklock-reaper").start()
+    """Start a reaper process for a lost request; the parent does no ZooKeeper I/O itself."""
+    from .config import cached_settings
 
-
-def _safe_reap(*a) -> None:
+    _reapers[:] = [p for p in _reapers if p.poll() is None]
+    task, pid = request.task, request.worker_pid
     try:
-        reap(*a)
-    except Exception as exc:  # the session timeout remains the bound
-        logger.warning("zklock: could not release a lost worker's lock: %r", exc)
+        settings = cached_settings(task.app)
+        if not settings.release_on_worker_loss or not pid:
+            return
+        paths = task.lock_paths(tuple(request.args or ()), dict(request.kwargs or {}), settings)
+    except Exception as exc:
+        logger.warning("zklock: cannot compute lock paths of lost task %s: %r", request.id, exc)
+        return
+    job = {"hosts": settings.hosts, "session_timeout": settings.session_timeout, "paths": paths,
+           "task_id": request.id, "pid": pid, "host": socket.gethostname()}
+    _reapers.append(subprocess.Popen([sys.executable, "-m", "celery_zklock.worker_loss", json.dumps(job)],
+                                     stdin=subprocess.DEVNULL, close_fds=True))
 
 
 class LockAwareRequest(Request):
@@ -188,3 +192,24 @@ def install() -> None:
     signals.worker_init.connect(_on_worker_init, weak=False)
     signals.worker_process_shutdown.connect(_on_shutdown, weak=False)
     signals.worker_shutdown.connect(_on_shutdown, weak=False)
+
+
+def main(argv: list[str]) -> int:
+    """Reaper process entry point: ``python -m celery_zklock.worker_loss '<json job>'``."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-reaper] %(message)s")
+    job = json.loads(argv[0])
+    try:
+        removed = reap_nodes(**job)
+    except Exception as exc:  # the session timeout remains the bound
+        logger.warning("could not release lost task %s's lock: %r", job.get("task_id"), exc)
+        return 1
+    if removed:
+        logger.warning("released %d lock node(s) of task %s after its worker process %s died",
+                       removed, job["task_id"], job["pid"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

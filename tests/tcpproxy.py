@@ -6,7 +6,9 @@ demand, the network failures a lock must survive:
 * :meth:`TcpProxy.arm_cut` — the next request of a given opcode (e.g. ``create``) reaches
   the server, which executes it, but the connection is cut before the reply gets back:
   the client sees ConnectionLoss for a request that *succeeded* (the "ghost node" case).
-  With ``forward=False`` the request is dropped instead, so the server never sees it.
+  With ``forward=False`` the request is dropped instead, so the server never sees it;
+  with ``deliver_reply=True`` the reply gets through and the cut follows right after it
+  (the client learns the result and is SUSPENDED the next instant).
 * :meth:`TcpProxy.hold` / :meth:`TcpProxy.release_held` — drop every connection and keep
   new ones waiting (accepted, not yet connected upstream) until released: the client is
   SUSPENDED for exactly as long as the test wants, then reconnects on the same session.
@@ -25,10 +27,22 @@ import struct
 import threading
 import time
 
-__all__ = ["TcpProxy", "OP_CREATE", "OP_CREATE2", "OP_DELETE", "OP_GET_CHILDREN2", "OP_PING"]
+__all__ = [
+    "TcpProxy",
+    "wait_for",
+    "OP_CREATE",
+    "OP_CREATE2",
+    "OP_DELETE",
+    "OP_EXISTS",
+    "OP_GET_CHILDREN",
+    "OP_GET_CHILDREN2",
+    "OP_PING",
+]
 
 OP_CREATE = 1
 OP_DELETE = 2
+OP_EXISTS = 3
+OP_GET_CHILDREN = 8
 OP_GET_CHILDREN2 = 12
 OP_PING = 11
 OP_CREATE2 = 15
@@ -117,6 +131,8 @@ class _Conn:
                     out.clear()
                     cut.request_seen.set()
                     if not cut.forward:
+                        if cut.then_hold:
+                            self.proxy._set_holding()
                         cut.fired.set()
                         self.close()
                         return
@@ -145,19 +161,30 @@ class _Conn:
                         first = False
                         out += frame
                         continue
-                    if self.cut_xid is None:
+                    cut_xid = self.cut_xid
+                    if cut_xid is None:
                         out += frame
                         continue
-                    # Swallow everything after the cut; stop at the armed request's reply.
+                    cut = self.proxy._fired_cut
                     xid, zxid, err = struct.unpack_from(">iqi", frame, 4)
-                    if xid == self.cut_xid:
-                        cut = self.proxy._fired_cut
-                        if cut is not None:
-                            cut.reply_err = err
-                            cut.reply_zxid = zxid
-                            cut.fired.set()
-                        self.close()
-                        return
+                    if xid != cut_xid:
+                        # Replies to earlier requests and watch events: they flow on only
+                        # when the armed reply itself is to be delivered.
+                        if cut is not None and cut.deliver_reply:
+                            out += frame
+                        continue
+                    # The armed request's reply: deliver or swallow it, then cut.
+                    if cut is not None:
+                        cut.reply_err = err
+                        cut.reply_zxid = zxid
+                        if cut.deliver_reply:
+                            out += frame
+                            self.client.sendall(bytes(out))
+                        if cut.then_hold:
+                            self.proxy._set_holding()
+                        cut.fired.set()
+                    self.close()
+                    return
                 if out:
                     self.client.sendall(bytes(out))
         except OSError:
@@ -166,9 +193,11 @@ class _Conn:
 
 
 class _Cut:
-    def __init__(self, opcodes: frozenset[int], forward: bool) -> None:
+    def __init__(self, opcodes: frozenset[int], forward: bool, deliver_reply: bool, then_hold: bool) -> None:
         self.opcodes = opcodes
         self.forward = forward
+        self.deliver_reply = deliver_reply
+        self.then_hold = then_hold
         self.request_seen = threading.Event()
         self.fired = threading.Event()
         self.reply_err: int | None = None  # server's error code for the swallowed reply (0 = ok)
@@ -208,16 +237,22 @@ class TcpProxy:
         return f"127.0.0.1:{self.port}"
 
     # -------------------------------------------------------------- fault controls
-    def arm_cut(self, opcodes=(OP_CREATE, OP_CREATE2), forward: bool = True) -> _Cut:
+    def arm_cut(
+        self, opcodes=(OP_CREATE, OP_CREATE2), forward: bool = True, deliver_reply: bool = False, then_hold: bool = False
+    ) -> _Cut:
         """Cut the connection at the next request whose opcode is in ``opcodes``.
 
         ``forward=True``: the request reaches the server; its reply (and anything after
         it) is swallowed and the connection closed once the reply arrived, so the server
         has certainly executed it.  ``forward=False``: the request is dropped and the
-        connection closed at once.  Returns a handle whose ``fired`` event is set when the
-        cut happened and whose ``reply_err`` is the server's error code for the request.
+        connection closed at once.  ``deliver_reply=True``: the reply (and the replies
+        before it) still reaches the client and the connection is closed right after it.
+        ``then_hold=True``: at the cut the proxy starts holding new connections (see
+        :meth:`hold`) until :meth:`release_held`.  Returns a handle whose ``fired`` event
+        is set when the cut happened and whose ``reply_err`` / ``reply_zxid`` are the
+        server's error code and zxid for the request.
         """
-        cut = _Cut(frozenset(opcodes), forward)
+        cut = _Cut(frozenset(opcodes), forward, deliver_reply and forward, then_hold)
         with self._guard:
             self._cut = cut
         return cut
@@ -230,6 +265,10 @@ class TcpProxy:
             self._cut = None
             self._fired_cut = cut
             return cut
+
+    def _set_holding(self) -> None:
+        with self._guard:
+            self._holding = True
 
     def drop_all(self) -> None:
         """Close every proxied connection now."""

@@ -25,15 +25,36 @@ def clean(mod):
     yield
 
 
-@pytest.mark.parametrize("pool, conc", [("threads", 4), ("solo", 1), ("gevent", 8)])
-def test_pool_keeps_exclusion(mod, env, pool, conc):
-    workers = [Worker(env, f"{pool}{i}", pool=pool, concurrency=conc) for i in (1, 2)]
+def _amqp_reachable() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "pool, conc, extra_env",
+    [
+        ("threads", 4, {}),
+        ("solo", 1, {}),
+        ("gevent", 8, {}),
+        ("prefork", 2, {"TEST_POOL_START_METHOD": "spawn"}),
+        pytest.param("prefork", 2, {"TEST_BROKER_URL": "amqp://guest:guest@127.0.0.1:5672//"}, id="rabbitmq",
+                     marks=pytest.mark.skipif(not _amqp_reachable(), reason="no RabbitMQ on 127.0.0.1:5672")),
+    ],
+)
+def test_pool_keeps_exclusion(mod, env, pool, conc, extra_env):
+    workers = [Worker({**env, **extra_env}, f"{pool}{i}", pool=pool, concurrency=conc) for i in (1, 2)]
     for w in workers:
         w.start()
     try:
+        app = mod.app
+        if extra_env.get("TEST_BROKER_URL"):
+            app = type(mod.app)("sender", broker=extra_env["TEST_BROKER_URL"], backend=mod.app.conf.result_backend)
         for w in workers:
-            w.wait_ready(mod.app)
-        rs = [mod.hold.delay(f"pool-{pool}", 10, i) for i in range(16)]
+            w.wait_ready(app)
+        rs = [app.send_task("tests.apps.locked.hold", args=(f"pool-{pool}", 10, i)) for i in range(16)]
         for r in rs:
             r.get(timeout=60)
         rows = history(mod, "hold")

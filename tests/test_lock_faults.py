@@ -17,7 +17,7 @@ from kazoo.protocol.states import KazooState
 
 from celery_zklock import FairLock, LockLost
 from celery_zklock.testing import ZooKeeperServer
-from tests.tcpproxy import OP_CREATE, OP_CREATE2, TcpProxy, wait_for
+from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, TcpProxy, wait_for
 
 SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s
 
@@ -89,6 +89,19 @@ class HolderMonitor:
         self._thread.join(5)
 
 
+def _acquire_in_thread(lock, result, timeout=30):
+    def run():
+        try:
+            result["ok"] = lock.acquire(timeout=timeout)
+        except BaseException as exc:
+            result["error"] = exc
+        result["at"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def _children_with(client, path, prefix):
     return [c for c in client.get_children(path) if c.startswith(prefix)]
 
@@ -149,6 +162,45 @@ def test_session_expiry_while_holding(zk_server, zk_client, path):
         other.release()
     finally:
         _stop(a)
+
+
+def test_session_expiry_while_waiting_requeues_and_acquires(zk_server, zk_client, path):
+    """A *waiter* whose session expires loses its queue node with the session.  acquire()
+    must not fail with kazoo's SessionExpiredError: it queues again on the client's new
+    session (the engine's "queue again at the back" branch) and gets the lock once the
+    holder releases."""
+    holder = FairLock(zk_client, path)
+    assert holder.acquire(timeout=5)
+    w = _client(zk_server.hosts)
+    try:
+        waiter = FairLock(w, path)
+        result = {}
+        t = _acquire_in_thread(waiter, result, timeout=20)
+        assert wait_for(lambda: len(zk_client.get_children(path)) == 2 and waiter.node is not None, 5)
+        old_node = waiter.node
+        session_id, password = w.client_id
+
+        zombie = KazooClient(hosts=zk_server.hosts, client_id=(session_id, password), timeout=SESSION)
+        zombie.start(timeout=15)
+        zombie.stop()
+        zombie.close()
+
+        assert wait_for(lambda: w.connected and w.client_id and w.client_id[0] != session_id, 10)
+        assert wait_for(lambda: zk_client.exists(old_node) is None, 5)
+        time.sleep(0.5)
+        assert "error" not in result, f"acquire() raised {result.get('error')!r} after the waiter's session expired"
+        assert "ok" not in result and not waiter.is_held()
+        # Re-queued behind the holder, on the new session.
+        assert wait_for(lambda: len(zk_client.get_children(path)) == 2, 5), zk_client.get_children(path)
+        holder.release()
+        t.join(10)
+        assert result.get("ok") is True, result
+        stat = zk_client.exists(waiter.node)
+        assert stat is not None and stat.ephemeralOwner == w.client_id[0]
+        waiter.release()
+    finally:
+        holder.release()
+        _stop(w)
 
 
 # --------------------------------------------------------------------------------------
@@ -246,7 +298,6 @@ def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
             assert not lock.is_held()
             with pytest.raises(LockLost):
                 lock.ensure()
-            assert zk_client.exists(node) is not None
             assert lock.release() is False
             assert wait_for(lambda: zk_client.exists(node) is None, 3), "release() left the node behind"
             other = FairLock(zk_client, path)
@@ -256,22 +307,114 @@ def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
             _stop(c)
 
 
+RACE_ROUNDS = 12  # the races below show in roughly half of the rounds when present
+
+
+def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_server, zk_client, path):
+    """The reply that makes us the holder is the last thing through before the connection
+    drops, so SUSPENDED arrives while acquire() is still finishing.  Whatever acquire()
+    then does, the lock must not claim to be held while disconnected (if it does, the
+    SUSPENDED safety timer is not armed either, and a partition longer than the session
+    timeout gives the lock to someone else while we still say is_held()).  Once
+    reconnected on the same session it must hold."""
+    zk_client.ensure_path(path)
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            session = c.client_id[0]
+            for round_ in range(RACE_ROUNDS):
+                lost = []
+                lock = FairLock(c, path, on_lost=lost.append)
+                # Pass the children listing of the acquire, then cut and keep the client out.
+                cut = proxy.arm_cut((OP_GET_CHILDREN,), forward=True, deliver_reply=True, then_hold=True)
+                result = {}
+                t = _acquire_in_thread(lock, result, timeout=10)
+                assert cut.fired.wait(5), "the proxy never saw the acquire's get_children"
+                assert wait_for(lambda: not c.connected, 2)
+                time.sleep(0.15)
+                assert not lock.is_held(), (
+                    f"round {round_}: is_held() is True while the client is disconnected "
+                    f"(acquire returned {result.get('ok')!r}, _suspended={lock._suspended})"
+                )
+                with pytest.raises(LockLost):
+                    lock.ensure()
+                proxy.release_held()
+                t.join(10)
+                assert result.get("ok") is True, result
+                assert wait_for(lock.is_held, 2), f"round {round_}: not held after reconnecting"
+                assert c.client_id[0] == session and lost == []
+                lock.release()
+        finally:
+            proxy.release_held()
+            _stop(c)
+
+
+def test_reverification_racing_a_new_suspension_is_not_held(zk_server, zk_client, path):
+    """After a reconnection the lock re-verifies its node; the reply arrives and the
+    connection drops again right after it.  The newer SUSPENDED must win: not held while
+    disconnected, held again after the next reconnection."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            session = c.client_id[0]
+            for round_ in range(RACE_ROUNDS):
+                lost = []
+                lock = FairLock(c, path, on_lost=lost.append)
+                assert lock.acquire(timeout=5)
+                time.sleep(0.05)  # let the lock's own exists() watch go out
+                proxy.hold()
+                assert wait_for(lambda: not lock.is_held(), 1)
+                # The first exists() after reconnecting is the re-verification: let its
+                # reply through, then cut again.
+                cut = proxy.arm_cut((OP_EXISTS,), forward=True, deliver_reply=True, then_hold=True)
+                proxy.release_held()
+                assert cut.fired.wait(5), "the lock never re-verified its node"
+                assert wait_for(lambda: not c.connected, 2)
+                time.sleep(0.15)
+                assert not lock.is_held(), (
+                    f"round {round_}: is_held() is True while the client is disconnected "
+                    f"(_suspended={lock._suspended})"
+                )
+                proxy.release_held()
+                assert wait_for(lock.is_held, 2), f"round {round_}: not held after reconnecting"
+                assert c.client_id[0] == session and lost == []
+                lock.release()
+        finally:
+            proxy.release_held()
+            _stop(c)
+
+
+def test_timeout_after_lost_create_reply_leaves_no_ghost(zk_server, zk_client, path):
+    """acquire(timeout) whose create executed but whose reply was lost, and the deadline
+    passes while cut off: once reconnected our ghost node must be gone, not left at the
+    head of the queue blocking everybody for the rest of our session."""
+    zk_client.ensure_path(path)
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lock = FairLock(c, path)
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=True, then_hold=True)
+            result = {}
+            t = _acquire_in_thread(lock, result, timeout=0.3)
+            assert cut.fired.wait(5) and cut.reply_err == 0
+            time.sleep(0.6)  # past the deadline, still cut off
+            assert len(_children_with(zk_client, path, lock._prefix)) == 1  # the ghost
+            proxy.release_held()
+            t.join(5)
+            assert result.get("ok") is False, result
+            assert wait_for(lambda: _children_with(zk_client, path, lock._prefix) == [], 3), "ghost node left behind"
+            assert lock.node is None and not lock.is_held()
+            other = FairLock(zk_client, path)
+            assert other.acquire(timeout=2)
+            other.release()
+        finally:
+            proxy.release_held()
+            _stop(c)
+
+
 # --------------------------------------------------------------------------------------
 # c. 3-node ensemble: leader failover
 # --------------------------------------------------------------------------------------
-def _acquire_in_thread(lock, result, timeout=30):
-    def run():
-        try:
-            result["ok"] = lock.acquire(timeout=timeout)
-        except BaseException as exc:
-            result["error"] = exc
-        result["at"] = time.monotonic()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def test_leader_killed_while_holding(zk_ensemble, path):
     a = _client(zk_ensemble.hosts)
     b = _client(zk_ensemble.hosts)
@@ -475,6 +618,36 @@ def test_lost_create_reply_with_stale_twin_keeps_ours_deletes_stale(zk_server, z
             assert stat.czxid == cut.reply_zxid  # the node the lost reply was about, adopted
             assert lock.token == stat.czxid
             lock.release()
+        finally:
+            _stop(c)
+
+
+@pytest.mark.parametrize("forward", [False, True], ids=["delete-dropped", "delete-reply-lost"])
+def test_release_whose_delete_is_lost_is_retried(zk_server, zk_client, path, forward):
+    """The release's delete meets a connection loss (dropped before the server, or executed
+    with the reply lost).  release() must still leave no node behind, so the next waiter
+    gets the lock while our session lives on."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            session = c.client_id[0]
+            lock = FairLock(c, path)
+            assert lock.acquire(timeout=5)
+            node = lock.node
+            waiter = FairLock(zk_client, path)
+            result = {}
+            t = _acquire_in_thread(waiter, result)
+            assert wait_for(lambda: len(zk_client.get_children(path)) == 2, 5)
+            cut = proxy.arm_cut((OP_DELETE,), forward=forward)
+            assert lock.release() is True
+            assert cut.fired.is_set(), "the proxy never saw the release's delete"
+            if forward:
+                assert cut.reply_err == 0
+            assert zk_client.exists(node) is None, "release() returned with our node still there"
+            t.join(5)
+            assert result.get("ok") is True, result
+            assert wait_for(lambda: c.connected, 5) and c.client_id[0] == session
+            waiter.release()
         finally:
             _stop(c)
 

@@ -16,7 +16,7 @@ REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 app = Celery("locked")
 app.conf.update(
-    broker_url=REDIS_URL,
+    broker_url=os.environ.get("TEST_BROKER_URL") or REDIS_URL,
     result_backend=REDIS_URL.rsplit("/", 1)[0] + "/1",
     zklock_hosts=os.environ.get("TEST_ZK_HOSTS", "127.0.0.1:2181"),
     zklock_root=os.environ.get("TEST_ZK_ROOT", "/celery-zklock"),
@@ -29,6 +29,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=600,
 )
+if os.environ.get("TEST_POOL_START_METHOD"):
+    app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)
 
 
