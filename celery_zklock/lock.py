@@ -133,7 +133,7 @@ class FairLock:
         self._state = _IDLE
         self._suspended = False
         self._cancelled = False
-        self._guard = client.handler.lock_object()
+        self._guard = client.handler.rlock_object()
         self._wake = client.handler.event_object()
         self._connected = client.handler.event_object()
         self._lost_reason: str | None = None
@@ -274,7 +274,16 @@ class FairLock:
                 with self._guard:
                     if self._state != _WAITING:
                         return False
+                    if self._session_lost():
+                        continue  # the children were read in a session that has since ended
                     self._state = _HELD
+                    if not self.client.connected:
+                        # The connection dropped between the children reply and now: the
+                        # listener saw us still waiting, so start the suspension here.
+                        self._begin_suspension()
+                        if self.client.connected:
+                            self.client.handler.spawn(self._verify)
+                        return True
                 self._watch_own_node()
                 return True
             if deadline is not None and self._expired(deadline):
@@ -303,7 +312,7 @@ class FairLock:
                 r.get()
             except NoNodeError:
                 gone = True
-            except _RETRYABLE:
+            except (*_RETRYABLE, SessionExpiredError):
                 gone = True  # re-read the children once connected again
         return not gone
 
@@ -415,7 +424,15 @@ class FairLock:
                 self._sleep_until_connected(None if forever else deadline)
                 if self._cancelled and not forever:
                     return None
-            except (SessionExpiredError, ConnectionClosedError):
+            except SessionExpiredError:
+                # Our session ended while we waited: wait for kazoo's new session; the
+                # caller notices the session change and queues again with a new node.
+                if forever or self._expired(deadline):
+                    return None
+                self._sleep_until_connected(deadline)
+                if self._cancelled:
+                    return None
+            except ConnectionClosedError:
                 if forever:
                     return None
                 raise
@@ -482,21 +499,26 @@ class FairLock:
 
     def _on_state(self, state: str) -> None:
         """kazoo state listener: flag, wake and hand off — never ZooKeeper I/O here."""
-        if state == KazooState.SUSPENDED:
-            self._connected.clear()
-            if self._state == _HELD:
-                self._suspended = True
-                self._suspend_epoch += 1
-                self.client.handler.spawn(self._expire_if_still_suspended, self._suspend_epoch)
-        elif state == KazooState.CONNECTED:
-            self._connected.set()
-            if self._state == _HELD and self._suspended:
-                self.client.handler.spawn(self._verify)
-        elif state == KazooState.LOST:
-            self._connected.clear()
-            if self._state == _HELD:
-                self._mark_lost("ZooKeeper session expired")
+        with self._guard:
+            if state == KazooState.SUSPENDED:
+                self._connected.clear()
+                if self._state == _HELD:
+                    self._begin_suspension()
+            elif state == KazooState.CONNECTED:
+                self._connected.set()
+                if self._state == _HELD and self._suspended:
+                    self.client.handler.spawn(self._verify)
+            elif state == KazooState.LOST:
+                self._connected.clear()
+                if self._state == _HELD:
+                    self._mark_lost("ZooKeeper session expired")
         self._wake.set()
+
+    def _begin_suspension(self) -> None:
+        """Held lock, connection gone: unsafe until re-verified; lost past the grace."""
+        self._suspended = True
+        self._suspend_epoch += 1
+        self.client.handler.spawn(self._expire_if_still_suspended, self._suspend_epoch)
 
     def _delete_in_background(self, full: str) -> None:
         def done(result) -> None:
@@ -531,12 +553,13 @@ class FairLock:
 
     def _expire_if_still_suspended(self, epoch: int) -> None:
         self.client.handler.sleep_func(self._grace())
-        if self._state == _HELD and self._suspended and self._suspend_epoch == epoch:
-            self._mark_lost("disconnected from ZooKeeper past the session-expiry safety margin")
+        with self._guard:
+            if self._state == _HELD and self._suspended and self._suspend_epoch == epoch:
+                self._mark_lost("disconnected from ZooKeeper past the session-expiry safety margin")
 
     def _verify(self) -> None:
         """After a reconnection: still ours only if the node exists and our session owns it."""
-        node = self._node
+        node, epoch = self._node, self._suspend_epoch
         if node is None or self._state != _HELD:
             return
         try:
@@ -547,7 +570,12 @@ class FairLock:
             self._mark_lost("ZooKeeper session expired")
             return
         if stat is not None and stat.ephemeralOwner == self._current_session() == self._session_id:
-            self._suspended = False
+            with self._guard:
+                # A newer suspension may have begun while exists() was in flight: then this
+                # verdict is stale and that suspension's own verify/grace decides.
+                if self._suspend_epoch != epoch or not self.client.connected or self._state != _HELD:
+                    return
+                self._suspended = False
             self._watch_own_node()  # kazoo dropped our watches when the connection broke
         else:
             self._mark_lost("lock node gone after reconnection")
@@ -558,7 +586,7 @@ class FairLock:
                 return
             self._state = _LOST
             self._lost_reason = reason
-        self._suspended = False
+            self._suspended = False
         cb = self.on_lost
         if cb is not None:
             self.client.handler.spawn(cb, self)
