@@ -10,10 +10,9 @@ import time
 import uuid
 
 import pytest
-from celery.result import AsyncResult
 
 from celery_zklock import LockLost, LockTimeout
-from tests.lockutil import overlapping
+from tests.lockutil import children, overlapping
 from tests.workers import Worker
 
 
@@ -84,13 +83,13 @@ def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
     blocker = mod.hold.delay("fifo", 1500, "blocker")
     path = f"{env['TEST_ZK_ROOT']}/k:fifo"
     deadline = time.time() + 10
-    while time.time() < deadline and not (zk_client.exists(path) and zk_client.get_children(path)):
+    while time.time() < deadline and not children(zk_client, path):
         time.sleep(0.02)
     rs = []
     for i in range(3):  # 3 waiters fit in the 3 free worker slots
         rs.append(mod.hold.delay("fifo", 10, i))
         n = 2 + i
-        while time.time() < deadline and len(zk_client.get_children(path)) < n:
+        while time.time() < deadline and len(children(zk_client, path)) < n:
             time.sleep(0.01)
     for r in [blocker, *rs]:
         r.get(timeout=30)
@@ -128,7 +127,7 @@ def test_timeout_policy_retry_keeps_no_lock_and_eventually_runs(mod, workers, zk
     path = f"{env['TEST_ZK_ROOT']}/k:tr"
     seen_max = 0
     while not r.ready():
-        seen_max = max(seen_max, len(zk_client.get_children(path)) if zk_client.exists(path) else 0)
+        seen_max = max(seen_max, len(children(zk_client, path)))
         time.sleep(0.02)
     assert r.get(timeout=30) >= 1  # it ran after at least one retry
     blocker.get(timeout=30)
@@ -213,5 +212,5 @@ def test_no_lock_nodes_left_behind(mod, workers, zk_client, env):
     mod.hold.delay("left", 1).get(timeout=30)
     time.sleep(0.5)
     root = env["TEST_ZK_ROOT"]
-    leftovers = [(k, zk_client.get_children(f"{root}/{k}")) for k in zk_client.get_children(root)]
+    leftovers = [(k, children(zk_client, f"{root}/{k}")) for k in children(zk_client, root)]
     assert [x for x in leftovers if x[1] and not x[0].startswith("k:kill")] == []
