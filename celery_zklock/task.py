@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,19 +89,6 @@ def _fair_locks(lock) -> list[FairLock]:
     return lock.locks if isinstance(lock, MultiLock) else [lock]
 
 
-@dataclass(frozen=True)
-class _Options:
-    settings: ZkSettings
-    timeout: float | None
-    on_timeout: str
-    on_lost: str
-    on_unavailable: str
-    retry_countdown: float
-    retry_backoff: float
-    retry_backoff_max: float
-    max_retries: int | None
-
-
 class ZkLockedTask(Task):
     """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
 
@@ -134,30 +122,22 @@ class ZkLockedTask(Task):
         cls._lock_spec = compile_key(cls.__dict__.get("lock_key", cls.lock_key), _body(cls), _name(cls))
 
     # -------------------------------------------------------------- option resolution
-    def lock_options(self) -> _Options:
-        """Task options over ``zklock_*`` settings (annotations included), validated."""
+    def lock_options(self) -> ZkSettings:
+        """The ``zklock_*`` settings with this task's options (and annotations) applied."""
         settings = cached_settings(self.app)
         cached = self.__dict__.get("_zk_options")
-        if cached is not None and cached.settings is settings:
-            return cached
+        if cached is not None and cached[0] is settings:
+            return cached[1]
         _check_option_values(type(self), {k: getattr(self, k) for k in LOCK_OPTIONS})
-
-        def pick(option: str, value_name: str):
-            v = getattr(self, option)
-            return getattr(settings, value_name) if v is None else v
-
-        timeout = pick("lock_timeout", "timeout")
-        self.__dict__["_zk_options"] = opts = _Options(
-            settings=settings,
-            timeout=None if timeout is None or timeout == math.inf else float(timeout),
-            on_timeout=pick("on_lock_timeout", "on_timeout"),
-            on_lost=pick("on_lock_lost", "on_lost"),
-            on_unavailable=pick("on_lock_unavailable", "on_unavailable"),
-            retry_countdown=pick("lock_retry_countdown", "retry_countdown"),
-            retry_backoff=pick("lock_retry_backoff", "retry_backoff"),
-            retry_backoff_max=pick("lock_retry_backoff_max", "retry_backoff_max"),
-            max_retries=pick("lock_max_retries", "max_retries"),
-        )
+        overrides = {
+            setting.removeprefix("zklock_"): getattr(self, option)
+            for option, setting in config.TASK_OPTIONS.items()
+            if getattr(self, option) is not None
+        }
+        if overrides.get("timeout") == math.inf:
+            overrides["timeout"] = None
+        opts = dataclasses.replace(settings, **overrides)
+        self.__dict__["_zk_options"] = (settings, opts)
         return opts
 
     def lock_keys(self, args: tuple, kwargs: dict) -> list[str]:
@@ -176,11 +156,11 @@ class ZkLockedTask(Task):
         direct = bool(req.called_directly)
         opts = self.lock_options()
         keys = self.lock_keys(args, kwargs)
-        paths = [key_path(opts.settings.root, k) for k in keys]
+        paths = [key_path(opts.root, k) for k in keys]
         label = keys[0] if len(keys) == 1 else keys
 
         try:
-            client = get_client(opts.settings)
+            client = get_client(opts)
         except LockUnavailable as exc:
             return self._unavailable(exc, opts, label, direct)
 
@@ -259,13 +239,13 @@ class ZkLockedTask(Task):
         return result
 
     # -------------------------------------------------------------- outcomes
-    def _settle(self, lock, opts: _Options) -> None:
+    def _settle(self, lock, opts: ZkSettings) -> None:
         """If the connection is suspended at the end, wait for the verdict before releasing.
 
         A reconnection on the same session means the node never went away, so exclusion
         held throughout; past the grace period FairLock declares the lock lost.
         """
-        deadline = time.monotonic() + opts.settings.session_timeout
+        deadline = time.monotonic() + opts.session_timeout
         while time.monotonic() < deadline:
             locks = _fair_locks(lock)
             if any(lk.lost_reason for lk in locks) or lock.is_held():
@@ -278,7 +258,7 @@ class ZkLockedTask(Task):
         self._lock_event("task-lock-lost", key=label, reason=reason)
         return LockLost(label, reason)
 
-    def _timed_out(self, exc: LockTimeout, opts: _Options, waited: float, direct: bool) -> Any:
+    def _timed_out(self, exc: LockTimeout, opts: ZkSettings, waited: float, direct: bool) -> Any:
         self._lock_event("task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
         if opts.on_timeout == "fail":
             logger.warning("%s; failing", exc)
@@ -292,14 +272,14 @@ class ZkLockedTask(Task):
             raise Ignore()
         raise self._retry(exc, opts, f"lock timeout: {exc}")
 
-    def _unavailable(self, exc: LockUnavailable, opts: _Options, label: Any, direct: bool) -> Any:
+    def _unavailable(self, exc: LockUnavailable, opts: ZkSettings, label: Any, direct: bool) -> Any:
         logger.error("task not run (never unprotected): %s", exc)
         self._lock_event("task-lock-unavailable", key=label, error=str(exc))
         if opts.on_unavailable == "fail" or direct:
             raise exc
         raise self._retry(exc, opts, str(exc))
 
-    def _retry(self, exc: Exception, opts: _Options, why: str) -> Exception:
+    def _retry(self, exc: Exception, opts: ZkSettings, why: str) -> Exception:
         retries = self.request.retries or 0
         countdown = min(opts.retry_backoff_max, opts.retry_countdown * (opts.retry_backoff ** retries))
         max_retries = self.max_retries if opts.max_retries is None else opts.max_retries
