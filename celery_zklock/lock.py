@@ -49,7 +49,7 @@ from kazoo.exceptions import (
     OperationTimeoutError,
     SessionExpiredError,
 )
-from kazoo.protocol.states import KazooState
+from kazoo.protocol.states import EventType, KazooState
 
 from . import znodes
 from .errors import LockLost
@@ -73,8 +73,20 @@ def default_identifier() -> str:
     )
 
 
-class _SessionGone(Exception):
-    """Internal: the session expired or the client was closed while we were working."""
+class _Wake:
+    """One wait of a waiter: an event (handler-specific) plus "a watched node was deleted"."""
+
+    __slots__ = ("event", "deleted")
+
+    def __init__(self, event) -> None:
+        self.event = event
+        self.deleted = False
+
+    def set(self) -> None:
+        self.event.set()
+
+    def wait(self, timeout: float | None) -> None:
+        self.event.wait(timeout)
 
 
 class FairLock:
@@ -134,7 +146,7 @@ class FairLock:
         self._suspended = False
         self._cancelled = False
         self._guard = client.handler.rlock_object()
-        self._wake = client.handler.event_object()
+        self._wake = _Wake(client.handler.event_object())
         self._connected = client.handler.event_object()
         self._lost_reason: str | None = None
         self._listening = False
@@ -271,50 +283,73 @@ class FairLock:
                     return False
                 continue
             if index < self.max_holders:
-                with self._guard:
-                    if self._state != _WAITING:
-                        return False
-                    if self._session_lost():
-                        continue  # the children were read in a session that has since ended
-                    self._state = _HELD
-                    if not self.client.connected:
-                        # The connection dropped between the children reply and now: the
-                        # listener saw us still waiting, so start the suspension here.
-                        self._begin_suspension()
-                        if self.client.connected:
-                            self.client.handler.spawn(self._verify)
-                        return True
-                self._watch_own_node()
-                return True
+                held = self._take()
+                if held is None:
+                    continue  # the children were read in a session that has since ended
+                return held
             if deadline is not None and self._expired(deadline):
                 return False
             if self.on_wait is not None and not self._waited:
                 self._waited = True
                 self.on_wait(self, index)
-            wake = self._wake = self.client.handler.event_object()
+            wake = self._wake = _Wake(self.client.handler.event_object())
             ahead = ordered[index - self.max_holders : index]
-            if self._watch_any(ahead, wake) and not self._cancelled:
+            deleted = self._watch_any(ahead, wake)
+            if not deleted and not self._cancelled:
                 wake.wait(self._remaining(deadline))
+            if (deleted or wake.deleted) and index == self.max_holders and not self._cancelled:
+                # Everyone ahead of us was in the watched window and one of them is gone:
+                # fewer than max_holders are ahead now (new contenders only ever queue
+                # behind us), so we hold without re-reading the children — the handoff
+                # costs one notification, not a notification plus a round trip.
+                held = self._take()
+                if held is not None:
+                    return held
             children = self._retry(lambda: self.client.get_children(self.path), deadline)
             if children is None:
                 return False
 
-    def _watch_any(self, names: Sequence[str], wake) -> bool:
-        """Set a data watch on each of ``names``; False if one is already gone (re-check now)."""
+    def _take(self) -> bool | None:
+        """Become the holder.  None if our session changed since the children were read."""
+        with self._guard:
+            if self._state != _WAITING:
+                return False
+            if self._session_lost():
+                return None
+            self._state = _HELD
+            if not self.client.connected:
+                # The connection dropped between the children reply and now: the listener
+                # saw us still waiting, so start the suspension here.
+                self._begin_suspension()
+                if self.client.connected:
+                    self.client.handler.spawn(self._verify)
+                return True
+        self._watch_own_node()
+        return True
 
-        def fired(_event) -> None:
+    def _watch_any(self, names: Sequence[str], wake) -> bool:
+        """Set a data watch on each of ``names``.
+
+        Returns True when one of them is already deleted.  ``wake`` is set when a watch
+        fires; ``wake.deleted`` records that a watched node was deleted (not merely
+        changed, nor a connection event).
+        """
+
+        def fired(event) -> None:
+            if event.type == EventType.DELETED:
+                wake.deleted = True
             wake.set()
 
         results = [self.client.get_async(f"{self.path}/{n}", watch=fired) for n in names]
-        gone = False
+        deleted = False
         for r in results:
             try:
                 r.get()
             except NoNodeError:
-                gone = True
+                deleted = True
             except (*_RETRYABLE, SessionExpiredError):
-                gone = True  # re-read the children once connected again
-        return not gone
+                wake.set()  # re-read the children once connected again
+        return deleted
 
     def _create(self, deadline: float | None) -> list[str] | None:
         """Create our node and return the children read right after it (one round trip).
@@ -544,7 +579,15 @@ class FairLock:
             if event.type == "DELETED" and self._node == node and self._session_id == session:
                 self._mark_lost("lock node was deleted")
 
-        self.client.exists_async(f"{self.path}/{node}", watch=changed)
+        def checked(result) -> None:
+            try:
+                missing = result.get() is None
+            except Exception:
+                return  # connection trouble: the state listener takes over
+            if missing and self._node == node and self._session_id == session:
+                self._mark_lost("lock node was deleted")
+
+        self.client.exists_async(f"{self.path}/{node}", watch=changed).rawlink(checked)
 
     def _grace(self) -> float:
         if self.suspended_grace is not None:
