@@ -24,6 +24,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 from .keys import encode_key  # noqa: E402
-from .task import HeldLock, ZkLockedTask, current_lock, lock_path  # noqa: E402
+from .task import LOCK_WAITING, SKIPPED, HeldLock, ZkLockedTask, current_lock, lock_path  # noqa: E402
 
-__all__ += ["ZkLockedTask", "HeldLock", "current_lock", "lock_path", "encode_key"]
+__all__ += ["ZkLockedTask", "HeldLock", "current_lock", "lock_path", "encode_key", "SKIPPED", "LOCK_WAITING"]

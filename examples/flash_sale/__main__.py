@@ -1,0 +1,5 @@
+import sys
+
+from examples.flash_sale.scenario import main
+
+sys.exit(main())
