@@ -27,7 +27,8 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "RedisServer":
+    def start(self, timeout: float = 10.0, new_session: bool = False) -> "RedisServer":
+        """Start redis-server; ``new_session=True`` keeps a terminal's Ctrl-C from reaching it."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: install it with 'apt-get install -y redis-server'")
@@ -37,6 +38,7 @@ class RedisServer:
             [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
              "--dir", self.workdir, "--logfile", os.path.join(self.workdir, "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            start_new_session=new_session,
         )
         import redis
 

@@ -173,7 +173,9 @@ class ZooKeeperServer:
             f.write("\n".join(lines) + "\n")
         return path
 
-    def start(self, wait: bool = True, timeout: float = 30.0) -> "ZooKeeperServer":
+    def start(self, wait: bool = True, timeout: float = 30.0, new_session: bool = False) -> "ZooKeeperServer":
+        """Start the server; ``new_session=True`` keeps a terminal's Ctrl-C from reaching it,
+        so a demo or test runner can stop its workers before the services they use."""
         if self.proc is not None and self.proc.poll() is None:
             return self
         if self.workdir is None:
@@ -201,7 +203,8 @@ class ZooKeeperServer:
             cfg,
         ]
         log = open(os.path.join(self.workdir, "server.log"), "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=new_session)
         log.close()
         if wait:
             self.wait_serving(timeout)
