@@ -62,7 +62,7 @@ class Contender:
     """One row of the table: a lock implementation and how it is released."""
 
     name: str
-    kind: str  # "ours" | "kazoo" | "redis"
+    kind: str  # "ours" | "kazoo" | "redis" | "redis-lock" (python-redis-lock, used by bench.fairness)
     wait_release: bool = True
 
     @property
@@ -166,7 +166,7 @@ class Backend:
         self.contender = contender
         self.zk = None
         self.redis = None
-        if contender.kind == "redis":
+        if contender.kind in ("redis", "redis-lock"):
             import redis
 
             self.redis = redis.Redis(host="127.0.0.1", port=endpoints["redis_port"])
@@ -185,6 +185,10 @@ class Backend:
         kind = self.contender.kind
         if kind == "redis":
             return RedisPollLock(self.redis, f"bench:{self.contender.slug}:{key}", self.release_script)
+        if kind == "redis-lock":  # python-redis-lock: SET NX, then BLPOP on a signal list
+            import redis_lock
+
+            return redis_lock.Lock(self.redis, f"bench:{self.contender.slug}:{key}")
         path = self.zk_path(key)
         if kind == "ours":
             from celery_zklock import FairLock
@@ -589,22 +593,28 @@ def start_servers():
     return zk, redis_server
 
 
-def run(quick: bool = False) -> dict:
-    """Measure every contender in every scenario; return the results (progress goes to stderr)."""
-    settings = QUICK if quick else FULL
+def run(quick: bool = False, endpoints: dict | None = None, settings: Settings | None = None) -> dict:
+    """Measure every contender in every scenario; return the results (progress goes to stderr).
+
+    ``endpoints`` (``zk_hosts``, ``redis_port``) lets a bigger runner (``bench/run.py``)
+    use the servers it started for everything; by default fresh ones are started here.
+    ``settings`` overrides the sizes (the runner's smoke mode uses smaller ones).
+    """
+    settings = settings or (QUICK if quick else FULL)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
-    zk, redis_server = start_servers()
+    servers = () if endpoints else start_servers()
     try:
-        endpoints = {"zk_hosts": zk.hosts, "redis_port": redis_server.port}
+        if servers:
+            endpoints = {"zk_hosts": servers[0].hosts, "redis_port": servers[1].port}
         rows: dict[str, dict] = {c.name: {} for c in CONTENDERS}
         for scenario, measure in SCENARIOS:
             _log(scenario)
             for name, metrics in measure(list(CONTENDERS), endpoints, settings).items():
                 rows[name].update(metrics)
     finally:
-        zk.close()
-        redis_server.close()
+        for server in servers:
+            server.close()
     results = {
         "benchmark": "lock_engine",
         "quick": quick,

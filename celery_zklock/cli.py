@@ -10,18 +10,27 @@ from __future__ import annotations
 import json
 
 import click
+from kazoo.exceptions import NoAuthError
 from celery.bin.base import CeleryCommand
 
 from .config import load_settings
 from .keys import encode_key, key_path
 from .lock import contenders
+from .znodes import no_auth_error
 
 
 def _client(settings):
-    from kazoo.client import KazooClient
+    from .client import new_client
 
-    client = KazooClient(hosts=settings.hosts, timeout=settings.session_timeout)
-    client.start(timeout=settings.connect_timeout)
+    client = new_client(settings)
+    try:
+        client.start(timeout=settings.connect_timeout)
+    except Exception as exc:
+        client.close()
+        raise click.ClickException(
+            f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
+            f"({type(exc).__name__})"
+        ) from None
     return client
 
 
@@ -41,28 +50,35 @@ def status(ctx: click.Context, key: str | None, as_json: bool) -> None:
     settings = load_settings(app.conf)
     client = _client(settings)
     try:
-        if key is not None:
-            names = [encode_key(key)]
-        else:
-            names = sorted(client.get_children(settings.root)) if client.exists(settings.root) else []
-        report = {}
-        for name in names:
-            path = f"{settings.root}/{name}"
-            found = contenders(client, path)
-            if found:
-                report[path] = [{"node": c.node, "holder": c.holder, "owner": c.identifier} for c in found]
-        if as_json:
-            click.echo(json.dumps(report, indent=2))
-            return
-        if not report:
-            click.echo("no locks held or waited for")
-        for path, rows in report.items():
-            click.echo(path)
-            for r in rows:
-                click.echo(f"  {'HOLDS ' if r['holder'] else 'waits '} {r['node']}  {r['owner']}")
+        _status(client, settings, key, as_json)
+    except NoAuthError:
+        raise click.ClickException(str(no_auth_error(settings.root, "reading the lock queues"))) from None
     finally:
         client.stop()
         client.close()
+
+
+def _status(client, settings, key: str | None, as_json: bool) -> None:
+    """Print the holders and waiters of KEY (or of every key) as text or JSON."""
+    if key is not None:
+        names = [encode_key(key)]
+    else:
+        names = sorted(client.get_children(settings.root)) if client.exists(settings.root) else []
+    report = {}
+    for name in names:
+        path = f"{settings.root}/{name}"
+        found = contenders(client, path)
+        if found:
+            report[path] = [{"node": c.node, "holder": c.holder, "owner": c.identifier} for c in found]
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    if not report:
+        click.echo("no locks held or waited for")
+    for path, rows in report.items():
+        click.echo(path)
+        for r in rows:
+            click.echo(f"  {'HOLDS ' if r['holder'] else 'waits '} {r['node']}  {r['owner']}")
 
 
 @zklock.command(cls=CeleryCommand)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 
 from celery.utils.log import get_logger
@@ -29,26 +30,44 @@ _clients: dict[tuple[int, str, float], KazooClient] = {}
 
 
 def _handler():
-    """gevent/eventlet pools monkey-patch the process: use the matching kazoo handler."""
-    try:
+    """gevent/eventlet pools monkey-patch the process: use the matching kazoo handler.
+
+    Only looked up when the library is already imported: a patched process has imported
+    it, and importing gevent in every prefork child just to learn it is unused costs time
+    and memory.
+    """
+    if "gevent" in sys.modules:
         from gevent import monkey
 
         if monkey.is_module_patched("socket"):
             from kazoo.handlers.gevent import SequentialGeventHandler
 
             return SequentialGeventHandler()
-    except ImportError:
-        pass
-    try:
+    if "eventlet" in sys.modules:
         import eventlet.patcher
 
         if eventlet.patcher.is_monkey_patched("socket"):
             from kazoo.handlers.eventlet import SequentialEventletHandler
 
             return SequentialEventletHandler()
-    except ImportError:
-        pass
     return None
+
+
+def new_client(settings: ZkSettings, handler=None) -> KazooClient:
+    """An unstarted KazooClient for ``settings`` (hosts, session timeout, credentials).
+
+    The one place clients are configured, so the worker's tasks, the worker-start check,
+    the reaper and the CLI all connect the same way.  Reconnection retries forever with a
+    short cap: a task waiting for its lock must see the ensemble again as soon as it is
+    back, and the session timeout — not a retry budget — bounds how long a lock survives.
+    """
+    return KazooClient(
+        hosts=settings.hosts,
+        timeout=settings.session_timeout,
+        handler=handler,
+        auth_data=list(settings.auth) if settings.auth else None,
+        connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
+    )
 
 
 def get_client(settings: ZkSettings) -> KazooClient:
@@ -63,12 +82,7 @@ def get_client(settings: ZkSettings) -> KazooClient:
             return client
         for stale in [k for k in _clients if k[0] != os.getpid()]:
             _clients.pop(stale)  # inherited through fork: never touch its threads/socket
-        client = KazooClient(
-            hosts=settings.hosts,
-            timeout=settings.session_timeout,
-            handler=_handler(),
-            connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
-        )
+        client = new_client(settings, handler=_handler())
         try:
             client.start(timeout=settings.connect_timeout)
         except (KazooTimeoutError, Exception) as exc:

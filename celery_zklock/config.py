@@ -8,6 +8,7 @@ override the per-task ones through ``task_annotations`` or decorator options.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
@@ -84,6 +85,20 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return check
 
 
+def _auth(value: Any) -> tuple[tuple[str, str], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError("must be None or a list of (scheme, credential) pairs, e.g. [('digest', 'user:password')]")
+    pairs = []
+    for item in value:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2
+                or not all(isinstance(x, str) and x for x in item)):
+            raise ValueError("each item is not a (scheme, credential) pair of non-empty strings, e.g. ('digest', 'user:password')")
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError("must be True or False")
@@ -114,6 +129,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s)."),
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries)."),
         Setting("zklock_release_on_worker_loss", True, _bool, "The worker parent deletes a killed child's lock nodes at once."),
+        Setting("zklock_auth", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
     )
 }
 
@@ -139,7 +155,8 @@ def check_setting(name: str, value: Any, where: str) -> Any:
     try:
         return SETTINGS[name].check(value)
     except ValueError as exc:
-        raise ConfigurationError(f"{where}: {value!r} is invalid: {exc}. ({SETTINGS[name].help})") from None
+        shown = "the value" if name == "zklock_auth" else repr(value)  # never echo credentials
+        raise ConfigurationError(f"{where}: {shown} is invalid: {exc}. ({SETTINGS[name].help})") from None
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,13 @@ class ZkSettings:
     retry_backoff_max: float
     max_retries: int | None
     release_on_worker_loss: bool
+    auth: tuple[tuple[str, str], ...] | None = None
+
+    def __repr__(self) -> str:  # never print credentials in logs or errors
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if shown["auth"]:
+            shown["auth"] = tuple((scheme, "***") for scheme, _ in shown["auth"])
+        return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
 def load_settings(conf: Any) -> ZkSettings:

@@ -35,6 +35,12 @@ def encode_key(key: str) -> str:
         raise ConfigurationError(f"lock key must be a str, got {type(key).__name__}: {key!r}")
     if key == "":
         raise ConfigurationError("lock key is empty; give lock_key a template or callable that yields text")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigurationError(
+            f"lock key {key!r} is not valid Unicode text (a lone surrogate?); keys must encode as UTF-8"
+        ) from None
     out = []
     for ch in key:
         if ch in _SAFE:
@@ -60,22 +66,47 @@ class _KeyFormatter(string.Formatter):
     def format_field(self, value: Any, format_spec: str) -> str:
         if format_spec:
             return super().format_field(value, format_spec)
-        return key_text(value)
+        return key_text(value, "lock_key template field")
 
 
-def key_text(value: Any) -> str:
-    """Text of one argument in a key: UUID canonical form, Decimal normalised, bytes hex."""
+def key_text(value: Any, where: str = "lock key") -> str:
+    """Text of one value in a key: UUID canonical form, Decimal normalised, bytes hex.
+
+    Only values whose text is the same in every process are accepted.  ``None``, a
+    container, or an object without its own ``__str__`` (its text would be its memory
+    address) raise ConfigurationError: silently turning them into ``"None"`` or
+    ``"<object at 0x7f..>"`` would serialize unrelated calls on one key, or let the
+    same logical key map to different locks in different workers.
+    """
     import decimal
+    import enum
     import uuid
 
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return key_text(value.value, where)
+    if isinstance(value, (int, float)):
+        return str(value)
     if isinstance(value, uuid.UUID):
         return str(value)
     if isinstance(value, decimal.Decimal):
         return format(value.normalize(), "f")
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).hex()
-    if isinstance(value, str):
-        return value
+    if value is None:
+        raise ConfigurationError(f"{where}: got None; a key needs a value (did the call omit an argument?)")
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        raise ConfigurationError(
+            f"{where}: got a {type(value).__name__} ({value!r}); key parts must be str, int, UUID, Decimal or bytes"
+        )
+    if type(value).__str__ is object.__str__ and type(value).__repr__ is object.__repr__:
+        raise ConfigurationError(
+            f"{where}: {type(value).__name__} object has no stable text (no __str__); "
+            f"return or format a str, int, UUID or Decimal instead"
+        )
     return str(value)
 
 
@@ -99,14 +130,18 @@ class KeySpec:
             if callable(part):
                 value = part(*args, **kwargs)
                 values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+                if not values:
+                    raise ConfigurationError(f"task {self.task_name}: lock_key callable {part!r} returned no key")
                 for v in values:
-                    out.append(key_text(v))
+                    out.append(key_text(v, f"task {self.task_name}: lock_key callable {getattr(part, '__name__', part)!r}"))
                 continue
             if bound is None:
                 bound = self._bind(args, kwargs)
             try:
                 out.append(_FORMATTER.vformat(part, (), bound))
-            except (KeyError, AttributeError, IndexError, TypeError) as exc:
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"task {self.task_name}: lock_key {part!r}: {exc}") from None
+            except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
                 raise ConfigurationError(
                     f"task {self.task_name}: lock_key {part!r} could not be rendered from the call's "
                     f"arguments ({type(exc).__name__}: {exc})"

@@ -44,6 +44,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import (
     ConnectionClosedError,
     ConnectionLoss,
+    NoAuthError,
     NoNodeError,
     NotEmptyError,
     OperationTimeoutError,
@@ -63,6 +64,19 @@ LostCallback = Callable[["FairLock"], None]
 _IDLE, _WAITING, _HELD, _LOST = "idle", "waiting", "held", "lost"
 
 _RETRYABLE = (ConnectionLoss, OperationTimeoutError)
+
+# Outcomes of deleting our node at release.
+_DELETED, _GONE, _EXPIRED, _DEFERRED = "deleted", "gone", "expired", "deferred"
+_LOST_AT_RELEASE = {
+    _GONE: "lock node was already gone at release",
+    _EXPIRED: "ZooKeeper session expired before release",
+    _DEFERRED: "ZooKeeper unreachable at release for longer than the session timeout",
+    None: "lock node was already gone at release",
+}
+
+
+#: Lock paths whose parent this process saw lately (see znodes.RecentPaths).
+_RECENT = znodes.RecentPaths()
 
 
 def default_identifier() -> str:
@@ -207,6 +221,9 @@ class FairLock:
         self._listen()
         try:
             acquired = self._acquire(deadline)
+        except NoAuthError:
+            self._abandon()
+            raise znodes.no_auth_error(self.path, "joining the lock queue") from None
         except BaseException:
             self._abandon()
             raise
@@ -218,18 +235,31 @@ class FairLock:
     def release(self, wait: bool = True) -> bool:
         """Let go: delete our node, retrying through connection loss until done.
 
+        With ``wait=True`` (the default) the delete's reply is also the proof that the lock
+        was held *until this moment*: our node still existed, so our session never expired
+        and nobody else could have held it.  If the delete finds the node already gone
+        (session expired while the process was frozen or partitioned, node deleted by an
+        operator) the lock is marked lost (``lost_reason`` says why) and this returns
+        False — work done under it was not exclusive to the end.
+
         ``wait=False`` pipelines the release: the delete is sent and this returns without
         waiting for the reply, saving one round trip on the caller's path (the next
         waiter is woken by the same delete either way).  The delete is still guaranteed:
         a failed reply hands it to a background retry that runs until the node is gone or
         the session is.  Only use it while the process keeps its ZooKeeper client open.
 
-        Returns True if a held lock was released; False if there was nothing to release
-        (never acquired, already released, or already lost).
+        Returns True if a held lock was released (with ``wait=True``: and proven held to
+        the end); False if there was nothing to release (never acquired, already released,
+        already lost) or, with ``wait=True``, if the node turned out to be gone.
         """
         with self._guard:
             was_held = self._state == _HELD
-        self._abandon(wait)
+        outcome = self._abandon(wait)
+        if was_held and wait and outcome != _DELETED:
+            with self._guard:
+                if self._lost_reason is None:
+                    self._lost_reason = _LOST_AT_RELEASE[outcome]
+            return False
         return was_held
 
     def contenders(self) -> list[Contender]:
@@ -371,13 +401,24 @@ class FairLock:
                     return found
                 maybe_ghost = False
                 continue
+            parent = None
+            if self.path not in _RECENT and znodes.uses_containers(self.client):
+                # A key we have not locked lately: its container probably does not exist
+                # (they are reaped when empty), so create it in the same round trip.
+                parent = znodes.create_container_async(self.client, self.path)
             created = self.client.create_async(
                 full_prefix, self.identifier, ephemeral=True, sequence=True, include_data=True
             )
             listed = self.client.get_children_async(self.path)
+            if parent is not None:
+                try:
+                    parent.get()
+                except Exception:
+                    pass  # exists already, or its ancestors do not: the create tells
             try:
                 path, stat = created.get()
             except NoNodeError:
+                _RECENT.discard(self.path)
                 try:
                     listed.get()
                 except Exception:
@@ -396,6 +437,7 @@ class FairLock:
                 if not self._wait_connected(deadline):
                     return None
                 continue
+            _RECENT.add(self.path)
             self._node = path.rsplit("/", 1)[1]
             self._token = stat.czxid
             self._session_id = session
@@ -405,8 +447,19 @@ class FairLock:
                 return self._retry(lambda: self.client.get_children(self.path), deadline)
 
     def _adopt_ghost(self, session: int | None, deadline: float | None, delete_only: bool = False):
-        """After a lost create reply: adopt our node if our session owns it, else delete it."""
-        children = self._retry(lambda: self.client.get_children(self.path), deadline, forever=delete_only)
+        """After a lost create reply: adopt our node if our session owns it, else delete it.
+
+        The key's container may be gone by now (the lost create failed, and the server
+        reaped the then-empty container): then no node of ours can exist, nothing to adopt.
+        """
+
+        def children_or_none_left():
+            try:
+                return self.client.get_children(self.path)
+            except NoNodeError:
+                return []
+
+        children = self._retry(children_or_none_left, deadline, forever=delete_only)
         if children is None:
             return None
         mine = [c for c in children if c.startswith(self._prefix)]
@@ -472,7 +525,7 @@ class FairLock:
                     return None
                 raise
 
-    def _delete(self, full: str) -> None:
+    def _delete(self, full: str) -> str:
         """Delete a node, retrying through connection loss until done or the session is gone.
 
         While the ensemble is unreachable kazoo cannot learn that the session expired, so
@@ -482,24 +535,31 @@ class FairLock:
         """
         session = self._current_session()
         give_up = time.monotonic() + self.client._session_timeout / 1000.0 + 1.0
+        retried = False
         while True:
             if self._current_session() != session:
-                return  # ephemeral nodes die with their session
+                return _EXPIRED  # ephemeral nodes die with their session
             try:
                 self.client.delete(full)
-                return
+                return _DELETED
             except NoNodeError:
-                return
+                # On a retry in the same session, the node can only have gone by our own
+                # earlier delete, whose reply the connection loss swallowed.
+                return _DELETED if retried else _GONE
             except (SessionExpiredError, ConnectionClosedError):
-                return
+                return _EXPIRED
             except _RETRYABLE:
+                retried = True
                 if time.monotonic() >= give_up:
                     _defer_delete(self.client, full, session)
-                    return
+                    return _DEFERRED
                 self._sleep_until_connected(min(give_up, time.monotonic() + 1.0))
 
-    def _abandon(self, wait: bool = True) -> None:
-        """Delete our node (if any) and go idle.  Used by release, timeout and errors."""
+    def _abandon(self, wait: bool = True) -> str | None:
+        """Delete our node (if any) and go idle.  Used by release, timeout and errors.
+
+        Returns the delete's outcome (``_DELETED``, ``_GONE``, ...), None without a node.
+        """
         with self._guard:
             node = self._node
             session = self._session_id
@@ -507,9 +567,12 @@ class FairLock:
             self._token = None
             if self._state != _LOST:
                 self._state = _IDLE
-        if node is not None and session == self._current_session():
+        outcome = None
+        if node is not None and session != self._current_session():
+            outcome = _EXPIRED
+        elif node is not None:
             if wait:
-                self._delete(f"{self.path}/{node}")
+                outcome = self._delete(f"{self.path}/{node}")
             else:
                 self._delete_in_background(f"{self.path}/{node}")
             if not znodes.uses_containers(self.client):
@@ -518,6 +581,7 @@ class FairLock:
                 except Exception:
                     pass
         self._unlisten()
+        return outcome
 
     # ------------------------------------------------------------------ connection state
     def _listen(self) -> None:
@@ -732,10 +796,9 @@ class MultiLock:
         return False
 
     def release(self, wait: bool = True) -> bool:
-        released = False
-        for lk in reversed(self.locks):
-            released = lk.release(wait) or released
-        return released
+        """Release every path; True only if each was held (and, with ``wait``, to the end)."""
+        released = [lk.release(wait) for lk in reversed(self.locks)]
+        return all(released)
 
     def is_held(self) -> bool:
         return all(lk.is_held() for lk in self.locks)

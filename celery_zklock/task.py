@@ -17,17 +17,19 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Task
+from celery import Task, states
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import config, worker_loss
+from . import config, worker_loss, znodes
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable
@@ -38,6 +40,9 @@ logger = get_task_logger("celery_zklock")
 
 #: Options ZkLockedTask understands (decorator kwargs / class attributes / annotations).
 LOCK_OPTIONS = ("lock_key", "lock_max_holders", *config.TASK_OPTIONS)
+
+#: How long a redelivered copy waits for its original's final state to be stored.
+_RESULT_GRACE = 2.0
 
 SKIPPED = "SKIPPED"  # custom state stored for a task skipped by on_lock_timeout="skip"
 LOCK_WAITING = "LOCK_WAITING"  # custom state while a task waits in the lock queue
@@ -73,8 +78,7 @@ class HeldLock:
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still held (no I/O)."""
         if not self._lock.is_held():
-            reason = next((lk.lost_reason for lk in _fair_locks(self._lock) if lk.lost_reason), "not held")
-            raise LockLost(self.key, reason)
+            raise LockLost(self.key, _lost_reason(self._lock) or "not held")
 
 
 def current_lock() -> HeldLock:
@@ -87,6 +91,10 @@ def current_lock() -> HeldLock:
 
 def _fair_locks(lock) -> list[FairLock]:
     return lock.locks if isinstance(lock, MultiLock) else [lock]
+
+
+def _lost_reason(lock) -> str | None:
+    return next((lk.lost_reason for lk in _fair_locks(lock) if lk.lost_reason), None)
 
 
 class ZkLockedTask(Task):
@@ -177,14 +185,17 @@ class ZkLockedTask(Task):
         )
         started = time.monotonic()
 
+        # acks_late redelivery: a copy of a task id that is still queued or running ahead of
+        # us.  The copy keeps its place behind the original (so the two never run at once)
+        # and, once the original is done, runs only if the original left no final state.
         check_duplicates = bool(self.acks_late and not direct and req.id)
-        duplicate: list[bool] = []
+        duplicate_seen: list[bool] = []
 
         def on_wait(fair: FairLock, position: int) -> None:
-            if check_duplicates and self._duplicate_running(fair, req.id):
-                duplicate.append(True)  # a redelivered copy: the original is ahead of us
-                lock.cancel()
-                return
+            if check_duplicates and self._duplicates_ahead(fair, req.id):
+                duplicate_seen.append(True)
+                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
+                return  # never LOCK_WAITING: the original's state must not be overwritten
             logger.info("waiting for lock %s (position %s)", label, position)
             self._lock_event("task-lock-waiting", key=label, position=position)
             if req.id and not direct and not self.ignore_result:
@@ -197,13 +208,18 @@ class ZkLockedTask(Task):
         lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
 
         acquired = lock.acquire(timeout=opts.timeout)
+        if acquired and check_duplicates and self._duplicates_ahead(lock, req.id):
+            # max_holders > 1: the original holds a slot beside us; wait until it is gone.
+            duplicate_seen.append(True)
+            left = None if opts.timeout is None else max(0.0, started + opts.timeout - time.monotonic())
+            if not self._wait_gone(client, lock, req.id, left):
+                lock.release()
+                acquired = False
         waited = time.monotonic() - started
-        if acquired and check_duplicates and self._duplicate_running(lock, req.id):
+        if acquired and duplicate_seen and self._finished_elsewhere(req.id):
             lock.release()
-            acquired, duplicate = False, [True]
-        if duplicate:
-            logger.warning("same task id already running or queued under lock %s: not running this redelivered copy",
-                           label)
+            logger.warning("task %s already finished under lock %s (this is a redelivered copy): not running it again",
+                           req.id, label)
             self._lock_event("task-lock-duplicate", key=label)
             raise Ignore()
         if not acquired:
@@ -230,28 +246,16 @@ class ZkLockedTask(Task):
         finally:
             run_state.leave()
             _current.reset(ctx_token)
-            try:
-                self._settle(lock, opts)
-            finally:
-                lock.release(wait=False)
+            # The release's reply is the proof that the lock was ours to the end (see
+            # FairLock.release): a process frozen or cut off past its session timeout
+            # learns here that someone else may have run meanwhile.
+            if not lock.release() and run_state.reason is None:
+                run_state.reason = _lost_reason(lock) or "lock not held at release"
         if run_state.reason is not None:
             raise self._lost_error(label, run_state)
         return result
 
     # -------------------------------------------------------------- outcomes
-    def _settle(self, lock, opts: ZkSettings) -> None:
-        """If the connection is suspended at the end, wait for the verdict before releasing.
-
-        A reconnection on the same session means the node never went away, so exclusion
-        held throughout; past the grace period FairLock declares the lock lost.
-        """
-        deadline = time.monotonic() + opts.session_timeout
-        while time.monotonic() < deadline:
-            locks = _fair_locks(lock)
-            if any(lk.lost_reason for lk in locks) or lock.is_held():
-                return
-            time.sleep(0.02)
-
     def _lost_error(self, label: Any, run_state: "_RunState") -> LockLost:
         reason = run_state.reason or "lock lost"
         logger.error("lock %s lost while running (%s): reporting failure", label, reason)
@@ -286,18 +290,61 @@ class ZkLockedTask(Task):
         logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
         return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
 
-    def _duplicate_running(self, lock, task_id: str | None) -> bool:
-        """acks_late redelivery: another node in our queue carries the same task id."""
+    def _duplicates_ahead(self, lock, task_id: str | None) -> list[str]:
+        """acks_late redelivery: paths of nodes *ahead of ours* that carry our task id.
+
+        Only nodes ahead count: when two copies race, each sees the other; the one that
+        queued first is the original for our purposes.
+        """
+        found = []
         for lk in _fair_locks(lock):
+            mine = znodes.sequence_of((lk.node or "").rsplit("/", 1)[-1])
             for c in lk.contenders():
-                if c.node == (lk.node or "").rsplit("/", 1)[-1]:
+                if mine is None or c.sequence >= mine:
                     continue
                 try:
                     if json.loads(c.identifier).get("task_id") == task_id:
-                        return True
+                        found.append(f"{lk.path}/{c.node}")
                 except (ValueError, AttributeError):
                     continue
-        return False
+        return found
+
+    def _wait_gone(self, client, lock, task_id: str, timeout: float | None) -> bool:
+        """Wait (holding our slot) until no node with our task id is ahead of us."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ahead = self._duplicates_ahead(lock, task_id)
+            if not ahead:
+                return True
+            gone = client.handler.event_object()
+            if client.exists(ahead[0], watch=lambda _event: gone.set()) is None:
+                continue
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            gone.wait(left)
+
+    def _finished_elsewhere(self, task_id: str) -> bool:
+        """Did the original delivery of this task id already reach a final state?
+
+        Without a result backend we cannot tell, and run the copy (at-least-once, as
+        Celery's acks_late promises): losing the work would be worse than repeating it.
+        """
+        if self.ignore_result or isinstance(self.backend, DisabledBackend):
+            return False
+        # Celery stores the original's result just *after* its __call__ (and so its
+        # release) returns: give that write a moment to land before deciding.
+        deadline = time.monotonic() + _RESULT_GRACE
+        while True:
+            try:
+                if self.backend.get_state(task_id) in states.READY_STATES:
+                    return True
+            except Exception as exc:
+                logger.warning("cannot read the state of task %s (%r); running the redelivered copy", task_id, exc)
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _lock_event(self, type_: str, **fields: Any) -> None:
         """Celery event for Flower/monitors; only when task events are on (``-E``)."""
@@ -340,13 +387,12 @@ class _RunState:
 
 
 def _current_greenlet():
-    try:
-        from gevent import getcurrent, monkey
+    if "gevent" not in sys.modules:  # never import gevent into a process that does not use it
+        return None
+    from gevent import getcurrent, monkey
 
-        if monkey.is_module_patched("threading"):
-            return getcurrent()
-    except ImportError:
-        pass
+    if monkey.is_module_patched("threading"):
+        return getcurrent()
     return None
 
 

@@ -5,21 +5,21 @@ limit) nothing runs in the child, and its ZooKeeper session — with its lock no
 survive until the session timeout (10 s by default), stalling every task queued on that
 key.  The parent learns of the loss in ``Request.on_failure`` (``WorkerLostError``) or
 ``Request.on_timeout`` (hard limit), knows the child's pid (``worker_pid``) and the task's
-arguments, so it can compute the task's lock paths and have a short-lived reaper process delete exactly the nodes whose data
-names this host, that pid and that task id — once the pid is confirmed dead.  Celery
+arguments, so it can compute the task's lock paths and have a short-lived reaper process
+(:mod:`celery_zklock.reaper`) delete exactly the nodes whose data names this host, that pid
+and that task id — once the pid is confirmed dead.  Celery
 documents per-task ``Request`` classes for this purpose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import socket
 import subprocess
 import sys
-import time
 
-from celery import signals
+from celery import bootsteps, signals
 from celery.exceptions import WorkerLostError
 from celery.utils.log import get_logger
 from celery.worker.request import Request
@@ -27,59 +27,6 @@ from celery.worker.request import Request
 logger = get_logger("celery_zklock.worker")
 
 _installed = False
-
-
-def _pid_dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-
-def reap_nodes(hosts: str, session_timeout: float, paths: list[str], task_id: str, pid: int, host: str,
-               wait_dead: float = 5.0) -> int:
-    """Delete the lock nodes under ``paths`` owned by ``task_id`` in dead ``pid`` on ``host``."""
-    from kazoo.client import KazooClient
-    from kazoo.exceptions import NoNodeError
-
-    deadline = time.monotonic() + wait_dead
-    while not _pid_dead(pid):
-        if time.monotonic() > deadline:
-            logger.warning("zklock: child %s still alive; leaving its locks to its session timeout", pid)
-            return 0
-        time.sleep(0.005)
-    client = KazooClient(hosts=hosts, timeout=session_timeout)
-    client.start(timeout=session_timeout)
-    removed = 0
-    try:
-        for path in paths:
-            try:
-                children = client.get_children(path)
-            except NoNodeError:
-                continue
-            pending = [(name, client.get_async(f"{path}/{name}")) for name in children]
-            for name, result in pending:
-                try:
-                    info = json.loads(result.get()[0])
-                except (NoNodeError, ValueError):
-                    continue
-                if info.get("task_id") == task_id and info.get("pid") == pid and info.get("host") == host:
-                    try:
-                        client.delete(f"{path}/{name}")
-                        removed += 1
-                    except NoNodeError:
-                        pass
-    finally:
-        client.stop()
-        client.close()
-    return removed
 
 
 # Reaper processes still running or not yet waited for (never a thread in the parent: a
@@ -101,10 +48,16 @@ def _reap_async(request: Request) -> None:
     except Exception as exc:
         logger.warning("zklock: cannot compute lock paths of lost task %s: %r", request.id, exc)
         return
-    job = {"hosts": settings.hosts, "session_timeout": settings.session_timeout, "paths": paths,
-           "task_id": request.id, "pid": pid, "host": socket.gethostname()}
-    _reapers.append(subprocess.Popen([sys.executable, "-m", "celery_zklock.worker_loss", json.dumps(job)],
-                                     stdin=subprocess.DEVNULL, close_fds=True))
+    job = {"settings": dataclasses.asdict(settings), "paths": paths, "task_id": request.id, "pid": pid,
+           "host": socket.gethostname()}
+    # The job goes through stdin, not argv: it may carry zklock_auth credentials.
+    proc = subprocess.Popen([sys.executable, "-m", "celery_zklock.reaper"], stdin=subprocess.PIPE, close_fds=True)
+    try:
+        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.close()
+    except OSError as exc:
+        logger.warning("zklock: could not hand lost task %s to the reaper: %r", request.id, exc)
+    _reapers.append(proc)
 
 
 class LockAwareRequest(Request):
@@ -127,17 +80,17 @@ class LockAwareRequest(Request):
 
 
 def validate_app(app) -> None:
-    """Check settings, every locked task's options, and that ZooKeeper answers.
+    """Check settings, every locked task's options, that ZooKeeper answers and lets us lock.
 
     Raises SystemExit with a message saying what to fix: Celery logs and swallows
     ordinary exceptions from signal receivers, which would let a misconfigured worker
     start and run tasks it cannot protect.
     """
-    from kazoo.client import KazooClient
-
+    from .client import new_client
     from .config import load_settings
     from .errors import ConfigurationError
     from .task import ZkLockedTask
+    from .znodes import probe_permissions
 
     try:
         settings = load_settings(app.conf)
@@ -150,15 +103,20 @@ def validate_app(app) -> None:
         raise SystemExit(f"celery-zklock: configuration error: {exc}") from None
     if not locked:
         return
-    client = KazooClient(hosts=settings.hosts, timeout=settings.session_timeout)
+    client = new_client(settings)
     try:
-        client.start(timeout=settings.connect_timeout)
-    except Exception as exc:
-        raise SystemExit(
-            f"celery-zklock: cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within "
-            f"{settings.connect_timeout}s ({type(exc).__name__}). Start the ensemble or fix zklock_hosts; "
-            f"{len(locked)} locked task(s) would otherwise run unprotected."
-        ) from None
+        try:
+            client.start(timeout=settings.connect_timeout)
+        except Exception as exc:
+            raise SystemExit(
+                f"celery-zklock: cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within "
+                f"{settings.connect_timeout}s ({type(exc).__name__}). Start the ensemble or fix zklock_hosts; "
+                f"{len(locked)} locked task(s) would otherwise run unprotected."
+            ) from None
+        try:
+            probe_permissions(client, settings.root)
+        except ConfigurationError as exc:
+            raise SystemExit(f"celery-zklock: {exc}") from None
     finally:
         try:
             client.stop()
@@ -168,9 +126,44 @@ def validate_app(app) -> None:
     logger.info("celery-zklock: %d locked task(s), ZooKeeper %s reachable", len(locked), settings.hosts)
 
 
+class FastChildLossStep(bootsteps.StartStopStep):
+    """Consumer step: notice a dead prefork child within a fraction of a second.
+
+    Celery learns of a child's death when its sentinel pipe becomes readable, but the
+    pipe closes while the child is still exiting; if the pool looks before the kernel has
+    made it reapable, the death is only noticed by the pool's next 5-second maintenance
+    timer — and the dead child's lock blocks its key until then.  Running the same
+    maintenance every 0.2 s bounds that delay (it is cheap: a scan of the pool's jobs).
+    """
+
+    label = "zklock fast child loss"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    interval = 0.2
+
+    def __init__(self, c, **kwargs):
+        super().__init__(c, **kwargs)
+        self.tref = None
+
+    def start(self, c):
+        maintain = getattr(getattr(c.pool, "_pool", None), "maintain_pool", None)  # prefork only
+        hub = getattr(c, "hub", None) or getattr(getattr(c, "controller", None), "hub", None)
+        if maintain is None or hub is None or self.tref is not None:
+            return
+        self.tref = hub.call_repeatedly(self.interval, maintain)
+
+    def stop(self, c):
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+
+    shutdown = stop
+
+
 def _on_worker_init(sender=None, **_):
     app = getattr(sender, "app", None)
     if app is not None:
+        if FastChildLossStep not in app.steps["consumer"]:
+            app.steps["consumer"].add(FastChildLossStep)  # the blueprint is built after worker_init
         if getattr(sender, "task_events", False):
             # `-E` reaches the WorkController, not app.conf; pool children read app.conf.
             app.conf.worker_send_task_events = True
@@ -192,24 +185,3 @@ def install() -> None:
     signals.worker_init.connect(_on_worker_init, weak=False)
     signals.worker_process_shutdown.connect(_on_shutdown, weak=False)
     signals.worker_shutdown.connect(_on_shutdown, weak=False)
-
-
-def main(argv: list[str]) -> int:
-    """Reaper process entry point: ``python -m celery_zklock.worker_loss '<json job>'``."""
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-reaper] %(message)s")
-    job = json.loads(argv[0])
-    try:
-        removed = reap_nodes(**job)
-    except Exception as exc:  # the session timeout remains the bound
-        logger.warning("could not release lost task %s's lock: %r", job.get("task_id"), exc)
-        return 1
-    if removed:
-        logger.warning("released %d lock node(s) of task %s after its worker process %s died",
-                       removed, job["task_id"], job["pid"])
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -17,9 +17,11 @@ and sequence flags), so :class:`CreateContainer` adds the ``createContainer`` re
 from __future__ import annotations
 
 import re
+import threading
+import uuid
 from typing import Iterable, NamedTuple
 
-from kazoo.exceptions import NodeExistsError, NoNodeError, UnimplementedError
+from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, UnimplementedError
 from kazoo.protocol.serialization import Create2
 from kazoo.security import OPEN_ACL_UNSAFE
 
@@ -119,6 +121,77 @@ def create_container(client, path: str) -> None:
         client.create(path, b"", makepath=True)
     except NodeExistsError:
         pass
+
+
+def no_auth_error(path: str, action: str):
+    """The error for a ZooKeeper NoAuth reply: say which znode and which setting to fix."""
+    from .errors import ConfigurationError
+
+    return ConfigurationError(
+        f"ZooKeeper denied {action} on {path!r} (NoAuth): the ACL of that znode (under zklock_root) does not "
+        f"grant this client CREATE/DELETE/READ. Give the credentials with the zklock_auth setting, e.g. "
+        f"[('digest', 'user:password')], or point zklock_root at a znode this client may write."
+    )
+
+
+def probe_permissions(client, root: str) -> None:
+    """Prove at worker start that this client may lock under ``root``; raise ConfigurationError.
+
+    Creates ``root`` if missing, then creates and deletes one ephemeral probe node below
+    it — exactly the rights the lock needs (key containers are created under ``root``) —
+    so a wrong ACL stops the worker instead of failing every task.  Leaves nothing behind.
+    """
+    try:
+        if client.exists(root) is None:
+            try:
+                client.create(root, b"", makepath=True)
+            except NodeExistsError:
+                pass
+        probe = client.create(f"{root}/_zklock-probe-{uuid.uuid4().hex}", b"", ephemeral=True)
+        client.delete(probe)
+    except NoAuthError:
+        raise no_auth_error(root, "creating and deleting a lock node") from None
+
+
+def create_container_async(client, path: str):
+    """Send a createContainer for ``path`` without waiting; the caller may ignore the reply.
+
+    Used to pipeline the parent's creation ahead of the lock node's create when the parent
+    is probably missing: a new key then costs one round trip instead of three.
+    """
+    result = client.handler.async_result()
+    client._call(CreateContainer(_chroot(client, path), b"", OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
+    return result
+
+
+class RecentPaths:
+    """A small LRU of lock paths whose parent this process saw exist lately.
+
+    Why a guess is enough: a container is reaped once empty, so the set can be stale; a
+    stale entry costs one failed create and the slow path, a missing one costs one
+    redundant createContainer in the same round trip.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        from collections import OrderedDict
+
+        self.size = size
+        self._paths: "OrderedDict[str, None]" = OrderedDict()
+        self._guard = threading.Lock()  # many threads may share one client and this cache
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._paths
+
+    def add(self, path: str) -> None:
+        with self._guard:
+            self._paths[path] = None
+            self._paths.move_to_end(path)
+            while len(self._paths) > self.size:
+                self._paths.popitem(last=False)
+
+    def discard(self, path: str) -> None:
+        with self._guard:
+            self._paths.pop(path, None)
 
 
 def uses_containers(client) -> bool:

@@ -123,6 +123,31 @@ def test_redelivered_copy_with_same_task_id_does_not_run_twice(mod, env):
             w.stop()
 
 
+def test_redelivered_copies_racing_for_the_lock_run_exactly_once(mod, env):
+    """Two deliveries of one task id join the queue behind a holder at the same moment:
+    the later one must wait behind the earlier and then see its result — exactly one runs
+    (neither yielding to the other, nor both running)."""
+    workers = [Worker(env, f"race{i}", concurrency=2).start(mod.app) for i in (1, 2)]
+    try:
+        key = f"race-{uuid.uuid4().hex[:6]}"
+        blocker = mod.hold.delay(key, 700, "blocker")
+        time.sleep(0.3)
+        tid = str(uuid.uuid4())
+        sig = mod.hold_late.signature((key, 50, "copy"))
+        sig.apply_async(task_id=tid)
+        sig.apply_async(task_id=tid)
+        blocker.get(timeout=30)
+        deadline = time.time() + 15
+        while time.time() < deadline and not [r for r in history(mod, "hold") if r["tag"] == "copy"]:
+            time.sleep(0.1)
+        time.sleep(3.0)  # the second copy's decision (result grace) is over by now
+        rows = [r for r in history(mod, "hold") if r["key"] == key and r["tag"] == "copy"]
+        assert len(rows) == 1, rows
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def test_beat_sent_tasks_are_locked(mod, env, tmp_path):
     """Two beat processes (the classic misconfiguration) send a job longer than its period."""
     worker = Worker(env, "beatw", concurrency=4).start(mod.app)
@@ -158,7 +183,7 @@ def test_lock_events_are_sent(mod, env):
             listener.start()
             time.sleep(1.0)  # the receiver's queue is bound before events are sent
             key = f"ev-{uuid.uuid4().hex[:6]}"
-            r1, r2 = mod.hold.delay(key, 300, 1), mod.hold.delay(key, 10, 2)
+            r1, r2 = mod.hold.delay(key, 300, 1), mod.hold.delay(key, 300, 2)  # either may go first
             r1.get(timeout=30), r2.get(timeout=30)
             deadline = time.time() + 10
             while time.time() < deadline and not any(

@@ -75,7 +75,9 @@ def test_different_keys_run_in_parallel(mod, workers):
     for r in results:
         r.get(timeout=30)
     rows = history(mod, "hold")
-    assert overlapping([(r["start"], r["end"]) for r in rows], max_holders=3) is not None  # 4 ran together
+    # How the broker spreads 4 messages over 4 slots is up to prefetch; that different keys
+    # do not serialize is shown by any two of them running at once.
+    assert overlapping([(r["start"], r["end"]) for r in rows], max_holders=1) is not None
 
 
 def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
@@ -172,17 +174,23 @@ def _wait_pid(mod, key, timeout=20):
 
 
 def test_sigkill_of_child_frees_lock_fast(mod, workers):
-    key = f"kill-{uuid.uuid4().hex[:6]}"
-    victim = mod.report_pid.delay(key, 30000)
-    pid = _wait_pid(mod, key)
-    waiter = mod.hold.delay(key, 1, "after-kill")
-    time.sleep(0.3)
-    killed_at = time.time()
-    os.kill(pid, signal.SIGKILL)
-    waiter.get(timeout=30)
-    started = min(r["start"] for r in history(mod, "hold") if r["tag"] == "after-kill")
-    assert started - killed_at < 1.0, f"next task started {started - killed_at:.2f}s after the kill"
-    assert victim.state == "FAILURE"
+    """Five kills in a row: Celery's own notice of a dead child can lag by its 5-second
+    maintenance period when the child is not yet reapable at the first look, so one lucky
+    kill would prove nothing."""
+    delays = []
+    for round_ in range(5):
+        key = f"kill-{round_}-{uuid.uuid4().hex[:6]}"
+        victim = mod.report_pid.delay(key, 30000)
+        pid = _wait_pid(mod, key)
+        waiter = mod.hold.delay(key, 1, f"after-kill-{round_}")
+        time.sleep(0.3)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        waiter.get(timeout=30)
+        started = min(r["start"] for r in history(mod, "hold") if r["tag"] == f"after-kill-{round_}")
+        delays.append(round(started - killed_at, 3))
+        assert victim.state == "FAILURE"
+    assert max(delays) < 1.0, f"next task started after the kill by {delays} s"
 
 
 def test_lock_lost_mid_run_fails_even_if_body_returns(mod, workers, zk_client, env):

@@ -703,3 +703,92 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
         assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
     finally:
         _stop(*clients)
+
+
+# --------------------------------------------------------------------------------------
+# e. release is the last proof of exclusion
+# --------------------------------------------------------------------------------------
+def test_release_after_the_session_expired_unnoticed_reports_the_loss(zk_server, zk_client, path):
+    """A holder cut off (or frozen) past its session timeout, whose safety timer has not
+    fired yet, must not be told at release that it held the lock to the end: the server
+    expired its session and another contender held the lock meanwhile."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lock = FairLock(c, path, suspended_grace=60.0)  # keep the SUSPENDED timer out of it
+            assert lock.acquire(timeout=5)
+            proxy.hold()
+            other = FairLock(zk_client, path)
+            assert other.acquire(timeout=SESSION * 3), "the server never expired the cut-off session"
+            releasing = threading.Thread(target=lambda: result.append(lock.release()))
+            result: list[bool] = []
+            releasing.start()
+            time.sleep(0.3)
+            proxy.release_held()
+            releasing.join(SESSION * 3)
+            assert result == [False]
+            assert "expired" in lock.lost_reason
+            assert other.is_held()
+            other.release()
+        finally:
+            _stop(c)
+
+
+def test_release_of_a_lock_still_ours_reports_success_even_after_a_blip(zk_server, zk_client, path):
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lock = FairLock(c, path, suspended_grace=60.0)
+            assert lock.acquire(timeout=5)
+            proxy.hold()
+            result: list[bool] = []
+            releasing = threading.Thread(target=lambda: result.append(lock.release()))
+            releasing.start()
+            time.sleep(0.5)
+            proxy.release_held()
+            releasing.join(SESSION * 3)
+            assert result == [True] and lock.lost_reason is None
+            assert zk_client.get_children(path) == []
+        finally:
+            _stop(c)
+
+
+def test_lost_create_while_the_key_container_is_reaped(zk_server, zk_client, path):
+    """The create's reply is lost *and* the create failed; meanwhile the empty key
+    container is reaped by the server.  Looking for a ghost must find "no node", not
+    escape acquire with NoNodeError."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            zk_client.ensure_path(path)
+            lock = FairLock(c, path)
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=False)
+            zk_client.delete(path)  # what the container reaper does to an empty key
+            assert lock.acquire(timeout=10) is True
+            assert cut.fired.is_set()
+            assert lock.is_held() and zk_client.exists(lock.node) is not None
+            lock.release()
+        finally:
+            _stop(c)
+
+
+def test_unauthorised_client_gets_a_clear_error_and_leaves_nothing(zk_server, zk_client, path):
+    from kazoo.security import make_digest_acl
+
+    from celery_zklock import ConfigurationError
+    from celery_zklock.znodes import probe_permissions
+
+    owner = _client(zk_server.hosts, auth_data=[("digest", "owner:secret")])
+    stranger = _client(zk_server.hosts)
+    try:
+        owner.create(path, b"", acl=[make_digest_acl("owner", "secret", all=True)], makepath=True)
+        with pytest.raises(ConfigurationError, match=r"NoAuth.*zklock_auth"):
+            FairLock(stranger, f"{path}/key").acquire(timeout=2)
+        with pytest.raises(ConfigurationError, match="zklock_auth"):
+            probe_permissions(stranger, path)
+        assert owner.get_children(path) == []
+        probe_permissions(owner, path)  # the owner may lock there, and the probe leaves nothing
+        assert owner.get_children(path) == []
+    finally:
+        owner.delete(path, recursive=True)
+        _stop(owner, stranger)

@@ -59,6 +59,8 @@ def test_bad_task_options_fail_at_registration(options, message):
         ({"zklock_on_timeout": "later"}, "must be one of"),
         ({"zklock_host": "zk:2181"}, "unknown setting 'zklock_host'. Did you mean 'zklock_hosts'"),
         ({"zklock_release_on_worker_loss": "yes"}, "True or False"),
+        ({"zklock_auth": "user:pw"}, "(scheme, credential) pairs"),
+        ({"zklock_auth": [("digest",)]}, "is not a (scheme, credential) pair"),
     ],
 )
 def test_bad_settings_say_what_to_fix(conf, message):
@@ -111,3 +113,45 @@ def test_key_to_znode_mapping_is_safe_and_deterministic():
 def test_lock_path_helper_uses_root():
     app = make_app(zklock_root="/locks")
     assert lock_path("sku/1", app) == "/locks/sku%2F1"
+
+
+def test_credentials_are_never_echoed():
+    with pytest.raises(ConfigurationError) as info:
+        load_settings(make_app(zklock_auth=[("digest", "user:hunter2", "x")]).conf)
+    assert "hunter2" not in str(info.value)
+    s = load_settings(make_app(zklock_auth=[("digest", "user:hunter2")]).conf)
+    assert s.auth == (("digest", "user:hunter2"),) and "hunter2" not in repr(s)
+
+
+class _Opaque:  # no __str__: its text would be a memory address
+    pass
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (None, "got None"),
+        ([[1, 2]], "got a list"),  # a callable's flat list is several keys; nested is not
+        ({"a": 1}, "got a dict"),
+        (_Opaque(), "no stable text"),
+        ("x\udc80", "not valid Unicode"),
+    ],
+)
+@pytest.mark.parametrize("source", ["template", "callable"])
+def test_key_values_without_stable_text_are_errors(value, message, source):
+    def buy(sku_id):
+        pass
+
+    spec = compile_key("sku:{sku_id}" if source == "template" else (lambda sku_id: sku_id), buy, "t.buy")
+    with pytest.raises(ConfigurationError, match=message):
+        spec.keys((value,), {})
+
+
+def test_callable_returning_nested_or_no_keys_is_an_error():
+    def buy(sku_id):
+        pass
+
+    with pytest.raises(ConfigurationError, match="got a list"):
+        compile_key(lambda sku_id: [[sku_id]], buy, "t.buy").keys((1,), {})
+    with pytest.raises(ConfigurationError, match="returned no key"):
+        compile_key(lambda sku_id: [], buy, "t.buy").keys((1,), {})

@@ -1,0 +1,305 @@
+"""Turn the results dict into ``latest.json``, the Markdown report and the PNG plots.
+
+Why one module decides the verdicts: every target of issue 5 is judged here, from the
+numbers of one run (ratios against the baseline measured in the same run), and the same
+list of verdicts goes to the JSON and to the Markdown table -- a target that is not met
+says so in both, with its number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from . import lock_bench
+
+SCENARIO_TITLES = {
+    "overhead": "1. Per-task overhead, no contention (distinct keys)",
+    "hot_key": "2. One hot key",
+    "fairness": "3. Fairness under contention",
+    "worker_loss": "4. Worker loss (SIGKILL of the child holding the lock)",
+    "scale": "5. Scale",
+    "lock_engine": "6. Lock engine micro-benchmarks (bench/lock_bench.py)",
+}
+
+
+# ------------------------------------------------------------------ verdicts
+def _target(scenario: str, contender: str, target: str, met: bool | None, value: str) -> dict:
+    return {"scenario": scenario, "contender": contender, "target": target, "met": met, "value": value}
+
+
+def targets(results: dict) -> list[dict]:
+    """Every target of the issue, judged on this run's numbers (missing data = not met)."""
+    sc = results["scenarios"]
+    out = []
+    if "overhead" in sc:
+        o = sc["overhead"]["contenders"]
+        zk, plain, naive = o["zklock"], o["plain"], o["naive"]
+        out.append(_target("overhead", "ZkLockedTask", "throughput >= 0.8x plain Celery",
+                           zk["throughput_vs_plain"] >= 0.8,
+                           f"{zk['throughput_vs_plain']:.2f}x ({zk['throughput_per_s']:.0f} vs "
+                           f"{plain['throughput_per_s']:.0f} tasks/s)"))
+        vs_naive = zk["throughput_per_s"] / naive["throughput_per_s"]
+        out.append(_target("overhead", "ZkLockedTask", "throughput > naive kazoo Lock task", vs_naive > 1.0,
+                           f"{vs_naive:.2f}x ({zk['throughput_per_s']:.0f} vs {naive['throughput_per_s']:.0f} tasks/s)"))
+    if "hot_key" in sc:
+        h = sc["hot_key"]["contenders"]["zklock"]
+        out.append(_target("hot_key", "ZkLockedTask", "makespan >= 0.9 of ideal (ideal / makespan)",
+                           (h["efficiency"] or 0) >= 0.9,
+                           f"{h['efficiency']:.3f} ({h['ideal_s']:.2f} s ideal / {h['makespan_s']:.2f} s)"))
+        out.append(_target("hot_key", "ZkLockedTask", "zero FIFO inversions", h["fifo_inversions"] == 0,
+                           f"{h['fifo_inversions']} of {h['ran']} tasks (clock-based: {h['clock_inversions']})"))
+        out.append(_target("hot_key", "ZkLockedTask", "mutual exclusion: zero overlapping runs", h["overlaps"] == 0,
+                           str(h["overlaps"])))
+    if "fairness" in sc:
+        f = sc["fairness"]["contenders"][next(iter(sc["fairness"]["contenders"]))]
+        out.append(_target("fairness", f["label"], "0% consecutive holds by the same process",
+                           f["same_holder_pct"] == 0, f"{f['same_holder_pct']:.2f}% of {f['holds']} holds"))
+        out.append(_target("fairness", f["label"], "max wait <= 1.5x the fair bound",
+                           f["max_wait_vs_fair_bound"] <= 1.5,
+                           f"{f['max_wait_vs_fair_bound']:.2f}x ({f['wait_max_ms']:.1f} ms vs bound "
+                           f"{f['fair_bound_ms']:.1f} ms; {f['queue_jumps']} queue jumps; "
+                           f"longest gap {f['longest_gap_ms']:.1f} ms; "
+                           f"ZooKeeper write max {sc['fairness']['zookeeper']['update_latency_max_ms']:.0f} ms)"))
+    if "worker_loss" in sc:
+        w = sc["worker_loss"]["contenders"]["zklock"]
+        value = "still blocked" if w["still_blocked"] else f"{w['recovery_s'] * 1000:.0f} ms (worst of {len(w['samples_s'])})"
+        out.append(_target("worker_loss", "ZkLockedTask", "next same-key task starts < 1 s after SIGKILL",
+                           (not w["still_blocked"]) and w["recovery_s"] < 1.0, value))
+    if "scale" in sc:
+        s = sc["scale"]
+        wt = s["one_key_waiters"]
+        out.append(_target("scale", "ZkLockedTask engine", f"exactly one notification per release ({wt['waiters']} waiters)",
+                           wt["max_notifications_per_release"] == 1 and wt["releases_with_none"] == 0,
+                           f"mean {wt['notifications_per_release']}, max {wt['max_notifications_per_release']}, "
+                           f"{wt['releases_with_more_than_one']} releases woke >1, {wt['releases_with_none']} woke none"))
+        zk = s["contenders"]["zklock"]
+        out.append(_target("scale", "ZkLockedTask", f"no znodes left after {zk['keys']} distinct keys",
+                           zk["znodes_left"] <= 0, f"{zk['znodes_left']:+d} ({zk['znodes_before']} -> {zk['znodes_after']})"))
+        out.append(_target("scale", "ZkLockedTask engine", "no znodes left after the one-key waiters",
+                           wt["znodes_left"] <= 0, f"{wt['znodes_left']:+d}"))
+    if "lock_engine" in sc:
+        for t in sc["lock_engine"].get("targets", []):
+            out.append(_target("lock_engine", t["contender"], t["target"], t["met"], t["value"]))
+    return out
+
+
+# ------------------------------------------------------------------ Markdown
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return lines
+
+
+def _rows(contenders: dict, columns: list[tuple[str, str]]) -> tuple[list[str], list[list]]:
+    header = ["contender"] + [label for _, label in columns]
+    return header, [[row.get("label", name)] + [row.get(key) for key, _ in columns] for name, row in contenders.items()]
+
+
+TABLES = {
+    "overhead": [("throughput_per_s", "tasks/s"), ("throughput_vs_plain", "vs plain"),
+                 ("latency_p50_ms", "latency p50 ms"), ("latency_p99_ms", "p99 ms"),
+                 ("latency_p50_vs_plain", "p50 vs plain"), ("cpu_workers_ms_per_task", "worker CPU ms/task"),
+                 ("cpu_zookeeper_ms_per_task", "ZooKeeper CPU ms/task"), ("cpu_redis_ms_per_task", "Redis CPU ms/task"),
+                 ("cpu_publisher_ms_per_task", "publisher CPU ms/task"), ("zk_requests_per_task", "ZK requests/task"),
+                 ("tasks", "tasks")],
+    "hot_key": [("ran", "ran"), ("published", "published"), ("efficiency", "ideal/makespan"),
+                ("makespan_s", "makespan s"), ("ideal_s", "ideal s"), ("handoff_p50_ms", "handoff p50 ms"),
+                ("handoff_p99_ms", "handoff p99 ms"), ("wait_p50_ms", "wait p50 ms"), ("wait_max_ms", "max wait ms"),
+                ("fifo_inversions", "FIFO inversions"), ("clock_inversions", "clock inversions"),
+                ("overlaps", "overlaps"), ("publish_order_inversions", "publish-order inversions"),
+                ("zk_write_avg_ms", "ZK write avg ms"), ("zk_write_p99_ms", "ZK write p99 ms"),
+                ("zk_fsync_avg_ms", "ZK fsync avg ms")],
+    "fairness": [("holds", "holds"), ("same_holder_pct", "same-holder %"), ("wait_p50_ms", "wait p50 ms"),
+                 ("wait_p99_ms", "p99 ms"), ("wait_max_ms", "max ms"), ("fair_bound_ms", "fair bound ms"),
+                 ("max_wait_vs_fair_bound", "max / bound"), ("queue_jumps_pct", "queue jumps %"),
+                 ("longest_gap_ms", "longest gap ms"), ("mean_cycle_ms", "mean cycle ms"),
+                 ("exclusion_overlaps", "overlaps")],
+    "worker_loss": [("recovery_s", "next start after kill (s)"), ("still_blocked", "still blocked"),
+                    ("samples_s", "samples (s)"), ("how", "how")],
+    "scale": [("keys", "keys"), ("throughput_per_s", "tasks/s"), ("znodes_before", "znodes before"),
+              ("znodes_after", "after"), ("znodes_left", "left"), ("child_rss_mib", "child RSS MiB"),
+              ("child_rss_growth_mib", "child RSS growth MiB"), ("parent_rss_mib", "parent RSS MiB")],
+}
+
+NOTES = {
+    "overhead": "Throughput: bursts of trivial tasks on distinct keys, alternating contender order per pass; "
+                "latency: one task in flight, publish to `task_postrun` (after the contender's unlock), "
+                "contenders rotating task by task. CPU per task: all worker processes, the ZooKeeper and Redis servers "
+                "and the publishing process, over the bursts (this machine's cores are shared by all of them).",
+    "hot_key": "All tasks of a pass share one key and are published at once; each sleeps 10-20 ms (same "
+               "durations for every contender). Reject-style peers refuse duplicates at publish time: see *ran*. "
+               "Plain Celery has no lock (overlaps expected). FIFO inversions use the lock's own queue order "
+               "(fencing token / node sequence); clock inversions use `task_prerun` stamps >= 5 ms apart; "
+               "publish-order inversions include broker and pool scheduling and are context only. "
+               "ZK write/fsync: ZooKeeper's own statistics during that contender's passes (write = request in "
+               "to reply out in the server, 1 ms resolution); each release is a write, so it is part of every "
+               "handoff.",
+    "fairness": "Processes hold 5 ms and re-request at once. Fair bound = (P-1) x mean interval between "
+                "acquisitions of that contender (what a FIFO queue gives). Queue jumps = holds that began before a "
+                "hold requested earlier (FIFO: 0; steady state: each process's first request at the window's "
+                "start is left out); longest gap = longest time between two acquisitions (a stall "
+                "every waiter sits through).",
+    "worker_loss": "Time from SIGKILL of the pool child holding the lock to the start of the next same-key task.",
+    "scale": "Znode counts from `mntr` after the container sweep; RSS of every worker process after the run.",
+}
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        f"# celery-zklock benchmark ({'quick smoke run' if results['quick'] else 'full run'})",
+        "",
+        f"{results['started_at']}, {results['elapsed_s']:.0f} s. {m['cpus']} CPUs, Python {m['python']}, "
+        f"ZooKeeper {_version(m['zookeeper_version'])} (fsync {'on' if m['zookeeper_fsync'] else 'off'}, tickTime "
+        f"{m['zookeeper_tick_ms']} ms, container sweep {m['zookeeper_container_check_ms']} ms), "
+        f"Redis {m['redis_version']}; 1-min load average {results['loadavg'][0]:.2f} at start, "
+        f"{results['loadavg'][1]:.2f} at end. Workers: {results['workers']}.",
+        "",
+        "## Targets",
+        "",
+    ]
+    verdict = {True: "met", False: "**NOT met**", None: "n/a"}
+    lines += _table(["scenario", "contender", "target", "value", "verdict"],
+                    [[t["scenario"], t["contender"], t["target"], t["value"], verdict[t["met"]]]
+                     for t in results["targets"]])
+    if results["quick"]:
+        lines += ["", "Quick mode: small samples, short caps; a smoke run, not a measurement."]
+    for name, title in SCENARIO_TITLES.items():
+        data = results["scenarios"].get(name)
+        if data is None:
+            continue
+        lines += ["", f"## {title}", ""]
+        if name == "lock_engine":
+            lines += ["```text", lock_bench.format_table(data), "```"]
+            continue
+        lines += _table(*_rows(data["contenders"], TABLES[name]))
+        if name == "worker_loss":
+            lines += [f"| plain Celery | n/a | | | {data['not_applicable']['plain']} |"]
+        if name == "scale":
+            lines += ["", *_waiters_table(data["one_key_waiters"])]
+        if name == "fairness":
+            z = data["zookeeper"]
+            lines += ["", f"ZooKeeper during these windows (used by the FairLock row only): {z['fsyncs']} fsyncs, "
+                          f"avg {z['fsync_avg_ms']:.1f} ms, max {z['fsync_max_ms']:.0f} ms; {z['updates']} writes, "
+                          f"latency avg {z['update_latency_avg_ms']:.1f} ms, p99 {z['update_latency_p99_ms']:.0f} ms, "
+                          f"max {z['update_latency_max_ms']:.0f} ms (server clock, 1 ms resolution)."]
+        lines += ["", NOTES[name]]
+    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
+    return "\n".join(lines)
+
+
+def _version(text: str | None) -> str:
+    """``3.8.0`` out of ZooKeeper's ``3.8.0-<commit>, built on <date>`` banner."""
+    import re
+
+    found = re.match(r"\d+(\.\d+)+", text or "")
+    return found.group(0) if found else str(text)
+
+
+def _waiters_table(w: dict) -> list[str]:
+    keys = ["waiters", "acquired", "releases_with_successor", "notifications_per_release",
+            "max_notifications_per_release", "releases_with_more_than_one", "releases_with_none", "wire_watch_events",
+            "children_reads_per_waiter", "drain_s", "handoffs_per_s", "waiter_process_peak_rss_mib", "znodes_before",
+            "znodes_after", "znodes_left"]
+    return [f"One key, {w['waiters']} waiting FairLocks (the engine of ZkLockedTask):", "",
+            *_table(["metric", "value"], [[k, w[k]] for k in keys])]
+
+
+# ------------------------------------------------------------------ plots
+def plots(results: dict, out: Path) -> list[str]:
+    """Latency and wait distributions per contender (empirical CDFs), worker-loss bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    sc = results["scenarios"]
+    made = []
+
+    def save(fig, name: str):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+
+    def cdf(name: str, series: dict[str, list[float]], title: str, xlabel: str, marks: dict[str, float] | None = None):
+        """One empirical CDF per contender, log x axis; ``marks`` draws a dotted line per contender."""
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for label, values in series.items():
+            if not values:
+                continue
+            xs = sorted(max(v, 1e-5) * 1000 for v in values)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            line, = ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
+            if marks and label in marks:
+                ax.axvline(marks[label], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction <= x")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, name)
+
+    def labelled(scenario: dict, series: dict[str, list[float]]) -> dict[str, list[float]]:
+        return {scenario["contenders"][c]["label"]: v for c, v in series.items()}
+
+    if "overhead" in sc:
+        cdf("latency_overhead.png", labelled(sc["overhead"], sc["overhead"]["samples_s"]),
+            "Scenario 1: per-task latency, one task in flight (publish -> postrun)", "latency (ms, log scale)")
+    if "hot_key" in sc:
+        cdf("wait_hot_key.png", labelled(sc["hot_key"], sc["hot_key"]["waits_s"]),
+            "Scenario 2: wait for the lock in the worker (prerun -> body start), one hot key", "wait (ms, log scale)")
+    if "fairness" in sc:
+        f = sc["fairness"]
+        cdf("wait_fairness.png", f["waits_s"], f"Scenario 3: request -> acquire, {f['procs']} processes, "
+            f"{f['hold_ms']:.0f} ms holds (dotted: fair bound)", "wait (ms, log scale)",
+            marks={n: row["fair_bound_ms"] for n, row in f["contenders"].items()})
+    if "worker_loss" in sc:
+        w = sc["worker_loss"]
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        rows = list(w["contenders"].values())
+        values = [r["waited_s"] for r in rows]
+        bars = ax.barh([r["label"] for r in rows], values, color=["#d62728" if r["still_blocked"] else "#2ca02c"
+                                                                  for r in rows])
+        for bar, r in zip(bars, rows):
+            text = f"still blocked after {r['waited_s']:.0f} s" if r["still_blocked"] else f"{r['recovery_s']:.3f} s"
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("SIGKILL -> next same-key task starts (s, log scale; capped)")
+        ax.set_title("Scenario 4: worker loss")
+        save(fig, "worker_loss.png")
+    return made
+
+
+# ------------------------------------------------------------------ files
+def write(results: dict, out: Path) -> None:
+    """``latest.json``, ``latest.md`` and the PNGs into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plots(results, out)
+    (out / "latest.json").write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    (out / "latest.md").write_text(markdown(results))
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    raise TypeError(f"not JSON serialisable: {value!r}")

@@ -1,0 +1,124 @@
+"""``make bench`` / ``python -m bench.run [--quick] [--out DIR]``: every scenario, every contender.
+
+Why one runner: the issue asks for numbers that can be compared, which means one run,
+one set of freshly started services (a private ZooKeeper with fsync on and a private
+Redis on free loopback ports), real ``celery worker`` processes, and every verdict taken
+from ratios within that run.  It writes ``latest.json``, ``latest.md`` and PNG plots to
+``bench/results`` (or ``--out``) and prints progress to stderr.
+
+Order of the scenarios: the engine-level ones fork their measuring processes
+(``multiprocessing`` with ``fork``, see ``bench/lock_bench.py``), which is only safe while
+this process has no threads -- so they run first, before this process talks to Celery.
+Then the workers start and the Celery scenarios run; worker loss comes last because it
+kills pool children (the scale scenario reads the RSS of the original ones).
+
+``--quick`` (CI smoke run, < 2 min) uses small samples and a 3 s cap in the worker-loss
+scenario; its numbers are not measurements and no threshold is asserted on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import celery_scenarios, fairness, lock_bench, report, scale, worker_loss
+from .infra import CostMeter, Services, Workers, log
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+#: lock_bench sizes for the quick mode (its own QUICK takes ~30 s; a smoke run needs less).
+LOCK_BENCH_SMOKE = lock_bench.Settings(
+    uncontended_iters=60, warmup=30, block=10, handoff_rounds=20, handoff_settle=0.01, throughput_procs=4,
+    throughput_seconds=1.0, fairness_procs=8, fairness_seconds=1.0, fairness_hold=0.005, passes=1,
+)
+
+
+def timed(results: dict, name: str, fn, *args):
+    """Run one scenario, log its start and duration, store its result under ``name``."""
+    log(f"scenario {name}: start")
+    t0 = time.monotonic()
+    value = fn(*args)
+    elapsed = round(time.monotonic() - t0, 1)
+    results["durations_s"][name] = elapsed
+    log(f"scenario {name}: done in {elapsed:.1f}s")
+    return value
+
+
+def run(quick: bool, out: Path) -> dict:
+    sizes = celery_scenarios.QUICK if quick else celery_scenarios.FULL
+    started = time.monotonic()
+    results: dict = {
+        "quick": quick,
+        "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "durations_s": {},
+        "sizes": sizes.__dict__,
+        "scenarios": {},
+    }
+    load_start = os.getloadavg()[0]
+    log(f"{'quick' if quick else 'full'} run; starting ZooKeeper and Redis")
+    services = Services()
+    try:
+        services.start()
+        results["machine"] = services.machine()
+        sc = results["scenarios"]
+        endpoints = services.endpoints()
+        # Forking scenarios first (no threads in this process yet).
+        sc["lock_engine"] = timed(results, "lock_engine", lock_bench.run, quick, endpoints,
+                                  LOCK_BENCH_SMOKE if quick else None)
+        sc["fairness"] = timed(results, "fairness", fairness.fairness, services,
+                               fairness.QUICK if quick else fairness.FULL)
+        waiters = timed(results, "scale_one_key_waiters", scale.many_waiters, services, sizes.scale_waiters,
+                        sizes.scale_waiter_procs)
+        # Celery scenarios.
+        driver = celery_scenarios.Driver(services.env())
+        workers = Workers(services.env(), count=2, concurrency=2)
+        results["workers"] = "2 x `celery worker -P prefork -c 2` (Redis broker)"
+        log("starting 2 celery workers (prefork, -c 2)")
+        try:
+            workers.start(driver.app)
+            sc["overhead"] = timed(results, "overhead", celery_scenarios.overhead, driver, sizes,
+                                   CostMeter(services, workers))
+            sc["hot_key"] = timed(results, "hot_key", celery_scenarios.hot_key, driver, sizes, services)
+            keys = timed(results, "scale_distinct_keys", scale.distinct_keys, driver, workers, services,
+                         sizes.scale_keys)
+            sc["scale"] = {"contenders": keys, "one_key_waiters": waiters}
+            sc["worker_loss"] = timed(results, "worker_loss", worker_loss.worker_loss, driver, workers, sizes)
+        except BaseException:
+            log(f"worker logs kept in {workers.procs.logdir}")
+            raise
+        finally:
+            log("stopping workers")
+            workers.stop(timeout=5 if quick else 20)
+        workers.procs.remove_logs()
+    finally:
+        log("stopping ZooKeeper and Redis")
+        services.close()
+    results["loadavg"] = [load_start, os.getloadavg()[0]]
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    results["targets"] = report.targets(results)
+    report.write(results, out)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run (< 2 min): small samples, short caps")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    from examples.runtime import install_interrupt_handlers
+
+    install_interrupt_handlers()  # Ctrl-C / SIGTERM unwind through the cleanup above
+    results = run(args.quick, args.out)
+    missed = [t for t in results["targets"] if t["met"] is False]
+    print((args.out / "latest.md").read_text())
+    log(f"wrote {args.out}/latest.json, latest.md and {len(results['plots'])} plots in {results['elapsed_s']:.0f}s; "
+        f"{len(results['targets']) - len(missed)} of {len(results['targets'])} targets met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

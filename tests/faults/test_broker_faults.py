@@ -1,0 +1,129 @@
+"""Faults of the broker: a Redis restart mid-run, and an acks_late message delivered again
+while its original still waits for the lock.
+
+Why: with ``acks_late`` the broker delivers a message again whenever it was not
+acknowledged in time (visibility timeout, lost connection), so the same task id can reach
+the lock twice.  The lock must keep the two copies from running at once, and a copy that
+queued behind its original must not run again once the original has succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from celery_zklock.redis_server import RedisServer
+from tests.faults import app as A
+from tests.faults.checker import runs_of
+from tests.faults.harness import SESSION, record, wait_until
+
+
+@pytest.mark.slow
+def test_broker_restarted_mid_run_with_acks_late(scenario):
+    """Redis (broker and result backend) is restarted under a running acks_late workload.
+    Promise: no task lost or failed, no two runs of a key at once, no lock node left; a
+    message whose acknowledgement the outage swallowed comes back after the visibility
+    timeout and may run again after its original finished (at-least-once, documented),
+    never beside it.  ``result_backend_always_retry`` is Celery's own setting for a
+    backend outage: without it Celery drops the results of tasks that end meanwhile."""
+    conf = json.dumps({"result_backend_always_retry": True})
+    for name in ("a", "b"):
+        scenario.worker(name, concurrency=2, FAULTS_VISIBILITY="6", FAULTS_CONF=conf)
+    sent = [scenario.send(A.step_late, f"hot-{i % 2}", 150) for i in range(40)]
+    wait_until(lambda: all(scenario.contenders(f"hot-{k}") >= 2 for k in range(2)), 30, interval=0.005,
+               what="a holder and a waiter on every hot key")
+    down_s = scenario.cluster.redis_restart()
+    report = scenario.verify(timeout=120, reruns=True)
+    record("broker-restart", broker_down_s=round(down_s, 3), **report.figures)
+    assert report.figures["succeeded"] == len(sent)
+
+
+def test_result_backend_down_while_tasks_wait_for_the_lock(scenario):
+    """The result backend (its own Redis) is down while tasks start waiting for a lock.
+    The LOCK_WAITING state the library stores is monitoring: failing to store it must not
+    fail or drop the task — each waiter's body must still run, once, when its turn comes.
+    (Celery's own writes are kept out of the way: no STARTED state; the final result
+    write after the body is Celery's and is not judged here.)"""
+    backend = RedisServer().start()
+    try:
+        env = dict(FAULTS_BACKEND=f"redis://127.0.0.1:{backend.port}/0",
+                   FAULTS_CONF=json.dumps({"task_track_started": False}))
+        # The test process keeps the scenario's backend: it only reads the history.
+        worker = scenario.worker("w", concurrency=3, **env)
+        blocker = scenario.send(A.step, "bk", 3000, queue=worker.queue)
+        wait_until(lambda: scenario.events(blocker.id, "begin"), 30, what="the blocker to hold the lock")
+        # Sent while the backend is up (sending subscribes to the result), started 1 s later.
+        waiters = [scenario.send(A.step, "bk", 20, queue=worker.queue, countdown=1.0).id for _ in range(2)]
+        backend.stop()
+        wait_until(lambda: scenario.events(blocker.id, "return"), 30, what="the blocker to finish")
+        ran = lambda: [r for r in runs_of(scenario.store.events()) if r.task in waiters and r.complete]  # noqa: E731
+        try:
+            wait_until(lambda: len(ran()) >= 2, SESSION * 3, what="both waiters' bodies to run")
+        finally:
+            backend.start()
+        record("backend-down-waiting", waiter_runs=len(ran()))
+        assert sorted(r.task for r in ran()) == sorted(waiters)
+        assert scenario.leftovers(SESSION + 3) == []
+    finally:
+        backend.close()
+
+
+def _racers(scenario, **env):
+    """Two single-slot workers sharing one queue: each delivery of a task lands on one."""
+    queue = f"{scenario.name}-race"
+    return queue, [scenario.worker(n, concurrency=1, queues=queue, **env) for n in ("r1", "r2")]
+
+
+def _judge(scenario, racers, original, how, reruns=False):
+    """Checker verdict plus: a copy really was delivered, and the task completed (once,
+    unless the scenario accepts serial re-runs)."""
+    report = scenario.verify(reruns=reruns)
+    received = sum(w.log().count(f"step_late[{original.id}] received") for w in racers)
+    record(f"redelivery-{how}", deliveries=received, **report.figures)
+    assert received >= 2, "the broker never delivered a copy: the race did not happen"
+    assert original.state == "SUCCESS"
+    completed = len(scenario.events(original.id, "return"))
+    assert completed >= 1 if reruns else completed == 1, completed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["visibility-timeout", "same-instant"])
+def test_redelivered_copy_races_its_original_for_the_lock(scenario, how):
+    """Known bug (b).  Two deliveries of one acks_late task id queue for the same lock
+    behind a long holder, on two workers: either the broker redelivers the waiting
+    original once its visibility timeout passes, or a redelivery lands at the same instant
+    as the original (as when unacknowledged messages are restored while the original is
+    still in flight).  Exactly one of them must run — not both, and not neither."""
+    env = dict(FAULTS_VISIBILITY="3" if how == "visibility-timeout" else "3600")
+    blocker_w = scenario.worker("blocker", concurrency=1, **env)
+    queue, racers = _racers(scenario, **env)
+    blocker = scenario.send(A.step, "race", 4500 if how == "visibility-timeout" else 1500, queue=blocker_w.queue)
+    wait_until(lambda: scenario.events(blocker.id, "begin"), 30, what="the blocker to hold the lock")
+    original = scenario.send(A.step_late, "race", 50, queue=queue)
+    if how == "same-instant":
+        A.step_late.apply_async(("race", 50, 0), task_id=original.id, queue=queue)
+    scenario.wait_contenders("race", 3, timeout=15)  # both deliveries queue behind the blocker
+    _judge(scenario, racers, original, how)
+
+
+def test_redelivered_copy_queued_behind_its_dead_original_runs(scenario):
+    """Known bug (b), the "neither" side.  The worker running an acks_late task dies with
+    it (SIGKILL of the whole worker); the broker redelivers the message while the dead
+    session's lock node is still there, so the copy finds "its original" ahead of it.
+    The original will never finish: once the node expires the copy must run — a copy
+    that stands aside for a dead original drops the work.  (The visibility timeout that
+    brings the copy back before the node expires is shorter than the copy's own wait, so
+    the broker hands the message out once more after the copy finished: a serial re-run,
+    the at-least-once the README documents; the checker still forbids overlapping runs.)"""
+    env = dict(FAULTS_VISIBILITY="2", FAULTS_SESSION="4")  # the copy comes back before the node expires
+    queue, racers = _racers(scenario, **env)
+    original = scenario.send(A.step_late, "race", 1500, queue=queue)
+    wait_until(lambda: scenario.events(original.id, "begin"), 30, what="the original to run")
+    first = next(w for w in racers if f"step_late[{original.id}] received" in w.log())
+    killed = time.time()
+    first.kill()
+    _judge(scenario, racers, original, "dead-original", reruns=True)
+    after = [e for e in scenario.events(original.id, "return") if e["t"] > killed]
+    assert after, "no delivery ran after the original's worker died"

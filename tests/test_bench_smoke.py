@@ -1,0 +1,80 @@
+"""Smoke test of the benchmark suite: ``python -m bench.run --quick --out DIR`` completes.
+
+Why only a smoke test: benchmark numbers on a shared CI machine are noise, so no timing
+threshold is asserted here; what must never rot is that the one command starts its
+services and workers, runs every scenario for every contender and writes a report whose
+fields are numbers (the full run, ``make bench``, is what gets read).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytest.importorskip("matplotlib", reason="the bench extra (matplotlib, celery-once, ...) is not installed")
+pytest.importorskip("celery_once")
+pytest.importorskip("celery_singleton")
+pytest.importorskip("redis_lock")
+
+CELERY = ["plain", "zklock", "naive", "once", "singleton"]
+
+#: scenario -> (contenders, numeric fields every contender must have)
+EXPECTED = {
+    "overhead": (CELERY, ["throughput_per_s", "throughput_vs_plain", "latency_p50_ms", "latency_p99_ms",
+                          "cpu_workers_ms_per_task", "zk_requests_per_task"]),
+    "hot_key": (CELERY, ["ran", "published", "makespan_s", "ideal_s", "efficiency", "overlaps", "wait_max_ms"]),
+    "fairness": (["ZkLockedTask engine (FairLock)", "Redis SET NX + 1 ms poll", "python-redis-lock"],
+                 ["holds", "same_holder_pct", "wait_max_ms", "fair_bound_ms", "max_wait_vs_fair_bound"]),
+    "worker_loss": (["zklock", "naive", "once", "singleton"], ["waited_s"]),
+    "scale": (["zklock", "naive"], ["keys", "throughput_per_s", "znodes_before", "znodes_after", "znodes_left",
+                                    "child_rss_mib"]),
+}
+WAITER_FIELDS = ["waiters", "acquired", "notifications_per_release", "max_notifications_per_release",
+                 "znodes_before", "znodes_after"]
+LOCK_ENGINE = ["ours release(wait=True)", "ours release(wait=False)", "kazoo Lock", "redis SET NX + 1ms poll"]
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "scenario overhead: start" in proc.stderr  # progress goes to stderr
+
+    results = json.loads((tmp_path / "latest.json").read_text())
+    assert results["quick"] is True
+    assert is_number(results["machine"]["cpus"]) and results["machine"]["zookeeper_version"]
+    for scenario, (contenders, fields) in EXPECTED.items():
+        rows = results["scenarios"][scenario]["contenders"]
+        for contender in contenders:
+            for field in fields:
+                assert is_number(rows[contender].get(field)), (scenario, contender, field, rows[contender].get(field))
+    # ZkLockedTask recovers within the quick cap or says it is still blocked; either way a bool
+    for row in results["scenarios"]["worker_loss"]["contenders"].values():
+        assert isinstance(row["still_blocked"], bool)
+    waiters = results["scenarios"]["scale"]["one_key_waiters"]
+    for field in WAITER_FIELDS:
+        assert is_number(waiters[field]), (field, waiters.get(field))
+    engine = results["scenarios"]["lock_engine"]["contenders"]
+    for contender in LOCK_ENGINE:
+        assert all(is_number(engine[contender][m]) for m in ("uncontended_p50_ms", "handoff_p50_ms", "throughput_per_s"))
+
+    verdicts = results["targets"]
+    assert {t["scenario"] for t in verdicts} == set(EXPECTED) | {"lock_engine"}
+    assert all(isinstance(t["met"], bool) for t in verdicts)
+    md = (tmp_path / "latest.md").read_text()
+    assert "## Targets" in md and md.count("| ") > 40
+    for png in results["plots"]:
+        assert (tmp_path / png).stat().st_size > 1000
