@@ -540,8 +540,13 @@ class FairLock:
             if self._current_session() != session:
                 return _EXPIRED  # ephemeral nodes die with their session
             try:
-                self.client.delete(full)
+                # Not client.delete(): while kazoo reconnects, a sync call waits for the
+                # reconnection however long a partition lasts.  Bound the wait instead.
+                self.client.delete_async(full).get(timeout=max(0.05, give_up - time.monotonic()))
                 return _DELETED
+            except self.client.handler.timeout_exception:
+                _defer_delete(self.client, full, session)
+                return _DEFERRED
             except NoNodeError:
                 # On a retry in the same session, the node can only have gone by our own
                 # earlier delete, whose reply the connection loss swallowed.
@@ -576,10 +581,8 @@ class FairLock:
             else:
                 self._delete_in_background(f"{self.path}/{node}")
             if not znodes.uses_containers(self.client):
-                try:
-                    self.client.delete(self.path)
-                except Exception:
-                    pass
+                # Best effort and never waited for: the parent goes once its last child has.
+                self.client.delete_async(self.path)
         self._unlisten()
         return outcome
 

@@ -192,14 +192,21 @@ class ZkLockedTask(Task):
         duplicate_seen: list[bool] = []
 
         def on_wait(fair: FairLock, position: int) -> None:
-            if check_duplicates and self._duplicates_ahead(fair, req.id):
-                duplicate_seen.append(True)
-                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
-                return  # never LOCK_WAITING: the original's state must not be overwritten
+            # Monitoring only: nothing here may fail the task or escape into the lock.
+            try:
+                if check_duplicates and self._duplicates_ahead(fair, req.id):
+                    duplicate_seen.append(True)
+                    logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
+                    return  # never LOCK_WAITING: the original's state must not be overwritten
+            except Exception as exc:
+                logger.warning("could not look for an earlier copy of task %s under lock %s: %r", req.id, label, exc)
             logger.info("waiting for lock %s (position %s)", label, position)
             self._lock_event("task-lock-waiting", key=label, position=position)
             if req.id and not direct and not self.ignore_result:
-                self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
+                try:
+                    self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
+                except Exception as exc:
+                    logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
 
         def on_lost(lock: FairLock) -> None:
             run_state.lost(lock.lost_reason or "lock lost", opts.on_lost == "interrupt")
@@ -207,53 +214,89 @@ class ZkLockedTask(Task):
         common = dict(max_holders=self.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
         lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
 
-        acquired = lock.acquire(timeout=opts.timeout)
-        if acquired and check_duplicates and self._duplicates_ahead(lock, req.id):
-            # max_holders > 1: the original holds a slot beside us; wait until it is gone.
-            duplicate_seen.append(True)
-            left = None if opts.timeout is None else max(0.0, started + opts.timeout - time.monotonic())
-            if not self._wait_gone(client, lock, req.id, left):
+        # From the first acquire until the body's own try below, any exception (a kazoo
+        # error, the backend read, a signal) must not leave our node behind.
+        try:
+            acquired = self._acquire(client, lock, opts, req.id if check_duplicates else None, duplicate_seen)
+            waited = time.monotonic() - started
+            if acquired and duplicate_seen and self._finished_elsewhere(req.id):
                 lock.release()
-                acquired = False
-        waited = time.monotonic() - started
-        if acquired and duplicate_seen and self._finished_elsewhere(req.id):
-            lock.release()
-            logger.warning("task %s already finished under lock %s (this is a redelivered copy): not running it again",
-                           req.id, label)
-            self._lock_event("task-lock-duplicate", key=label)
-            raise Ignore()
-        if not acquired:
-            if not client.connected:
-                return self._unavailable(
-                    LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"), opts, label, direct
+                logger.warning(
+                    "task %s already finished under lock %s (this is a redelivered copy): not running it again",
+                    req.id, label,
                 )
-            holders = [c.identifier for lk in _fair_locks(lock) for c in lk.contenders() if c.holder]
-            return self._timed_out(LockTimeout(label, opts.timeout, holders), opts, waited, direct)
+                self._lock_event("task-lock-duplicate", key=label)
+                raise Ignore()
+            if not acquired:
+                if not client.connected:
+                    return self._unavailable(
+                        LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
+                        opts, label, direct,
+                    )
+                return self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
+            held = HeldLock(keys, paths, {lk.path: lk.token for lk in _fair_locks(lock)}, lock)
+        except BaseException:
+            lock.release()
+            raise
 
-        held = HeldLock(keys, paths, {lk.path: lk.token for lk in _fair_locks(lock)}, lock)
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
         self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
         ctx_token = _current.set(held)
+        proven = False
         run_state.enter()
         try:
-            if direct:
-                result = super().__call__(*args, **kwargs)
-            else:
-                result = self.run(*args, **kwargs)
+            try:
+                if direct:
+                    result = super().__call__(*args, **kwargs)
+                else:
+                    result = self.run(*args, **kwargs)
+            finally:
+                # leave() first: after it no interrupt can be raised into this thread, so
+                # the release below always runs to the end.
+                run_state.leave_for_good()
+                _current.reset(ctx_token)
+                # The release's reply is the proof that the lock was ours to the end (see
+                # FairLock.release): a process frozen or cut off past its session timeout
+                # learns here that someone else may have run meanwhile.
+                proven = lock.release()
         except LockLost:
-            run_state.leave()
-            raise self._lost_error(label, run_state)
-        finally:
-            run_state.leave()
-            _current.reset(ctx_token)
-            # The release's reply is the proof that the lock was ours to the end (see
-            # FairLock.release): a process frozen or cut off past its session timeout
-            # learns here that someone else may have run meanwhile.
-            if not lock.release() and run_state.reason is None:
-                run_state.reason = _lost_reason(lock) or "lock not held at release"
+            raise self._lost_error(label, run_state) from None
+        if not proven and run_state.reason is None:
+            run_state.reason = _lost_reason(lock) or "lock not held at release"
         if run_state.reason is not None:
             raise self._lost_error(label, run_state)
         return result
+
+    def _acquire(self, client, lock, opts: ZkSettings, task_id: str | None, duplicate_seen: list[bool]) -> bool:
+        """Take ``lock`` under the task's timeout — except for an acks_late redelivered copy.
+
+        ``task_id`` is set when copies must be looked for.  A copy whose original (same task
+        id) is queued or running ahead of it must neither run beside it nor apply a timeout
+        policy (that would store SKIPPED/FAILURE/RETRY over the running original): it waits
+        without a deadline until the original is gone.
+        """
+        timeout = opts.timeout
+        while True:
+            acquired = lock.acquire(timeout=timeout)
+            if acquired:
+                if task_id is None or self.lock_max_holders == 1:
+                    return True  # one slot: nobody can be ahead of a holder
+                ahead = self._duplicates_ahead(lock, task_id)
+                if not ahead:
+                    return True
+                # Several slots: the original may hold one beside us.  Wait for it with no
+                # slot held, so a MultiLock copy can never block its own original.
+                duplicate_seen.append(True)
+                lock.release()
+                _wait_nodes_gone(client, ahead)
+            elif task_id is None or not client.connected:
+                return False
+            elif not duplicate_seen and not self._copies_queued(lock, task_id):
+                return False  # an honest timeout: nobody with our task id is in the queue
+            else:
+                duplicate_seen.append(True)
+                logger.info("task %s: its original still holds or awaits the lock; waiting without a deadline", task_id)
+            timeout = None
 
     # -------------------------------------------------------------- outcomes
     def _lost_error(self, label: Any, run_state: "_RunState") -> LockLost:
@@ -302,27 +345,17 @@ class ZkLockedTask(Task):
             for c in lk.contenders():
                 if mine is None or c.sequence >= mine:
                     continue
-                try:
-                    if json.loads(c.identifier).get("task_id") == task_id:
-                        found.append(f"{lk.path}/{c.node}")
-                except (ValueError, AttributeError):
-                    continue
+                if _task_id_of(c.identifier) == task_id:
+                    found.append(f"{lk.path}/{c.node}")
         return found
 
-    def _wait_gone(self, client, lock, task_id: str, timeout: float | None) -> bool:
-        """Wait (holding our slot) until no node with our task id is ahead of us."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            ahead = self._duplicates_ahead(lock, task_id)
-            if not ahead:
-                return True
-            gone = client.handler.event_object()
-            if client.exists(ahead[0], watch=lambda _event: gone.set()) is None:
-                continue
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            gone.wait(left)
+    def _copies_queued(self, lock, task_id: str) -> bool:
+        """After a timeout (our node deleted): is a node with our task id in any queue?"""
+        try:
+            return any(_task_id_of(c.identifier) == task_id for lk in _fair_locks(lock) for c in lk.contenders())
+        except Exception as exc:
+            logger.warning("could not look for an earlier copy of task %s: %r", task_id, exc)
+            return False
 
     def _finished_elsewhere(self, task_id: str) -> bool:
         """Did the original delivery of this task id already reach a final state?
@@ -370,9 +403,21 @@ class _RunState:
         with self.guard:
             self.running = True
 
-    def leave(self) -> None:
-        with self.guard:
-            self.running = False
+    def leave_for_good(self) -> None:
+        """Stop interrupts, and drop one that was raised but not yet delivered.
+
+        Retried until it completes: an interrupt delivered *inside* this method must not
+        skip the release that follows it.
+        """
+        while True:
+            try:
+                with self.guard:
+                    self.running = False
+                    if self.greenlet is None:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_ident), None)
+                return
+            except LockLost:
+                continue
 
     def lost(self, reason: str, interrupt: bool) -> None:
         with self.guard:
@@ -380,7 +425,7 @@ class _RunState:
             if not (interrupt and self.running):
                 return
             if self.greenlet is not None:
-                _kill_greenlet(self.greenlet, reason)
+                _kill_greenlet(self.greenlet, reason, self)
             else:
                 # Raised in the task's thread at its next bytecode, like a soft time limit.
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_ident), ctypes.py_object(LockLost))
@@ -396,10 +441,41 @@ def _current_greenlet():
     return None
 
 
-def _kill_greenlet(glet, reason: str) -> None:
+def _kill_greenlet(glet, reason: str, run_state: _RunState) -> None:
     import gevent
 
-    gevent.get_hub().loop.run_callback(lambda: glet.throw(LockLost("lock", reason)))
+    def throw() -> None:
+        # Runs later in the hub: the body may have ended (and begun releasing) meanwhile.
+        if run_state.running:
+            glet.throw(LockLost("lock", reason))
+
+    gevent.get_hub().loop.run_callback(throw)
+
+
+def _task_id_of(identifier: str | None) -> str | None:
+    try:
+        return json.loads(identifier).get("task_id")
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _holders(lock) -> list[str | None]:
+    """Who holds the lock, for the timeout message; best effort."""
+    try:
+        return [c.identifier for lk in _fair_locks(lock) for c in lk.contenders() if c.holder]
+    except Exception:
+        return []
+
+
+def _wait_nodes_gone(client, nodes: list[str]) -> None:
+    """Block until every znode in ``nodes`` is deleted (a watch each, no polling)."""
+    for node in nodes:
+        while True:
+            changed = client.handler.event_object()
+            if client.exists(node, watch=lambda _event: changed.set()) is None:
+                break
+            # Re-checked every second too: a watch does not survive a session expiry.
+            changed.wait(1.0)
 
 
 # ------------------------------------------------------------------ class validation

@@ -123,6 +123,35 @@ def test_redelivered_copy_with_same_task_id_does_not_run_twice(mod, env):
             w.stop()
 
 
+@pytest.mark.parametrize("task", ["hold_late_skip", "hold_late_nowait"])
+def test_redelivered_copy_never_applies_its_timeout_policy_over_the_original(mod, env, task):
+    """A copy of a running task (same id) whose lock_timeout is shorter than the original's
+    run must not store SKIPPED/FAILURE over it, nor run again: it waits for the original
+    without a deadline, then sees its final state and drops out."""
+    workers = [Worker(env, f"dupt{i}", concurrency=1).start(mod.app) for i in (1, 2)]
+    try:
+        key = f"dupt-{uuid.uuid4().hex[:6]}"
+        tid = str(uuid.uuid4())
+        sig = getattr(mod, task).signature((key, 1500, "orig"))
+        result = sig.apply_async(task_id=tid)
+        deadline = time.time() + 15
+        while time.time() < deadline and result.state != "STARTED":
+            time.sleep(0.05)
+        sig.apply_async(task_id=tid)
+        seen = set()
+        deadline = time.time() + 6
+        while time.time() < deadline:
+            seen.add(result.state)
+            time.sleep(0.05)
+        rows = [r for r in history(mod, "hold") if r["key"] == key]
+        assert len(rows) == 1, rows
+        assert result.state == "SUCCESS", result.state
+        assert seen <= {"STARTED", "SUCCESS"}, seen
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def test_redelivered_copies_racing_for_the_lock_run_exactly_once(mod, env):
     """Two deliveries of one task id join the queue behind a holder at the same moment:
     the later one must wait behind the earlier and then see its result — exactly one runs

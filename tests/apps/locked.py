@@ -121,3 +121,17 @@ def hold_late(key, ms=20, tag=None):
     start = time.time()
     time.sleep(ms / 1000)
     _record("hold", key, tag, start, time.time(), current_lock().token)
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", acks_late=True, track_started=True, lock_timeout=0.2, on_lock_timeout="skip")
+def hold_late_skip(key, ms=20, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("hold", key, tag, start, time.time(), current_lock().token)
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", acks_late=True, track_started=True, lock_timeout=0, on_lock_timeout="fail")
+def hold_late_nowait(key, ms=20, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("hold", key, tag, start, time.time(), current_lock().token)
