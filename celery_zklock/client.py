@@ -65,14 +65,14 @@ def new_client(settings: ZkSettings, handler=None) -> KazooClient:
         hosts=settings.hosts,
         timeout=settings.session_timeout,
         handler=handler,
-        auth_data=list(settings.auth) if settings.auth else None,
+        auth_data=list(settings.auth_secret) if settings.auth_secret else None,
         connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
     )
 
 
 def get_client(settings: ZkSettings) -> KazooClient:
     """This process's started client for ``settings.hosts``; raises LockUnavailable."""
-    key = (os.getpid(), settings.hosts, settings.session_timeout)
+    key = (os.getpid(), settings.hosts, settings.session_timeout, settings.auth_secret)
     client = _clients.get(key)
     if client is not None:
         return client

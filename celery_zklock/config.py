@@ -129,7 +129,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s)."),
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries)."),
         Setting("zklock_release_on_worker_loss", True, _bool, "The worker parent deletes a killed child's lock nodes at once."),
-        Setting("zklock_auth", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
+        Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
     )
 }
 
@@ -155,7 +155,7 @@ def check_setting(name: str, value: Any, where: str) -> Any:
     try:
         return SETTINGS[name].check(value)
     except ValueError as exc:
-        shown = "the value" if name == "zklock_auth" else repr(value)  # never echo credentials
+        shown = "the value" if name == "zklock_auth_secret" else repr(value)  # never echo credentials
         raise ConfigurationError(f"{where}: {shown} is invalid: {exc}. ({SETTINGS[name].help})") from None
 
 
@@ -174,12 +174,12 @@ class ZkSettings:
     retry_backoff_max: float
     max_retries: int | None
     release_on_worker_loss: bool
-    auth: tuple[tuple[str, str], ...] | None = None
+    auth_secret: tuple[tuple[str, str], ...] | None = None
 
     def __repr__(self) -> str:  # never print credentials in logs or errors
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if shown["auth"]:
-            shown["auth"] = tuple((scheme, "***") for scheme, _ in shown["auth"])
+        if shown["auth_secret"]:
+            shown["auth_secret"] = tuple((scheme, "***") for scheme, _ in shown["auth_secret"])
         return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 

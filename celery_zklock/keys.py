@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 import string
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
@@ -82,12 +84,12 @@ def key_text(value: Any, where: str = "lock key") -> str:
     import enum
     import uuid
 
+    if isinstance(value, enum.Enum):  # before str/int: a str- or int-mixin member is both
+        return key_text(value.value, where)
     if isinstance(value, str):
-        return value
+        return str.__str__(value)  # a str subclass's own __str__ must not change the key
     if isinstance(value, bool):
         return str(value)
-    if isinstance(value, enum.Enum):
-        return key_text(value.value, where)
     if isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, uuid.UUID):
@@ -98,16 +100,33 @@ def key_text(value: Any, where: str = "lock key") -> str:
         return bytes(value).hex()
     if value is None:
         raise ConfigurationError(f"{where}: got None; a key needs a value (did the call omit an argument?)")
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
+    if isinstance(value, (Iterable, Iterator)):
+        shown = repr(value) if isinstance(value, (list, tuple, set, frozenset, dict)) else "..."
         raise ConfigurationError(
-            f"{where}: got a {type(value).__name__} ({value!r}); key parts must be str, int, UUID, Decimal or bytes"
+            f"{where}: got a {type(value).__name__} ({shown}); key parts must be str, int, UUID, Decimal or bytes"
         )
-    if type(value).__str__ is object.__str__ and type(value).__repr__ is object.__repr__:
+    text = str(value)
+    if (type(value).__str__ is object.__str__ and type(value).__repr__ is object.__repr__) or _ADDRESS.search(text):
         raise ConfigurationError(
-            f"{where}: {type(value).__name__} object has no stable text (no __str__); "
+            f"{where}: {type(value).__name__} object has no stable text (its text names a memory address); "
             f"return or format a str, int, UUID or Decimal instead"
         )
-    return str(value)
+    return text
+
+
+#: ``<Foo object at 0x7f...>``: text that differs in every process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _as_key_values(value: Any) -> list[Any]:
+    """What a lock_key callable returned, as a list of key values.
+
+    Any iterable other than text/bytes/mapping is several keys (a list, a set, a
+    generator, ``dict.keys()``); anything else is one key.
+    """
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, (Iterable, Iterator)):
+        return [value]
+    return list(value)
 
 
 _FORMATTER = _KeyFormatter()
@@ -129,7 +148,7 @@ class KeySpec:
         for part in self.parts:
             if callable(part):
                 value = part(*args, **kwargs)
-                values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+                values = _as_key_values(value)
                 if not values:
                     raise ConfigurationError(f"task {self.task_name}: lock_key callable {part!r} returned no key")
                 for v in values:

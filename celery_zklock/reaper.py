@@ -48,7 +48,7 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
             logger.warning("zklock: child %s still alive; leaving its locks to its session timeout", pid)
             return 0
         time.sleep(0.005)
-    zk = ZkSettings(**{**settings, "auth": tuple(map(tuple, settings.get("auth") or ())) or None})
+    zk = ZkSettings(**{**settings, "auth_secret": tuple(map(tuple, settings.get("auth_secret") or ())) or None})
     client = new_client(zk)
     client.start(timeout=zk.connect_timeout)
     removed = 0

@@ -50,7 +50,7 @@ def _reap_async(request: Request) -> None:
         return
     job = {"settings": dataclasses.asdict(settings), "paths": paths, "task_id": request.id, "pid": pid,
            "host": socket.gethostname()}
-    # The job goes through stdin, not argv: it may carry zklock_auth credentials.
+    # The job goes through stdin, not argv: it may carry zklock_auth_secret credentials.
     proc = subprocess.Popen([sys.executable, "-m", "celery_zklock.reaper"], stdin=subprocess.PIPE, close_fds=True)
     try:
         proc.stdin.write(json.dumps(job).encode())

@@ -129,7 +129,7 @@ def no_auth_error(path: str, action: str):
 
     return ConfigurationError(
         f"ZooKeeper denied {action} on {path!r} (NoAuth): the ACL of that znode (under zklock_root) does not "
-        f"grant this client CREATE/DELETE/READ. Give the credentials with the zklock_auth setting, e.g. "
+        f"grant this client CREATE/DELETE/READ. Give the credentials with the zklock_auth_secret setting, e.g. "
         f"[('digest', 'user:password')], or point zklock_root at a znode this client may write."
     )
 

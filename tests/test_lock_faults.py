@@ -782,9 +782,9 @@ def test_unauthorised_client_gets_a_clear_error_and_leaves_nothing(zk_server, zk
     stranger = _client(zk_server.hosts)
     try:
         owner.create(path, b"", acl=[make_digest_acl("owner", "secret", all=True)], makepath=True)
-        with pytest.raises(ConfigurationError, match=r"NoAuth.*zklock_auth"):
+        with pytest.raises(ConfigurationError, match=r"NoAuth.*zklock_auth_secret"):
             FairLock(stranger, f"{path}/key").acquire(timeout=2)
-        with pytest.raises(ConfigurationError, match="zklock_auth"):
+        with pytest.raises(ConfigurationError, match="zklock_auth_secret"):
             probe_permissions(stranger, path)
         assert owner.get_children(path) == []
         probe_permissions(owner, path)  # the owner may lock there, and the probe leaves nothing

@@ -5,6 +5,8 @@ from __future__ import annotations
 import decimal
 import uuid
 
+import enum
+
 import pytest
 from celery import Celery
 
@@ -59,8 +61,8 @@ def test_bad_task_options_fail_at_registration(options, message):
         ({"zklock_on_timeout": "later"}, "must be one of"),
         ({"zklock_host": "zk:2181"}, "unknown setting 'zklock_host'. Did you mean 'zklock_hosts'"),
         ({"zklock_release_on_worker_loss": "yes"}, "True or False"),
-        ({"zklock_auth": "user:pw"}, "(scheme, credential) pairs"),
-        ({"zklock_auth": [("digest",)]}, "is not a (scheme, credential) pair"),
+        ({"zklock_auth_secret": "user:pw"}, "(scheme, credential) pairs"),
+        ({"zklock_auth_secret": [("digest",)]}, "is not a (scheme, credential) pair"),
     ],
 )
 def test_bad_settings_say_what_to_fix(conf, message):
@@ -117,14 +119,24 @@ def test_lock_path_helper_uses_root():
 
 def test_credentials_are_never_echoed():
     with pytest.raises(ConfigurationError) as info:
-        load_settings(make_app(zklock_auth=[("digest", "user:hunter2", "x")]).conf)
+        load_settings(make_app(zklock_auth_secret=[("digest", "user:hunter2", "x")]).conf)
     assert "hunter2" not in str(info.value)
-    s = load_settings(make_app(zklock_auth=[("digest", "user:hunter2")]).conf)
-    assert s.auth == (("digest", "user:hunter2"),) and "hunter2" not in repr(s)
+    s = load_settings(make_app(zklock_auth_secret=[("digest", "user:hunter2")]).conf)
+    assert s.auth_secret == (("digest", "user:hunter2"),) and "hunter2" not in repr(s)
+    # `celery report` / `inspect conf` print the censored configuration: the setting's name
+    # must be one Celery masks.
+    app = make_app(zklock_auth_secret=[("digest", "user:hunter2")])
+    assert "hunter2" not in app.conf.humanize(censored=True)
+    assert "hunter2" not in repr(app.conf.table(censored=True))
 
 
 class _Opaque:  # no __str__: its text would be a memory address
     pass
+
+
+class _AddressRepr:  # its own __repr__, still naming a memory address
+    def __repr__(self) -> str:
+        return f"<AddressRepr at {hex(id(self))}>"
 
 
 @pytest.mark.parametrize(
@@ -134,6 +146,7 @@ class _Opaque:  # no __str__: its text would be a memory address
         ([[1, 2]], "got a list"),  # a callable's flat list is several keys; nested is not
         ({"a": 1}, "got a dict"),
         (_Opaque(), "no stable text"),
+        (_AddressRepr(), "no stable text"),
         ("x\udc80", "not valid Unicode"),
     ],
 )
@@ -155,3 +168,25 @@ def test_callable_returning_nested_or_no_keys_is_an_error():
         compile_key(lambda sku_id: [[sku_id]], buy, "t.buy").keys((1,), {})
     with pytest.raises(ConfigurationError, match="returned no key"):
         compile_key(lambda sku_id: [], buy, "t.buy").keys((1,), {})
+
+
+class _Colour(str, enum.Enum):
+    RED = "red"
+
+
+class _Size(int, enum.Enum):
+    BIG = 3
+
+
+def test_enum_members_key_by_value_and_callable_iterables_are_several_keys():
+    def buy(sku_id):
+        pass
+
+    template = compile_key("sku:{sku_id}", buy, "t.buy")
+    assert template.keys((_Colour.RED,), {}) == ["sku:red"]
+    assert template.keys((_Size.BIG,), {}) == ["sku:3"]
+    many = compile_key(lambda sku_id: (f"sku:{i}" for i in sku_id), buy, "t.buy")
+    assert many.keys(([2, 1],), {}) == ["sku:1", "sku:2"]
+    assert compile_key(lambda sku_id: {"a": 1, "b": 2}.keys(), buy, "t.buy").keys((0,), {}) == ["a", "b"]
+    with pytest.raises(ConfigurationError, match="got a generator"):
+        template.keys(((x for x in "ab"),), {})

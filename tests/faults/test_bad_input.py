@@ -95,7 +95,7 @@ SETTING_ROWS = [
     ({"FAULTS_CONF": json.dumps({"zklock_host": "127.0.0.1:2181"})}, r"unknown setting 'zklock_host'.*zklock_hosts"),
     ({"FAULTS_CONF": json.dumps({"zklock_on_lost": "explode"})}, r"zklock_on_lost.*must be one of"),
     ({"FAULTS_CONF": json.dumps({"zklock_session_timeout": -1})}, r"zklock_session_timeout.*> 0"),
-    ({"FAULTS_CONF": json.dumps({"zklock_auth": "user:hunter2"})}, r"zklock_auth.*\(scheme, credential\) pairs"),
+    ({"FAULTS_CONF": json.dumps({"zklock_auth_secret": "user:hunter2"})}, r"zklock_auth_secret.*\(scheme, credential\) pairs"),
     ({"FAULTS_ZK_ROOT": "/a//b"}, r"zklock_root.*empty component"),
     ({"FAULTS_ZK_HOSTS": "127.0.0.1:99999"}, r"zklock_hosts.*out of range"),
     ({"FAULTS_ZK_HOSTS": "zk://127.0.0.1:2181"}, r"zklock_hosts.*not host\[:port\]"),
@@ -142,31 +142,31 @@ def acl_root(scenario):
 @pytest.mark.parametrize("auth, root_suffix", [(None, ""), ([["digest", "owner:wrong"]], ""), (None, "/sub")],
                          ids=["no-credentials", "wrong-password", "missing-root-under-acl"])
 def test_unauthorised_worker_refuses_to_start_and_leaves_nothing(scenario, acl_root, auth, root_suffix):
-    """Known bug (f): the error names the znode and zklock_auth; no probe or key node stays."""
+    """Known bug (f): the error names the znode and zklock_auth_secret; no probe or key node stays."""
     root = scenario.root + root_suffix
-    env = {"FAULTS_ZK_ROOT": root, "FAULTS_CONF": json.dumps({"zklock_auth": auth})}
+    env = {"FAULTS_ZK_ROOT": root, "FAULTS_CONF": json.dumps({"zklock_auth_secret": auth})}
     log = _refused(scenario, env, r"NoAuth")
-    assert root in log and "zklock_auth" in log, log
+    assert root in log and "zklock_auth_secret" in log, log
     assert "owner:wrong" not in log, "credentials were echoed"
     assert acl_root.get_children(scenario.root) == []
 
 
 def test_unauthorised_task_call_fails_clearly_and_leaves_nothing(scenario, acl_root):
     """The same at acquire time (an ACL changed after the worker started, or no worker
-    check at all: an eager call): ConfigurationError naming zklock_auth, body not run."""
+    check at all: an eager call): ConfigurationError naming zklock_auth_secret, body not run."""
     try:
         result = A.step.apply(("acl-key", 5, 0))
     finally:
         close_clients()  # the eager call's ZooKeeper client lives in this (test) process
     assert result.state == "FAILURE" and isinstance(result.result, ConfigurationError), result.result
-    assert "NoAuth" in str(result.result) and "zklock_auth" in str(result.result)
+    assert "NoAuth" in str(result.result) and "zklock_auth_secret" in str(result.result)
     assert scenario.store.events() == []
     assert acl_root.get_children(scenario.root) == []
 
 
 def test_authorised_worker_runs_under_the_acl(scenario, acl_root):
     """Control: with the right credentials the same root works and is left clean."""
-    conf = json.dumps({"zklock_auth": [["digest", "owner:secret"]]})
+    conf = json.dumps({"zklock_auth_secret": [["digest", "owner:secret"]]})
     worker = scenario.worker("authed", FAULTS_CONF=conf)
     done = [scenario.send(A.step, "acl-key", 20, queue=worker.queue) for _ in range(4)]
     assert [r.get(timeout=60) for r in done] and all(r.state == "SUCCESS" for r in done)
