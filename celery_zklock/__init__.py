@@ -1,29 +1,58 @@
 """celery-zklock: fair ZooKeeper locks for Celery tasks.
 
 The lock protocol lives in :mod:`celery_zklock.lock`, znode naming in
-:mod:`celery_zklock.znodes`, test servers in :mod:`celery_zklock.testing`.
+:mod:`celery_zklock.znodes`, the Celery glue in :mod:`celery_zklock.task`, settings in
+:mod:`celery_zklock.config`, test servers in :mod:`celery_zklock.testing`.
+
+Names are imported on first use (PEP 562): the worker-loss reaper
+(:mod:`celery_zklock.reaper`) runs in a fresh interpreter on the critical path of a lock
+handoff and must not pay for importing Celery.
 """
 
 from __future__ import annotations
 
-from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable, ZkLockError
-from .lock import Contender, FairLock, MultiLock, contenders
-
-__all__ = [
-    "FairLock",
-    "MultiLock",
-    "Contender",
-    "contenders",
-    "ZkLockError",
-    "ConfigurationError",
-    "LockTimeout",
-    "LockLost",
-    "LockUnavailable",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .keys import encode_key  # noqa: E402
-from .task import LOCK_WAITING, SKIPPED, HeldLock, ZkLockedTask, current_lock, lock_path  # noqa: E402
+_EXPORTS = {
+    "FairLock": "lock",
+    "MultiLock": "lock",
+    "Contender": "lock",
+    "contenders": "lock",
+    "ZkLockError": "errors",
+    "ConfigurationError": "errors",
+    "LockTimeout": "errors",
+    "LockLost": "errors",
+    "LockUnavailable": "errors",
+    "encode_key": "keys",
+    "ZkLockedTask": "task",
+    "HeldLock": "task",
+    "current_lock": "task",
+    "lock_path": "task",
+    "SKIPPED": "task",
+    "LOCK_WAITING": "task",
+}
 
-__all__ += ["ZkLockedTask", "HeldLock", "current_lock", "lock_path", "encode_key", "SKIPPED", "LOCK_WAITING"]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_zklock' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable, ZkLockError
+    from .keys import encode_key
+    from .lock import Contender, FairLock, MultiLock, contenders
+    from .task import LOCK_WAITING, SKIPPED, HeldLock, ZkLockedTask, current_lock, lock_path

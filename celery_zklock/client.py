@@ -6,16 +6,20 @@ the client on the pid and create it on first use in each process.  ``worker_proc
 is not relied on (it never fires for threads/gevent pools, eager mode or direct calls, and
 must not block); shutdown signals stop the client so our ephemeral nodes go at once
 instead of after the session timeout.
+
+Logging is the standard library's here, not ``celery.utils.log``: the worker-loss reaper
+imports this module in a fresh interpreter on the critical path of a lock handoff, and
+importing Celery would cost it ~0.2 s.  Celery's handlers still receive our records.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
 
-from celery.utils.log import get_logger
 from kazoo.client import KazooClient
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
@@ -23,7 +27,7 @@ from kazoo.retry import KazooRetry
 from .config import ZkSettings
 from .errors import LockUnavailable
 
-logger = get_logger("celery_zklock.worker")
+logger = logging.getLogger("celery_zklock.worker")
 
 _lock = threading.Lock()
 _clients: dict[tuple[int, str, float], KazooClient] = {}

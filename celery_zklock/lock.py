@@ -49,6 +49,7 @@ from kazoo.exceptions import (
     NotEmptyError,
     OperationTimeoutError,
     SessionExpiredError,
+    UnimplementedError,
 )
 from kazoo.protocol.states import EventType, KazooState
 
@@ -413,6 +414,10 @@ class FairLock:
             if parent is not None:
                 try:
                     parent.get()
+                except UnimplementedError:
+                    # A server without containers (< 3.5.3): from now on persistent
+                    # parents, deleted after release, so they do not accumulate.
+                    znodes.mark_no_containers(self.client)
                 except Exception:
                     pass  # exists already, or its ancestors do not: the create tells
             try:
@@ -553,6 +558,9 @@ class FairLock:
                 return _DELETED if retried else _GONE
             except (SessionExpiredError, ConnectionClosedError):
                 return _EXPIRED
+            except NoAuthError:
+                # The ACL changed under a held lock: the node stays until our session ends.
+                raise znodes.no_auth_error(full, "deleting our lock node at release") from None
             except _RETRYABLE:
                 retried = True
                 if time.monotonic() >= give_up:

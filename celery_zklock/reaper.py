@@ -15,9 +15,11 @@ import os
 import sys
 import time
 
-from celery.utils.log import get_logger
+import logging
 
-logger = get_logger("celery_zklock.worker")
+# Standard logging and no Celery import: this process starts on the critical path of a
+# handoff (see celery_zklock/__init__.py).
+logger = logging.getLogger("celery_zklock.reaper")
 
 
 def pid_dead(pid: int) -> bool:
@@ -79,8 +81,6 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
 
 
 def main() -> int:
-    import logging
-
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-reaper] %(message)s")
     job = json.loads(sys.stdin.read())
     try:

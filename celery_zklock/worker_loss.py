@@ -34,11 +34,16 @@ _installed = False
 _reapers: list[subprocess.Popen] = []
 
 
+def reap_finished_reapers() -> None:
+    """Wait for reaper processes that have exited, so none lingers as a zombie."""
+    _reapers[:] = [p for p in _reapers if p.poll() is None]
+
+
 def _reap_async(request: Request) -> None:
     """Start a reaper process for a lost request; the parent does no ZooKeeper I/O itself."""
     from .config import cached_settings
 
-    _reapers[:] = [p for p in _reapers if p.poll() is None]
+    reap_finished_reapers()
     task, pid = request.task, request.worker_pid
     try:
         settings = cached_settings(task.app)
@@ -117,6 +122,12 @@ def validate_app(app) -> None:
             probe_permissions(client, settings.root)
         except ConfigurationError as exc:
             raise SystemExit(f"celery-zklock: {exc}") from None
+        except Exception as exc:  # e.g. the connection dropped right after it opened
+            raise SystemExit(
+                f"celery-zklock: could not check that this worker may lock under zklock_root={settings.root!r} "
+                f"on {settings.hosts!r} ({type(exc).__name__}: {exc}); refusing to start rather than run "
+                f"{len(locked)} locked task(s) unprotected."
+            ) from None
     finally:
         try:
             client.stop()
@@ -149,7 +160,12 @@ class FastChildLossStep(bootsteps.StartStopStep):
         hub = getattr(c, "hub", None) or getattr(getattr(c, "controller", None), "hub", None)
         if maintain is None or hub is None or self.tref is not None:
             return
-        self.tref = hub.call_repeatedly(self.interval, maintain)
+
+        def tick() -> None:
+            maintain()
+            reap_finished_reapers()
+
+        self.tref = hub.call_repeatedly(self.interval, tick)
 
     def stop(self, c):
         if self.tref is not None:

@@ -194,6 +194,10 @@ class RecentPaths:
             self._paths.pop(path, None)
 
 
+def mark_no_containers(client) -> None:
+    _NO_CONTAINERS.add(_client_key(client))
+
+
 def uses_containers(client) -> bool:
     return _client_key(client) not in _NO_CONTAINERS
 
