@@ -178,6 +178,7 @@ class ZkLockedTask(Task):
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "task_id": req.id,
+                "retries": req.retries or 0,
                 "task": self.name,
                 "worker": req.hostname,
             },
@@ -194,7 +195,7 @@ class ZkLockedTask(Task):
         def on_wait(fair: FairLock, position: int) -> None:
             # Monitoring only: nothing here may fail the task or escape into the lock.
             try:
-                if check_duplicates and self._duplicates_ahead(fair, req.id):
+                if check_duplicates and self._duplicates_ahead(fair, (req.id, req.retries or 0)):
                     duplicate_seen.append(True)
                     logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
                     return  # never LOCK_WAITING: the original's state must not be overwritten
@@ -217,7 +218,8 @@ class ZkLockedTask(Task):
         # From the first acquire until the body's own try below, any exception (a kazoo
         # error, the backend read, a signal) must not leave our node behind.
         try:
-            acquired = self._acquire(client, lock, opts, req.id if check_duplicates else None, duplicate_seen)
+            delivery = (req.id, req.retries or 0) if check_duplicates else None
+            acquired = self._acquire(client, lock, opts, delivery, duplicate_seen)
             waited = time.monotonic() - started
             if acquired and duplicate_seen and self._finished_elsewhere(req.id):
                 lock.release()
@@ -267,11 +269,11 @@ class ZkLockedTask(Task):
             raise self._lost_error(label, run_state)
         return result
 
-    def _acquire(self, client, lock, opts: ZkSettings, task_id: str | None, duplicate_seen: list[bool]) -> bool:
+    def _acquire(self, client, lock, opts: ZkSettings, delivery: tuple | None, duplicate_seen: list[bool]) -> bool:
         """Take ``lock`` under the task's timeout — except for an acks_late redelivered copy.
 
-        ``task_id`` is set when copies must be looked for.  A copy whose original (same task
-        id) is queued or running ahead of it must neither run beside it nor apply a timeout
+        ``delivery`` (task id, retries) is set when copies must be looked for.  A copy whose
+        original (same task id and attempt) is queued or running ahead of it must neither run beside it nor apply a timeout
         policy (that would store SKIPPED/FAILURE/RETRY over the running original): it waits
         without a deadline until the original is gone.
         """
@@ -279,9 +281,9 @@ class ZkLockedTask(Task):
         while True:
             acquired = lock.acquire(timeout=timeout)
             if acquired:
-                if task_id is None or self.lock_max_holders == 1:
+                if delivery is None or self.lock_max_holders == 1:
                     return True  # one slot: nobody can be ahead of a holder
-                ahead = self._duplicates_ahead(lock, task_id)
+                ahead = self._duplicates_ahead(lock, delivery)
                 if not ahead:
                     return True
                 # Several slots: the original may hold one beside us.  Wait for it with no
@@ -289,13 +291,13 @@ class ZkLockedTask(Task):
                 duplicate_seen.append(True)
                 lock.release()
                 _wait_nodes_gone(client, ahead)
-            elif task_id is None or not client.connected:
+            elif delivery is None or not client.connected:
                 return False
-            elif not duplicate_seen and not self._copies_queued(lock, task_id):
+            elif not duplicate_seen and not self._copies_queued(lock, delivery):
                 return False  # an honest timeout: nobody with our task id is in the queue
             else:
                 duplicate_seen.append(True)
-                logger.info("task %s: its original still holds or awaits the lock; waiting without a deadline", task_id)
+                logger.info("task %s: its original still holds or awaits the lock; waiting without a deadline", delivery[0])
             timeout = None
 
     # -------------------------------------------------------------- outcomes
@@ -333,8 +335,11 @@ class ZkLockedTask(Task):
         logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
         return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
 
-    def _duplicates_ahead(self, lock, task_id: str | None) -> list[str]:
-        """acks_late redelivery: paths of nodes *ahead of ours* that carry our task id.
+    def _duplicates_ahead(self, lock, delivery: tuple) -> list[str]:
+        """acks_late redelivery: paths of nodes *ahead of ours* carrying our task id and attempt.
+
+        The attempt (``retries``) matters: a retry published by the body while it still
+        holds the lock has the same task id but is new work, not a copy.
 
         Only nodes ahead count: when two copies race, each sees the other; the one that
         queued first is the original for our purposes.
@@ -345,16 +350,16 @@ class ZkLockedTask(Task):
             for c in lk.contenders():
                 if mine is None or c.sequence >= mine:
                     continue
-                if _task_id_of(c.identifier) == task_id:
+                if _delivery_of(c.identifier) == delivery:
                     found.append(f"{lk.path}/{c.node}")
         return found
 
-    def _copies_queued(self, lock, task_id: str) -> bool:
-        """After a timeout (our node deleted): is a node with our task id in any queue?"""
+    def _copies_queued(self, lock, delivery: tuple) -> bool:
+        """After a timeout (our node deleted): is a node of our delivery in any queue?"""
         try:
-            return any(_task_id_of(c.identifier) == task_id for lk in _fair_locks(lock) for c in lk.contenders())
+            return any(_delivery_of(c.identifier) == delivery for lk in _fair_locks(lock) for c in lk.contenders())
         except Exception as exc:
-            logger.warning("could not look for an earlier copy of task %s: %r", task_id, exc)
+            logger.warning("could not look for an earlier copy of task %s: %r", delivery[0], exc)
             return False
 
     def _finished_elsewhere(self, task_id: str) -> bool:
@@ -452,10 +457,12 @@ def _kill_greenlet(glet, reason: str, run_state: _RunState) -> None:
     gevent.get_hub().loop.run_callback(throw)
 
 
-def _task_id_of(identifier: str | None) -> str | None:
+def _delivery_of(identifier: str | None) -> tuple | None:
+    """(task id, retries) from a node's identifier; None for nodes not written by a task."""
     try:
-        return json.loads(identifier).get("task_id")
-    except (TypeError, ValueError, AttributeError):
+        info = json.loads(identifier)
+        return (info["task_id"], info.get("retries", 0))
+    except (TypeError, ValueError, AttributeError, KeyError):
         return None
 
 

@@ -152,6 +152,23 @@ def test_redelivered_copy_never_applies_its_timeout_policy_over_the_original(mod
             w.stop()
 
 
+def test_a_retry_published_while_holding_is_not_mistaken_for_a_copy(mod, env):
+    """Same task id, next attempt: it queues behind the attempt that published it and then
+    runs — it is new work, not a redelivered copy to drop."""
+    worker = Worker(env, "retryhold", concurrency=2).start(mod.app)
+    try:
+        key = f"rh-{uuid.uuid4().hex[:6]}"
+        mod.late_retry_while_holding.delay(key)
+        deadline = time.time() + 20
+        tags = []
+        while time.time() < deadline and "attempt1" not in tags:
+            tags = [r["tag"] for r in history(mod, "hold") if r["key"] == key]
+            time.sleep(0.1)
+        assert tags == ["attempt0", "attempt1"], tags
+    finally:
+        worker.stop()
+
+
 def test_redelivered_copies_racing_for_the_lock_run_exactly_once(mod, env):
     """Two deliveries of one task id join the queue behind a holder at the same moment:
     the later one must wait behind the earlier and then see its result — exactly one runs

@@ -135,3 +135,13 @@ def hold_late_nowait(key, ms=20, tag=None):
     start = time.time()
     time.sleep(ms / 1000)
     _record("hold", key, tag, start, time.time(), current_lock().token)
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", acks_late=True, bind=True)
+def late_retry_while_holding(self, key):
+    """Publishes its retry while it still holds the lock (``throw=False``), then finishes."""
+    start = time.time()
+    if self.request.retries == 0:
+        self.retry(countdown=0, throw=False)
+        time.sleep(0.5)
+    _record("hold", key, f"attempt{self.request.retries}", start, time.time(), current_lock().token)
