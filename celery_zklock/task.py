@@ -401,6 +401,7 @@ class _RunState:
         self.thread_ident = thread_ident
         self.guard = threading.Lock()
         self.running = False
+        self.interrupted = False  # an interrupt was raised into the thread
         self.reason: str | None = None
         self.greenlet = _current_greenlet()
 
@@ -409,17 +410,22 @@ class _RunState:
             self.running = True
 
     def leave_for_good(self) -> None:
-        """Stop interrupts, and drop one that was raised but not yet delivered.
+        """Stop interrupts, and take delivery of one raised but not yet delivered.
 
         Retried until it completes: an interrupt delivered *inside* this method must not
-        skip the release that follows it.
+        skip the release that follows it.  A pending interrupt is not cancelled with
+        ``PyThreadState_SetAsyncExc(tid, NULL)``: that leaves CPython's eval-breaker flag
+        set (every later bytecode of the process takes the slow path); it is let land
+        here instead, where it is caught.
         """
         while True:
             try:
                 with self.guard:
                     self.running = False
-                    if self.greenlet is None:
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_ident), None)
+                    pending, self.interrupted = self.interrupted, False
+                if pending and self.greenlet is None:
+                    for _ in range(1000):  # the eval loop checks for it at each iteration
+                        pass
                 return
             except LockLost:
                 continue
@@ -429,6 +435,7 @@ class _RunState:
             self.reason = reason
             if not (interrupt and self.running):
                 return
+            self.interrupted = True
             if self.greenlet is not None:
                 _kill_greenlet(self.greenlet, reason, self)
             else:
