@@ -3,7 +3,9 @@
 Protocol, in one paragraph: each contender creates an EPHEMERAL_SEQUENTIAL child
 ``_c_<uuid>-lock-<seq>`` under the lock path; the ``max_holders`` lowest sequences hold the
 lock.  ``create`` and ``get_children`` are pipelined (ZooKeeper answers one session's
-requests in order), so an uncontended acquire costs one round trip.  A waiter sets data
+requests in order), so an uncontended acquire costs one round trip (on a new key the
+container's creation rides along instead, and a node with sequence 0 holds without a
+read: a sequence is the parent's child-change count).  A waiter sets data
 watches (``get``, never ``exists``, so no creation watch is left behind) on the
 ``max_holders`` contenders immediately ahead of it and re-reads the children when one
 fires: with ``max_holders=1`` that is exactly one notification per release and no herd.
@@ -46,7 +48,6 @@ from kazoo.exceptions import (
     ConnectionLoss,
     NoAuthError,
     NoNodeError,
-    NotEmptyError,
     OperationTimeoutError,
     SessionExpiredError,
     UnimplementedError,
@@ -402,15 +403,18 @@ class FairLock:
                     return found
                 maybe_ghost = False
                 continue
-            parent = None
+            parent = listed = None
             if self.path not in _RECENT and znodes.uses_containers(self.client):
                 # A key we have not locked lately: its container probably does not exist
-                # (they are reaped when empty), so create it in the same round trip.
+                # (they are reaped when empty), so create it in the same round trip.  The
+                # children are not read here: on a new container our sequence says that
+                # we are first (see _first_in_queue), which saves a request per new key.
                 parent = znodes.create_container_async(self.client, self.path)
             created = self.client.create_async(
                 full_prefix, self.identifier, ephemeral=True, sequence=True, include_data=True
             )
-            listed = self.client.get_children_async(self.path)
+            if parent is None:
+                listed = self.client.get_children_async(self.path)
             if parent is not None:
                 try:
                     parent.get()
@@ -424,10 +428,11 @@ class FairLock:
                 path, stat = created.get()
             except NoNodeError:
                 _RECENT.discard(self.path)
-                try:
-                    listed.get()
-                except Exception:
-                    pass
+                if listed is not None:
+                    try:
+                        listed.get()
+                    except Exception:
+                        pass
                 self._retry(lambda: znodes.create_container(self.client, self.path), deadline)
                 continue
             except _RETRYABLE:
@@ -446,10 +451,14 @@ class FairLock:
             self._node = path.rsplit("/", 1)[1]
             self._token = stat.czxid
             self._session_id = session
+            if listed is None and _first_in_queue(self._node):
+                return [self._node]
             try:
-                return listed.get()
+                if listed is not None:
+                    return listed.get()
             except _RETRYABLE:
-                return self._retry(lambda: self.client.get_children(self.path), deadline)
+                pass
+            return self._retry(lambda: self.client.get_children(self.path), deadline)
 
     def _adopt_ghost(self, session: int | None, deadline: float | None, delete_only: bool = False):
         """After a lost create reply: adopt our node if our session owns it, else delete it.
@@ -708,6 +717,18 @@ class FairLock:
         cb = self.on_lost
         if cb is not None:
             self.client.handler.spawn(cb, self)
+
+
+def _first_in_queue(name: str) -> bool:
+    """True when our node's sequence proves that no other child was ever created before it.
+
+    ZooKeeper names a sequential node after its parent's ``cversion``, the count of child
+    creations and deletions the parent has seen.  A sequence of 0 therefore means the
+    parent had never had a child when ours was created: every other contender, of any
+    kind (ours, Curator's, kazoo's), queues behind us, and we hold without reading the
+    children.  Any other number falls back to reading them.
+    """
+    return znodes.sequence_of(name) == 0
 
 
 def _defer_delete(client: KazooClient, full: str, session: int | None) -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -447,3 +448,35 @@ class Report:
             lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |")
         lines.append(sep)
         return "\n".join(lines)
+
+
+def run_standalone(run: Callable[["Report", "Procs | None"], object], spawn: bool = True) -> int:
+    """Run one example on its own (``python -m examples.NAME``): services, processes, table.
+
+    Why one helper: every example's command line must start (or reuse) ZooKeeper and
+    Redis, stop exactly the processes it started, also on Ctrl-C, print the same table and
+    keep the logs only when an invariant broke.  ``spawn=False`` runs against workers that
+    are already up (``run`` then gets ``procs=None``).
+    """
+    install_interrupt_handlers()
+    report = Report()
+    procs = None
+    if not spawn:
+        run(report, None)
+    else:
+        services = Services()
+        try:
+            os.environ.update(services.start().env())
+            procs = Procs(services.endpoints.env())
+            run(report, procs)
+        finally:
+            if procs is not None:
+                procs.stop_all()
+            services.close()
+    print(report.render())
+    if procs is not None:
+        if report.ok:
+            procs.remove_logs()
+        else:
+            print(f"worker/beat logs kept in {procs.logdir}")
+    return 0 if report.ok else 1

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 

@@ -181,3 +181,58 @@ def test_multilock_all_or_nothing(zk_client, path):
     assert multi.is_held() and all(multi.tokens.values())
     multi.release()
     assert not multi.is_held()
+
+
+def _count_children_reads(client, monkeypatch) -> list[str]:
+    """Record every get_children the client sends (observing, not replacing, the call)."""
+    reads: list[str] = []
+    real = client.get_children_async
+
+    def spy(path, *args, **kwargs):
+        reads.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(client, "get_children_async", spy)
+    return reads
+
+
+def test_new_key_is_held_without_reading_the_children(zk_client, path, monkeypatch):
+    reads = _count_children_reads(zk_client, monkeypatch)
+    lock = FairLock(zk_client, f"{path}/fresh")
+    assert lock.acquire(timeout=5)
+    assert lock.node.endswith("-lock-0000000000")
+    assert reads == []  # sequence 0 on a new container: nobody can be ahead
+    assert lock.release()
+
+
+def test_new_key_already_held_by_another_kind_of_lock_is_waited_for(zk_client, zk_server, path, monkeypatch):
+    """The shortcut must not fire when the parent exists with a holder we never saw."""
+    from kazoo.recipe.lock import Lock
+
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    try:
+        kazoo_lock = Lock(other, f"{path}/shared", extra_lock_patterns=["-lock-"])
+        assert kazoo_lock.acquire(timeout=5)
+        reads = _count_children_reads(zk_client, monkeypatch)
+        ours = FairLock(zk_client, f"{path}/shared")
+        assert ours.acquire(timeout=0.3) is False
+        assert reads  # sequence > 0: the children were read, and the holder seen
+        kazoo_lock.release()
+        assert ours.acquire(timeout=5)
+        ours.release()
+    finally:
+        other.stop()
+        other.close()
+
+
+def test_new_key_whose_parent_had_children_before_reads_them(zk_client, path, monkeypatch):
+    """A parent whose earlier children are gone: sequence > 0, nobody ahead, still held."""
+    zk_client.create(f"{path}/used/x-lock-", b"", sequence=True, makepath=True)
+    for name in zk_client.get_children(f"{path}/used"):
+        zk_client.delete(f"{path}/used/{name}")
+    reads = _count_children_reads(zk_client, monkeypatch)
+    lock = FairLock(zk_client, f"{path}/used")
+    assert lock.acquire(timeout=5)
+    assert not lock.node.endswith("-lock-0000000000") and reads == [f"{path}/used"]
+    lock.release()

@@ -310,26 +310,35 @@ def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
 RACE_ROUNDS = 12  # the races below show in roughly half of the rounds when present
 
 
-def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_server, zk_client, path):
+@pytest.mark.parametrize("key", ["known", "new"])
+def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_server, zk_client, path, key):
     """The reply that makes us the holder is the last thing through before the connection
     drops, so SUSPENDED arrives while acquire() is still finishing.  Whatever acquire()
     then does, the lock must not claim to be held while disconnected (if it does, the
     SUSPENDED safety timer is not armed either, and a partition longer than the session
     timeout gives the lock to someone else while we still say is_held()).  Once
-    reconnected on the same session it must hold."""
+    reconnected on the same session it must hold.
+
+    That reply is the children listing on a key this process locked lately ("known"), and
+    the create's own reply on a key it has not ("new": sequence 0 holds without a read)."""
     zk_client.ensure_path(path)
     with TcpProxy.to(zk_server.hosts) as proxy:
         c = _client(proxy.hosts)
         try:
             session = c.client_id[0]
+            if key == "known":
+                with FairLock(c, path):  # from now on this process knows the key
+                    pass
             for round_ in range(RACE_ROUNDS):
                 lost = []
-                lock = FairLock(c, path, on_lost=lost.append)
-                # Pass the children listing of the acquire, then cut and keep the client out.
-                cut = proxy.arm_cut((OP_GET_CHILDREN,), forward=True, deliver_reply=True, then_hold=True)
+                lock_path = path if key == "known" else f"{path}/new{round_}"
+                lock = FairLock(c, lock_path, on_lost=lost.append)
+                # Pass the reply that makes us the holder, then cut and keep the client out.
+                last = (OP_GET_CHILDREN,) if key == "known" else (OP_CREATE, OP_CREATE2)
+                cut = proxy.arm_cut(last, forward=True, deliver_reply=True, then_hold=True)
                 result = {}
                 t = _acquire_in_thread(lock, result, timeout=10)
-                assert cut.fired.wait(5), "the proxy never saw the acquire's get_children"
+                assert cut.fired.wait(5), "the proxy never saw the acquire's holding reply"
                 assert wait_for(lambda: not c.connected, 2)
                 time.sleep(0.15)
                 assert not lock.is_held(), (

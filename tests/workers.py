@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import redis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import Counter
 
-from examples.runtime import Procs, Report, Services, install_interrupt_handlers, say, wait_ready, wait_until
+from examples.runtime import Procs, Report, run_standalone, say, wait_ready, wait_until
 
 NAME = "beat_singleton"
 APP = "examples.beat_singleton.app"
@@ -83,25 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.beat_singleton", description=__doc__.split("\n\n")[0])
     parser.add_argument("--window", type=float, default=9.0)
     args = parser.parse_args(argv)
-    install_interrupt_handlers()
-    report = Report()
-    services = Services()
-    procs = None
-    try:
-        os.environ.update(services.start().env())
-        procs = Procs(services.endpoints.env())
-        run(report, procs, args.window)
-    finally:
-        if procs is not None:
-            procs.stop_all()
-        services.close()
-    print(report.render())
-    if procs is not None:
-        if report.ok:
-            procs.remove_logs()
-        else:
-            print(f"worker/beat logs kept in {procs.logdir}")
-    return 0 if report.ok else 1
+    return run_standalone(lambda report, procs: run(report, procs, args.window))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 from collections import Counter, defaultdict
 
-from examples.runtime import (Procs, Report, Services, check_stop, install_interrupt_handlers, ms, percentile, say,
+from examples.runtime import (Procs, Report, run_standalone, check_stop, ms, percentile, say,
                               wait_ready, wait_until)
 
 NAME = "flash_sale"
@@ -151,28 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-spawn", action="store_true",
                         help="use workers that are already running (REDIS_URL/ZKLOCK_HOSTS from the environment)")
     args = parser.parse_args(argv)
-    install_interrupt_handlers()
-    report = Report()
-    procs = None
-    if args.no_spawn:
-        run(report, None, args.orders, args.skus, concurrency=args.concurrency)
-    else:
-        services = Services()
-        try:
-            os.environ.update(services.start().env())
-            procs = Procs(services.endpoints.env())
-            run(report, procs, args.orders, args.skus, concurrency=args.concurrency)
-        finally:
-            if procs is not None:
-                procs.stop_all()
-            services.close()
-    print(report.render())
-    if procs is not None:
-        if report.ok:
-            procs.remove_logs()
-        else:
-            print(f"worker/beat logs kept in {procs.logdir}")
-    return 0 if report.ok else 1
+    return run_standalone(lambda report, procs: run(report, procs, args.orders, args.skus, concurrency=args.concurrency), spawn=not args.no_spawn)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-from examples.runtime import Procs, Report, Services, install_interrupt_handlers, say, wait_ready, wait_until
+from examples.runtime import Procs, Report, run_standalone, say, wait_ready, wait_until
 
 NAME = "retry_on_timeout"
 APP = "examples.retry_on_timeout.app"
@@ -88,25 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.retry_on_timeout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hold", type=float, default=7.0)
     args = parser.parse_args(argv)
-    install_interrupt_handlers()
-    report = Report()
-    services = Services()
-    procs = None
-    try:
-        os.environ.update(services.start().env())
-        procs = Procs(services.endpoints.env())
-        run(report, procs, args.hold)
-    finally:
-        if procs is not None:
-            procs.stop_all()
-        services.close()
-    print(report.render())
-    if procs is not None:
-        if report.ok:
-            procs.remove_logs()
-        else:
-            print(f"worker/beat logs kept in {procs.logdir}")
-    return 0 if report.ok else 1
+    return run_standalone(lambda report, procs: run(report, procs, args.hold))
 
 
 if __name__ == "__main__":
