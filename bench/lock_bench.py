@@ -522,6 +522,10 @@ def fairness_stats(passes: list[list[list[tuple[float, float, float]]]]) -> dict
     already waiting (had requested before the repeat's request and not yet acquired).
     Without that condition the end of every window would count: once the others have
     stopped re-requesting, the last active process legitimately holds twice in a row.
+    Each process's first request of a window does not count as "already waiting": all
+    processes stamp it at the same instant (a barrier) on 2 busy cores, and the stamp can
+    precede the request reaching the server by tens of ms of scheduling delay, so it says
+    nothing about queue order (the same rule as ``fairness.queue_jumps``).
 
     ``overlaps`` counts holds that began before the previous holder started releasing:
     for a mutex it must be 0, so a non-zero value is a correctness bug, not a speed issue.
@@ -530,9 +534,10 @@ def fairness_stats(passes: list[list[list[tuple[float, float, float]]]]) -> dict
     waits: list[float] = []
     for per_proc in passes:
         holds = sorted((a, proc, r, rel) for proc, hs in enumerate(per_proc) for r, a, rel in hs)
+        steady = [(a, proc, r, rel) for proc, hs in enumerate(per_proc) for r, a, rel in hs[1:]]
         holds_total += len(holds)
         pairs += max(0, len(holds) - 1)
-        repeats += sum(1 for prev, cur in zip(holds, holds[1:]) if prev[1] == cur[1] and overtook(cur, holds))
+        repeats += sum(1 for prev, cur in zip(holds, holds[1:]) if prev[1] == cur[1] and overtook(cur, steady))
         overlaps += sum(1 for prev, cur in zip(holds, holds[1:]) if cur[0] < prev[3])
         waits += [t_acq - t_req for t_acq, _, t_req, _ in holds]
     return {

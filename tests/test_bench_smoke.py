@@ -78,3 +78,16 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
     assert "## Targets" in md and md.count("| ") > 40
     for png in results["plots"]:
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_fairness_stats_counts_a_repeat_only_over_a_steady_waiter():
+    """Pure logic of the same-holder metric: (request, acquire, release) per hold, per process."""
+    from bench.lock_bench import fairness_stats
+
+    # Process 0 holds twice in a row although process 1's second request (steady state)
+    # was made before process 0's second one: one repeat.
+    unfair = [[[(0.0, 0.0, 1.0), (1.0, 1.1, 2.0)], [(0.0, 2.1, 3.0), (0.5, 3.1, 4.0)]]]
+    assert fairness_stats(unfair)["same_holder_pct"] > 0
+    # The only request "overtaken" is process 1's first one, stamped at the barrier: not a repeat.
+    barrier_only = [[[(0.0, 0.0, 1.0), (1.0, 1.1, 2.0)], [(0.5, 2.1, 3.0)]]]
+    assert fairness_stats(barrier_only)["same_holder_pct"] == 0
