@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
-import difflib
 import json
 import math
 import os
@@ -29,17 +28,16 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import config, worker_loss, znodes
+from . import config, signals, worker_loss, znodes
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable
 from .keys import KeySpec, compile_key, key_path
 from .lock import FairLock, MultiLock
+from .options import LOCK_OPTIONS, check_option_names, check_option_values
 
 logger = get_task_logger("celery_zklock")
 
-#: Options ZkLockedTask understands (decorator kwargs / class attributes / annotations).
-LOCK_OPTIONS = ("lock_key", "lock_max_holders", *config.TASK_OPTIONS)
 
 #: How long a redelivered copy waits for its original's final state to be stored.
 _RESULT_GRACE = 2.0
@@ -125,8 +123,9 @@ class ZkLockedTask(Task):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _check_option_names(cls)
-        _check_option_values(cls, {k: v for k, v in vars(cls).items() if k in LOCK_OPTIONS})
+        where = f"task {_name(cls)}"
+        check_option_names(cls, ZkLockedTask, where)
+        check_option_values({k: v for k, v in vars(cls).items() if k in LOCK_OPTIONS}, where)
         cls._lock_spec = compile_key(cls.__dict__.get("lock_key", cls.lock_key), _body(cls), _name(cls))
 
     # -------------------------------------------------------------- option resolution
@@ -136,7 +135,7 @@ class ZkLockedTask(Task):
         cached = self.__dict__.get("_zk_options")
         if cached is not None and cached[0] is settings:
             return cached[1]
-        _check_option_values(type(self), {k: getattr(self, k) for k in LOCK_OPTIONS})
+        check_option_values({k: getattr(self, k) for k in LOCK_OPTIONS}, f"task {self.name}")
         overrides = {
             setting.removeprefix("zklock_"): getattr(self, option)
             for option, setting in config.TASK_OPTIONS.items()
@@ -243,6 +242,7 @@ class ZkLockedTask(Task):
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
         self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
+        signals.lock_acquired.send(sender=self, task_id=req.id, key=label, paths=paths, token=held.token, wait=waited)
         ctx_token = _current.set(held)
         proven = False
         run_state.enter()
@@ -261,6 +261,7 @@ class ZkLockedTask(Task):
                 # FairLock.release): a process frozen or cut off past its session timeout
                 # learns here that someone else may have run meanwhile.
                 proven = lock.release()
+                signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
         except LockLost:
             raise self._lost_error(label, run_state) from None
         if not proven and run_state.reason is None:
@@ -492,38 +493,7 @@ def _wait_nodes_gone(client, nodes: list[str]) -> None:
             changed.wait(1.0)
 
 
-# ------------------------------------------------------------------ class validation
-_TASK_ATTRS = frozenset(dir(Task)) | {
-    "app", "name", "run", "_decorated", "__doc__", "__module__", "__annotations__", "__header__",
-    "__wrapped__", "__qualname__", "_lock_spec", "__dict__", "__weakref__", "__orig_bases__",
-}
-
-
-def _check_option_names(cls: type) -> None:
-    for attr in vars(cls):
-        if attr in LOCK_OPTIONS or attr in _TASK_ATTRS or attr.startswith("__"):
-            continue
-        close = difflib.get_close_matches(attr, LOCK_OPTIONS, n=1, cutoff=0.8)
-        if attr.startswith(("lock_", "on_lock_", "zklock_")) or close:
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigurationError(
-                f"task {_name(cls)}: unknown lock option {attr!r}.{hint} Known options: {', '.join(LOCK_OPTIONS)}"
-            )
-
-
-def _check_option_values(cls: type, values: dict[str, Any]) -> None:
-    where = f"task {_name(cls)}"
-    if "lock_max_holders" in values:
-        v = values["lock_max_holders"]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigurationError(f"{where}: lock_max_holders must be an int >= 1, got {v!r}")
-    for option, setting in config.TASK_OPTIONS.items():
-        v = values.get(option)
-        if v is None or (option == "lock_timeout" and v == math.inf):
-            continue
-        config.check_setting(setting, v, f"{where}: option {option}")
-
-
+# ------------------------------------------------------------------ class helpers
 def _body(cls: type):
     """The task function, minus ``self`` for bound tasks, for signature checks."""
     run = cls.__dict__.get("run")

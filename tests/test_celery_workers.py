@@ -216,6 +216,24 @@ def test_lock_lost_interrupt_stops_the_body(mod, workers, zk_client, env):
     assert mod._r.get(f"finished:{key}") is None  # the body did not run to its end
 
 
+def test_celery_autoretry_with_backoff_retries_through_the_lock(mod, workers):
+    """Celery's own ``autoretry_for`` + ``retry_backoff`` on a locked task (they used to be
+    refused as lock-option typos): every attempt holds the lock, the retries are Celery's."""
+    key = f"auto-{uuid.uuid4().hex[:6]}"
+    blocker = mod.hold.delay(key, 400, "blocker")  # the first attempt must queue for the lock
+    r = mod.autoretry_backoff.delay(key, fail_times=2)
+    out = r.get(timeout=60)
+    blocker.get(timeout=30)
+    assert out["retries"] == 2
+    attempts = sorted(history(mod, "autoretry"), key=lambda row: row["start"])
+    assert [a["tag"] for a in attempts] == ["attempt0", "attempt1", "attempt2"]
+    holds = history(mod, "hold")
+    assert overlapping([(x["start"], x["end"]) for x in holds + attempts]) is None
+    tokens = [x["token"] for x in attempts]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3  # a fresh lock per attempt
+    assert holds[0]["token"] < tokens[0]  # the attempt waited behind the blocker
+
+
 def test_no_lock_nodes_left_behind(mod, workers, zk_client, env):
     mod.hold.delay("left", 1).get(timeout=30)
     time.sleep(0.5)

@@ -190,3 +190,107 @@ def test_enum_members_key_by_value_and_callable_iterables_are_several_keys():
     assert compile_key(lambda sku_id: {"a": 1, "b": 2}.keys(), buy, "t.buy").keys((0,), {}) == ["a", "b"]
     with pytest.raises(ConfigurationError, match="got a generator"):
         template.keys(((x for x in "ab"),), {})
+
+
+# Every option Celery documents for tasks ("Task options", "Automatic retry for known
+# exceptions", "Routing"), with a value of the documented type.  Each must register on a
+# ZkLockedTask unchanged, in decorator and in class form.
+CELERY_TASK_OPTIONS = [
+    ("name", "opts.named"),
+    ("typing", False),
+    ("max_retries", 5),
+    ("throws", (KeyError,)),
+    ("default_retry_delay", 10),
+    ("rate_limit", "10/m"),
+    ("time_limit", 30),
+    ("soft_time_limit", 20),
+    ("ignore_result", True),
+    ("store_errors_even_if_ignored", True),
+    ("serializer", "json"),
+    ("compression", "zlib"),
+    ("backend", None),
+    ("acks_late", True),
+    ("acks_on_failure_or_timeout", False),
+    ("reject_on_worker_lost", True),
+    ("track_started", True),
+    ("trail", False),
+    ("send_events", False),
+    ("resultrepr_maxsize", 2048),
+    ("priority", 5),
+    ("expires", 60),
+    ("queue", "high"),
+    ("routing_key", "high.buy"),
+    ("exchange", "orders"),
+    ("delivery_mode", 2),
+    ("autoretry_for", (ValueError,)),
+    ("dont_autoretry_for", (TypeError,)),
+    ("retry_kwargs", {"max_retries": 3}),
+    ("retry_backoff", True),
+    ("retry_backoff_max", 120),
+    ("retry_jitter", False),
+    ("Request", "celery_zklock.worker_loss:LockAwareRequest"),
+]
+DECORATOR_ONLY_OPTIONS = [("bind", True), ("shared", False), ("lazy", False), ("pydantic", False)]
+
+
+# Celery itself warns that queue/routing_key/exchange/delivery_mode as task attributes are deprecated.
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CDeprecationWarning")
+@pytest.mark.parametrize("option, value", CELERY_TASK_OPTIONS + DECORATOR_ONLY_OPTIONS)
+def test_celery_task_option_registers_in_decorator_form(option, value):
+    app = make_app()
+
+    def buy(*args, sku_id=1, **kwargs):
+        return sku_id
+
+    decorator_kwargs = {"shared": False, option: value}
+    task = app.task(base=ZkLockedTask, lock_key="sku:{sku_id}", lock_timeout=3, **decorator_kwargs)(buy)
+    app.finalize()
+    task = app.tasks[task.name]
+    assert isinstance(task, ZkLockedTask)
+    if option not in dict(DECORATOR_ONLY_OPTIONS):
+        assert getattr(task, option) == value
+    assert task.lock_options().timeout == 3
+
+
+@pytest.mark.parametrize("option, value", CELERY_TASK_OPTIONS)
+def test_celery_task_option_registers_in_class_form(option, value):
+    cls = type("Buy", (ZkLockedTask,), {option: value, "lock_key": "sku:{sku_id}", "run": lambda self, sku_id: sku_id})
+    assert getattr(cls, option) == value
+
+
+def test_celery_options_are_derived_from_celery():
+    from celery_zklock.options import celery_task_options
+
+    known = celery_task_options()
+    assert {name for name, _ in CELERY_TASK_OPTIONS} <= known
+    assert {"bind", "base", "pydantic"} <= known  # what the decorator consumes itself
+    assert not {"lock_key", "lok_key", "lock_retry_backof"} & known
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [("lock_retry_backof", "lock_retry_backoff"), ("lock_retry_backof_max", "lock_retry_backoff_max"),
+     ("on_lock_timout", "on_lock_timeout"), ("lock_max_holder", "lock_max_holders")],
+)
+def test_near_misses_of_lock_options_still_get_a_suggestion(name, hint):
+    with pytest.raises(ConfigurationError, match=f"unknown lock option '{name}'. Did you mean '{hint}'"):
+        type("Buy", (ZkLockedTask,), {name: 1, "run": lambda self: None})
+
+
+def test_subclass_may_override_zklocked_task_methods():
+    class Custom(ZkLockedTask):
+        def lock_keys(self, args, kwargs):
+            return ["custom"]
+
+        def lock_paths(self, args, kwargs, settings=None):
+            return super().lock_paths(args, kwargs, settings)
+
+        def lock_options(self):
+            return super().lock_options()
+
+    assert Custom.lock_keys(None, (), {}) == ["custom"]
+
+
+def test_user_attributes_unlike_lock_options_are_kept():
+    cls = type("Buy", (ZkLockedTask,), {"my_flag": True, "run": lambda self: None})
+    assert cls.my_flag is True

@@ -145,3 +145,19 @@ def late_retry_while_holding(self, key):
         self.retry(countdown=0, throw=False)
         time.sleep(0.5)
     _record("hold", key, f"attempt{self.request.retries}", start, time.time(), current_lock().token)
+
+
+class Flaky(Exception):
+    """Raised by ``autoretry_backoff`` on its first attempts."""
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", bind=True, autoretry_for=(Flaky,), retry_backoff=0.2,
+          retry_backoff_max=1, retry_jitter=False, max_retries=5)
+def autoretry_backoff(self, key, fail_times=2):
+    """Celery's own autoretry with backoff, through the lock: each attempt holds it."""
+    start = time.time()
+    token = current_lock().token
+    _record("autoretry", key, f"attempt{self.request.retries}", start, time.time(), token)
+    if self.request.retries < fail_times:
+        raise Flaky(f"attempt {self.request.retries}")
+    return {"retries": self.request.retries, "token": token}

@@ -1,0 +1,95 @@
+"""Task options: which names a ``ZkLockedTask`` understands, and checking them at registration.
+
+Why a module: Celery silently keeps any decorator keyword as a class attribute, so a typo
+such as ``lok_key=`` would leave a task unlocked without a word.  We reject names that look
+like lock options but are not — and must never reject one of Celery's own task options
+(``retry_backoff`` is one letter-run away from ``lock_retry_backoff``).  Celery's names are
+derived from Celery itself, not listed by hand, so a new Celery option is accepted the day
+it ships.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import math
+from typing import Any
+
+from . import config
+from .errors import ConfigurationError
+
+#: Lock options that are not settings (no ``zklock_*`` default): the key and the holders.
+KEY_OPTIONS: dict[str, Any] = {"lock_key": None, "lock_max_holders": 1}
+
+#: Every lock option a task understands (decorator kwargs / class attributes / annotations).
+LOCK_OPTIONS: tuple[str, ...] = (*KEY_OPTIONS, *config.TASK_OPTIONS)
+
+_LOCKISH_PREFIXES = ("lock_", "on_lock_", "zklock_")
+
+
+class _AttributeRecorder:
+    """Stands in for a task and records every attribute Celery reads from it."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        self.names.add(name)
+        raise AttributeError(name)  # so Celery falls back to its own default
+
+
+@functools.lru_cache(maxsize=1)
+def celery_task_options() -> frozenset[str]:
+    """Every name Celery itself reads as a task option, asked of Celery.
+
+    * the attributes of :class:`celery.Task` (``acks_late``, ``max_retries``, ``Request``...);
+    * what the decorator consumes (``bind``, ``base``, ``pydantic``...: the parameters of
+      ``Celery._task_from_fun``);
+    * what autoretry reads from the task (``autoretry_for``, ``retry_backoff``,
+      ``retry_jitter``...): ``add_autoretry_behaviour`` is run on a recorder;
+    * the publishing defaults a task may carry (``queue``, ``routing_key``, ``exchange``...):
+      ``extract_exec_options`` is run on a recorder.
+    """
+    from celery import Celery, Task
+    from celery.app.autoretry import add_autoretry_behaviour
+    from celery.app.task import extract_exec_options
+
+    names = set(dir(Task))
+    names.update(p for p in inspect.signature(Celery._task_from_fun).parameters if p not in ("self", "fun", "options"))
+    for reader in (add_autoretry_behaviour, extract_exec_options):
+        recorder = _AttributeRecorder()
+        reader(recorder)
+        names.update(recorder.names)
+    return frozenset(names)
+
+
+def check_option_names(cls: type, base: type, where: str) -> None:
+    """Reject a class attribute that looks like a lock option but is none.
+
+    Known: the lock options, Celery's own options, and anything ``base`` (ZkLockedTask)
+    defines, so a subclass may override ``lock_keys`` or ``lock_options``.  Anything else
+    is the user's own attribute, as Celery allows — unless its name starts like a lock
+    option or is a near miss of one, which is a typo that would silently change locking.
+    """
+    known = celery_task_options()
+    for attr in vars(cls):
+        if attr in LOCK_OPTIONS or attr in known or attr.startswith("__") or hasattr(base, attr):
+            continue
+        close = difflib.get_close_matches(attr, LOCK_OPTIONS, n=1, cutoff=0.8)
+        if attr.startswith(_LOCKISH_PREFIXES) or close:
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(f"{where}: unknown lock option {attr!r}.{hint} Known options: {', '.join(LOCK_OPTIONS)}")
+
+
+def check_option_values(values: dict[str, Any], where: str) -> None:
+    """Validate the lock options present in ``values`` with the settings' own checkers."""
+    if "lock_max_holders" in values:
+        v = values["lock_max_holders"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigurationError(f"{where}: lock_max_holders must be an int >= 1, got {v!r}")
+    for option, setting in config.TASK_OPTIONS.items():
+        v = values.get(option)
+        if v is None or (option == "lock_timeout" and v == math.inf):
+            continue
+        config.check_setting(setting, v, f"{where}: option {option}")
