@@ -13,6 +13,8 @@ import click
 from kazoo.exceptions import NoAuthError
 from celery.bin.base import CeleryCommand
 
+from .client import connect, disconnect
+from .errors import LockUnavailable
 from .config import load_settings
 from .keys import encode_key, key_path
 from .lock import contenders
@@ -20,18 +22,10 @@ from .znodes import no_auth_error
 
 
 def _client(settings):
-    from .client import new_client
-
-    client = new_client(settings)
     try:
-        client.start(timeout=settings.connect_timeout)
-    except Exception as exc:
-        client.close()
-        raise click.ClickException(
-            f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
-            f"({type(exc).__name__})"
-        ) from None
-    return client
+        return connect(settings)
+    except LockUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.group(cls=click.Group, name="zklock")
@@ -54,8 +48,7 @@ def status(ctx: click.Context, key: str | None, as_json: bool) -> None:
     except NoAuthError:
         raise click.ClickException(str(no_auth_error(settings.root, "reading the lock queues"))) from None
     finally:
-        client.stop()
-        client.close()
+        disconnect(client)
 
 
 def _status(client, settings, key: str | None, as_json: bool) -> None:

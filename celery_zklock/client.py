@@ -23,7 +23,7 @@ import sys
 import threading
 
 from kazoo.client import KazooClient
-from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
+from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.retry import KazooRetry
 
 from .config import ZkSettings
@@ -118,8 +118,35 @@ def new_client(settings: ZkSettings, handler=None) -> KazooClient:
     )
 
 
+def connect(settings: ZkSettings, handler=None) -> KazooClient:
+    """A started client for ``settings``, or :class:`LockUnavailable` saying what to fix.
+
+    The one place a connection is opened: the worker's tasks, the worker-start check, the
+    reaper and the CLI all fail with the same message naming ``zklock_hosts``.
+    """
+    client = new_client(settings, handler=handler)
+    try:
+        client.start(timeout=settings.connect_timeout)
+    except Exception as exc:
+        disconnect(client)
+        raise LockUnavailable(
+            f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
+            f"({type(exc).__name__}: {exc}); start the ensemble or fix zklock_hosts"
+        ) from exc
+    return client
+
+
+def disconnect(client: KazooClient) -> None:
+    """Stop and close ``client``; closing the session deletes its ephemeral nodes at once."""
+    try:
+        client.stop()
+        client.close()
+    except Exception:  # pragma: no cover - best effort at shutdown
+        pass
+
+
 def get_client(settings: ZkSettings) -> KazooClient:
-    """This process's started client for ``settings.hosts``; raises LockUnavailable."""
+    """This process's started client for ``settings``; raises LockUnavailable."""
     key = (os.getpid(), settings.hosts, settings.session_timeout, settings.auth_secret)
     client = _clients.get(key)
     if client is not None:
@@ -130,20 +157,7 @@ def get_client(settings: ZkSettings) -> KazooClient:
             return client
         for stale in [k for k in _clients if k[0] != os.getpid()]:
             _clients.pop(stale)  # inherited through fork: never touch its threads/socket
-        client = new_client(settings, handler=_handler())
-        try:
-            client.start(timeout=settings.connect_timeout)
-        except (KazooTimeoutError, Exception) as exc:
-            try:
-                client.stop()
-                client.close()
-            except Exception:
-                pass
-            raise LockUnavailable(
-                f"cannot reach ZooKeeper at {settings.hosts!r} within {settings.connect_timeout}s "
-                f"({type(exc).__name__}: {exc}); check zklock_hosts and that the ensemble is up"
-            ) from exc
-        _clients[key] = client
+        client = _clients[key] = connect(settings, handler=_handler())
         logger.debug("zklock: connected to %s (pid %s)", settings.hosts, os.getpid())
         return client
 
@@ -153,12 +167,7 @@ def close_clients() -> None:
     with _lock:
         mine = [k for k in _clients if k[0] == os.getpid()]
         for k in mine:
-            client = _clients.pop(k)
-            try:
-                client.stop()
-                client.close()
-            except Exception:  # pragma: no cover - best effort at shutdown
-                pass
+            disconnect(_clients.pop(k))
 
 
 atexit.register(close_clients)

@@ -107,10 +107,21 @@ def _bool(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Setting:
+    """One ``zklock_*`` setting: the only place its name, default, checker and help live.
+
+    ``option`` names the task option that overrides it per task (``lock_timeout=``), if any.
+    """
+
     name: str
     default: Any
     check: Callable[[Any], Any]
     help: str
+    option: str | None = None
+
+    @property
+    def field(self) -> str:
+        """Its attribute on :class:`ZkSettings` (``zklock_timeout`` -> ``timeout``)."""
+        return self.name.removeprefix("zklock_")
 
 
 SETTINGS: dict[str, Setting] = {
@@ -120,30 +131,21 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_root", "/celery-zklock", _root, "Znode under which lock keys live."),
         Setting("zklock_session_timeout", 10.0, _positive, "ZooKeeper session timeout (s): bound on how long a dead worker's lock survives."),
         Setting("zklock_connect_timeout", 10.0, _positive, "How long a worker process waits for ZooKeeper before the task follows zklock_on_unavailable."),
-        Setting("zklock_timeout", 60.0, _non_negative_or_none, "Default seconds a task waits in the lock queue (0 = try once, None = no limit)."),
-        Setting("zklock_on_timeout", "retry", _choice(TIMEOUT_POLICIES), "Default policy when the lock is not had in time."),
-        Setting("zklock_on_lost", "fail", _choice(LOST_POLICIES), "Default policy when a held lock is lost mid-run."),
-        Setting("zklock_on_unavailable", "retry", _choice(UNAVAILABLE_POLICIES), "What a task does when ZooKeeper is unreachable (it never runs unprotected)."),
-        Setting("zklock_retry_countdown", 1.0, _non_negative, "First retry delay (s) for the retry policy."),
-        Setting("zklock_retry_backoff", 2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant)."),
-        Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s)."),
-        Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries)."),
+        Setting("zklock_timeout", 60.0, _non_negative_or_none, "Default seconds a task waits in the lock queue (0 = try once, None = no limit).", "lock_timeout"),
+        Setting("zklock_on_timeout", "retry", _choice(TIMEOUT_POLICIES), "Default policy when the lock is not had in time.", "on_lock_timeout"),
+        Setting("zklock_on_lost", "fail", _choice(LOST_POLICIES), "Default policy when a held lock is lost mid-run.", "on_lock_lost"),
+        Setting("zklock_on_unavailable", "retry", _choice(UNAVAILABLE_POLICIES), "What a task does when ZooKeeper is unreachable (it never runs unprotected).", "on_lock_unavailable"),
+        Setting("zklock_retry_countdown", 1.0, _non_negative, "First retry delay (s) for the retry policy.", "lock_retry_countdown"),
+        Setting("zklock_retry_backoff", 2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant).", "lock_retry_backoff"),
+        Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s).", "lock_retry_backoff_max"),
+        Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
         Setting("zklock_release_on_worker_loss", True, _bool, "The worker parent deletes a killed child's lock nodes at once."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
     )
 }
 
 #: Settings a task may override by option (``lock_timeout=``) or ``task_annotations``.
-TASK_OPTIONS: dict[str, str] = {
-    "lock_timeout": "zklock_timeout",
-    "on_lock_timeout": "zklock_on_timeout",
-    "on_lock_lost": "zklock_on_lost",
-    "on_lock_unavailable": "zklock_on_unavailable",
-    "lock_retry_countdown": "zklock_retry_countdown",
-    "lock_retry_backoff": "zklock_retry_backoff",
-    "lock_retry_backoff_max": "zklock_retry_backoff_max",
-    "lock_max_retries": "zklock_max_retries",
-}
+TASK_OPTIONS: dict[str, str] = {s.option: s.name for s in SETTINGS.values() if s.option}
 
 
 def suggest(name: str, known: list[str]) -> str:
@@ -159,28 +161,22 @@ def check_setting(name: str, value: Any, where: str) -> Any:
         raise ConfigurationError(f"{where}: {shown} is invalid: {exc}. ({SETTINGS[name].help})") from None
 
 
-@dataclass(frozen=True)
-class ZkSettings:
-    hosts: str
-    root: str
-    session_timeout: float
-    connect_timeout: float
-    timeout: float | None
-    on_timeout: str
-    on_lost: str
-    on_unavailable: str
-    retry_countdown: float
-    retry_backoff: float
-    retry_backoff_max: float
-    max_retries: int | None
-    release_on_worker_loss: bool
-    auth_secret: tuple[tuple[str, str], ...] | None = None
+def _settings_repr(self) -> str:  # never print credentials in logs or errors
+    shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if shown["auth_secret"]:
+        shown["auth_secret"] = tuple((scheme, "***") for scheme, _ in shown["auth_secret"])
+    return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
-    def __repr__(self) -> str:  # never print credentials in logs or errors
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if shown["auth_secret"]:
-            shown["auth_secret"] = tuple((scheme, "***") for scheme, _ in shown["auth_secret"])
-        return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+#: The validated settings of an app, one attribute per :data:`SETTINGS` entry
+#: (``settings.timeout`` for ``zklock_timeout``), derived from it so the two cannot drift.
+ZkSettings = dataclasses.make_dataclass(
+    "ZkSettings",
+    [(s.field, Any, dataclasses.field(default=s.default)) for s in SETTINGS.values()],
+    frozen=True,
+    namespace={"__repr__": _settings_repr, "__module__": __name__,
+               "__doc__": "The validated zklock_* settings of an app (with a task's overrides applied)."},
+)
 
 
 def load_settings(conf: Any) -> ZkSettings:
@@ -192,10 +188,9 @@ def load_settings(conf: Any) -> ZkSettings:
     for key in list(getattr(conf, "keys", lambda: [])()):
         if isinstance(key, str) and key.lower().startswith("zklock_") and key not in SETTINGS:
             raise ConfigurationError(f"unknown setting {key!r}.{suggest(key, list(SETTINGS))} Known: {', '.join(SETTINGS)}")
-    values = {}
-    for name, setting in SETTINGS.items():
-        values[name.removeprefix("zklock_")] = check_setting(name, conf.get(name, setting.default), f"setting {name}")
-    return ZkSettings(**values)
+    return ZkSettings(**{
+        s.field: check_setting(name, conf.get(name, s.default), f"setting {name}") for name, s in SETTINGS.items()
+    })
 
 
 def cached_settings(app: Any) -> ZkSettings:

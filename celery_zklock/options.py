@@ -25,6 +25,9 @@ KEY_OPTIONS: dict[str, Any] = {"lock_key": None, "lock_max_holders": 1}
 #: Every lock option a task understands (decorator kwargs / class attributes / annotations).
 LOCK_OPTIONS: tuple[str, ...] = (*KEY_OPTIONS, *config.TASK_OPTIONS)
 
+#: The class attributes of ZkLockedTask: None means "the zklock_* setting applies".
+OPTION_DEFAULTS: dict[str, Any] = {**KEY_OPTIONS, **dict.fromkeys(config.TASK_OPTIONS)}
+
 _LOCKISH_PREFIXES = ("lock_", "on_lock_", "zklock_")
 
 

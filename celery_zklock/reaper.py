@@ -41,8 +41,9 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
     """Delete the lock nodes under ``paths`` owned by ``task_id`` in dead ``pid`` on ``host``."""
     from kazoo.exceptions import NoNodeError
 
-    from .client import new_client
+    from .client import connect, disconnect
     from .config import ZkSettings
+    from .identity import Identity
 
     deadline = time.monotonic() + wait_dead
     while not pid_dead(pid):
@@ -51,8 +52,7 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
             return 0
         time.sleep(0.005)
     zk = ZkSettings(**{**settings, "auth_secret": tuple(map(tuple, settings.get("auth_secret") or ())) or None})
-    client = new_client(zk)
-    client.start(timeout=zk.connect_timeout)
+    client = connect(zk)
     removed = 0
     try:
         for path in paths:
@@ -63,20 +63,17 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
             pending = [(name, client.get_async(f"{path}/{name}")) for name in children]
             for name, result in pending:
                 try:
-                    info = json.loads(result.get()[0])
-                except (NoNodeError, ValueError):
+                    owner = Identity.parse(result.get()[0])
+                except NoNodeError:
                     continue
-                if not isinstance(info, dict):
-                    continue
-                if info.get("task_id") == task_id and info.get("pid") == pid and info.get("host") == host:
+                if owner is not None and (owner.task_id, owner.pid, owner.host) == (task_id, pid, host):
                     try:
                         client.delete(f"{path}/{name}")
                         removed += 1
                     except NoNodeError:
                         pass
     finally:
-        client.stop()
-        client.close()
+        disconnect(client)
     return removed
 
 

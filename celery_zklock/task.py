@@ -11,36 +11,30 @@ shared by every thread of a process.
 from __future__ import annotations
 
 import contextvars
-import ctypes
-import json
 import math
-import os
-import socket
-import sys
 import threading
 import time
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Task, states
-from celery.backends.base import DisabledBackend
+from celery import Task
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import config, signals, worker_loss, znodes
+from . import config, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
-from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable
+from .errors import LockLost, LockTimeout, LockUnavailable
+from .identity import Identity
 from .keys import KeySpec, compile_key, key_path
 from .lock import FairLock, MultiLock
-from .options import LOCK_OPTIONS, check_option_names, check_option_values
+from .interrupts import RunState
+from .redelivery import Redelivery
+from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
 
 logger = get_task_logger("celery_zklock")
 
-
-#: How long a redelivered copy waits for its original's final state to be stored.
-_RESULT_GRACE = 2.0
 
 SKIPPED = "SKIPPED"  # custom state stored for a task skipped by on_lock_timeout="skip"
 LOCK_WAITING = "LOCK_WAITING"  # custom state while a task waits in the lock queue
@@ -87,37 +81,20 @@ def current_lock() -> HeldLock:
     return held
 
 
-def _fair_locks(lock) -> list[FairLock]:
-    return lock.locks if isinstance(lock, MultiLock) else [lock]
-
-
 def _lost_reason(lock) -> str | None:
-    return next((lk.lost_reason for lk in _fair_locks(lock) if lk.lost_reason), None)
+    return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)
 
 
 class ZkLockedTask(Task):
     """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
 
-    Options (decorator kwargs): ``lock_key`` (template, callable, list of those, or None
-    for one lock per task name), ``lock_timeout``, ``lock_max_holders``,
-    ``on_lock_timeout`` (retry/skip/fail), ``on_lock_lost`` (fail/interrupt),
-    ``on_lock_unavailable`` (retry/fail), ``lock_retry_countdown``, ``lock_retry_backoff``,
-    ``lock_retry_backoff_max``, ``lock_max_retries``.  Unset options fall back to the
-    ``zklock_*`` settings.
+    Options are decorator kwargs or class attributes: ``lock_key``, ``lock_max_holders``
+    and one per per-task setting (``lock_timeout`` for ``zklock_timeout``...; see
+    :data:`celery_zklock.options.LOCK_OPTIONS`).  Unset (None) options fall back to the
+    ``zklock_*`` settings.  The option attributes are set from that declaration below.
     """
 
     Request = "celery_zklock.worker_loss:LockAwareRequest"
-
-    lock_key: Any = None
-    lock_max_holders: int = 1
-    lock_timeout: float | None = None
-    on_lock_timeout: str | None = None
-    on_lock_lost: str | None = None
-    on_lock_unavailable: str | None = None
-    lock_retry_countdown: float | None = None
-    lock_retry_backoff: float | None = None
-    lock_retry_backoff_max: float | None = None
-    lock_max_retries: int | None = None
 
     _lock_spec: KeySpec | None = None
 
@@ -137,7 +114,7 @@ class ZkLockedTask(Task):
             return cached[1]
         check_option_values({k: getattr(self, k) for k in LOCK_OPTIONS}, f"task {self.name}")
         overrides = {
-            setting.removeprefix("zklock_"): getattr(self, option)
+            config.SETTINGS[setting].field: getattr(self, option)
             for option, setting in config.TASK_OPTIONS.items()
             if getattr(self, option) is not None
         }
@@ -171,35 +148,19 @@ class ZkLockedTask(Task):
         except LockUnavailable as exc:
             return self._unavailable(exc, opts, label, direct)
 
-        run_state = _RunState(threading.get_ident())
-        identity = json.dumps(
-            {
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "task_id": req.id,
-                "retries": req.retries or 0,
-                "task": self.name,
-                "worker": req.hostname,
-            },
-            separators=(",", ":"),
-        )
+        run_state = RunState(threading.get_ident())
+        identity = Identity.of_this_process(
+            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname
+        ).to_bytes()
         started = time.monotonic()
 
-        # acks_late redelivery: a copy of a task id that is still queued or running ahead of
-        # us.  The copy keeps its place behind the original (so the two never run at once)
-        # and, once the original is done, runs only if the original left no final state.
-        check_duplicates = bool(self.acks_late and not direct and req.id)
-        duplicate_seen: list[bool] = []
+        copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
 
         def on_wait(fair: FairLock, position: int) -> None:
             # Monitoring only: nothing here may fail the task or escape into the lock.
-            try:
-                if check_duplicates and self._duplicates_ahead(fair, (req.id, req.retries or 0)):
-                    duplicate_seen.append(True)
-                    logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
-                    return  # never LOCK_WAITING: the original's state must not be overwritten
-            except Exception as exc:
-                logger.warning("could not look for an earlier copy of task %s under lock %s: %r", req.id, label, exc)
+            if copies.queued_behind_original(fair):
+                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
+                return  # never LOCK_WAITING: the original's state must not be overwritten
             logger.info("waiting for lock %s (position %s)", label, position)
             self._lock_event("task-lock-waiting", key=label, position=position)
             if req.id and not direct and not self.ignore_result:
@@ -217,10 +178,9 @@ class ZkLockedTask(Task):
         # From the first acquire until the body's own try below, any exception (a kazoo
         # error, the backend read, a signal) must not leave our node behind.
         try:
-            delivery = (req.id, req.retries or 0) if check_duplicates else None
-            acquired = self._acquire(client, lock, opts, delivery, duplicate_seen)
+            acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
             waited = time.monotonic() - started
-            if acquired and duplicate_seen and self._finished_elsewhere(req.id):
+            if acquired and copies.finished_elsewhere():
                 lock.release()
                 logger.warning(
                     "task %s already finished under lock %s (this is a redelivered copy): not running it again",
@@ -235,7 +195,7 @@ class ZkLockedTask(Task):
                         opts, label, direct,
                     )
                 return self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
-            held = HeldLock(keys, paths, {lk.path: lk.token for lk in _fair_locks(lock)}, lock)
+            held = HeldLock(keys, paths, {lk.path: lk.token for lk in lock.locks}, lock)
         except BaseException:
             lock.release()
             raise
@@ -270,39 +230,8 @@ class ZkLockedTask(Task):
             raise self._lost_error(label, run_state)
         return result
 
-    def _acquire(self, client, lock, opts: ZkSettings, delivery: tuple | None, duplicate_seen: list[bool]) -> bool:
-        """Take ``lock`` under the task's timeout — except for an acks_late redelivered copy.
-
-        ``delivery`` (task id, retries) is set when copies must be looked for.  A copy whose
-        original (same task id and attempt) is queued or running ahead of it must neither run beside it nor apply a timeout
-        policy (that would store SKIPPED/FAILURE/RETRY over the running original): it waits
-        without a deadline until the original is gone.
-        """
-        timeout = opts.timeout
-        while True:
-            acquired = lock.acquire(timeout=timeout)
-            if acquired:
-                if delivery is None or self.lock_max_holders == 1:
-                    return True  # one slot: nobody can be ahead of a holder
-                ahead = self._duplicates_ahead(lock, delivery)
-                if not ahead:
-                    return True
-                # Several slots: the original may hold one beside us.  Wait for it with no
-                # slot held, so a MultiLock copy can never block its own original.
-                duplicate_seen.append(True)
-                lock.release()
-                _wait_nodes_gone(client, ahead)
-            elif delivery is None or not client.connected:
-                return False
-            elif not duplicate_seen and not self._copies_queued(lock, delivery):
-                return False  # an honest timeout: nobody with our task id is in the queue
-            else:
-                duplicate_seen.append(True)
-                logger.info("task %s: its original still holds or awaits the lock; waiting without a deadline", delivery[0])
-            timeout = None
-
     # -------------------------------------------------------------- outcomes
-    def _lost_error(self, label: Any, run_state: "_RunState") -> LockLost:
+    def _lost_error(self, label: Any, run_state: RunState) -> LockLost:
         reason = run_state.reason or "lock lost"
         logger.error("lock %s lost while running (%s): reporting failure", label, reason)
         self._lock_event("task-lock-lost", key=label, reason=reason)
@@ -336,55 +265,6 @@ class ZkLockedTask(Task):
         logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
         return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
 
-    def _duplicates_ahead(self, lock, delivery: tuple) -> list[str]:
-        """acks_late redelivery: paths of nodes *ahead of ours* carrying our task id and attempt.
-
-        The attempt (``retries``) matters: a retry published by the body while it still
-        holds the lock has the same task id but is new work, not a copy.
-
-        Only nodes ahead count: when two copies race, each sees the other; the one that
-        queued first is the original for our purposes.
-        """
-        found = []
-        for lk in _fair_locks(lock):
-            mine = znodes.sequence_of((lk.node or "").rsplit("/", 1)[-1])
-            for c in lk.contenders():
-                if mine is None or c.sequence >= mine:
-                    continue
-                if _delivery_of(c.identifier) == delivery:
-                    found.append(f"{lk.path}/{c.node}")
-        return found
-
-    def _copies_queued(self, lock, delivery: tuple) -> bool:
-        """After a timeout (our node deleted): is a node of our delivery in any queue?"""
-        try:
-            return any(_delivery_of(c.identifier) == delivery for lk in _fair_locks(lock) for c in lk.contenders())
-        except Exception as exc:
-            logger.warning("could not look for an earlier copy of task %s: %r", delivery[0], exc)
-            return False
-
-    def _finished_elsewhere(self, task_id: str) -> bool:
-        """Did the original delivery of this task id already reach a final state?
-
-        Without a result backend we cannot tell, and run the copy (at-least-once, as
-        Celery's acks_late promises): losing the work would be worse than repeating it.
-        """
-        if self.ignore_result or isinstance(self.backend, DisabledBackend):
-            return False
-        # Celery stores the original's result just *after* its __call__ (and so its
-        # release) returns: give that write a moment to land before deciding.
-        deadline = time.monotonic() + _RESULT_GRACE
-        while True:
-            try:
-                if self.backend.get_state(task_id) in states.READY_STATES:
-                    return True
-            except Exception as exc:
-                logger.warning("cannot read the state of task %s (%r); running the redelivered copy", task_id, exc)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-
     def _lock_event(self, type_: str, **fields: Any) -> None:
         """Celery event for Flower/monitors; only when task events are on (``-E``)."""
         if not self.app.conf.worker_send_task_events or self.request.called_directly or not self.request.hostname:
@@ -395,102 +275,16 @@ class ZkLockedTask(Task):
             logger.debug("could not send %s event: %r", type_, exc)
 
 
-class _RunState:
-    """Whether the body is running, and how to interrupt it when the lock is lost."""
-
-    def __init__(self, thread_ident: int) -> None:
-        self.thread_ident = thread_ident
-        self.guard = threading.Lock()
-        self.running = False
-        self.interrupted = False  # an interrupt was raised into the thread
-        self.reason: str | None = None
-        self.greenlet = _current_greenlet()
-
-    def enter(self) -> None:
-        with self.guard:
-            self.running = True
-
-    def leave_for_good(self) -> None:
-        """Stop interrupts, and take delivery of one raised but not yet delivered.
-
-        Retried until it completes: an interrupt delivered *inside* this method must not
-        skip the release that follows it.  A pending interrupt is not cancelled with
-        ``PyThreadState_SetAsyncExc(tid, NULL)``: that leaves CPython's eval-breaker flag
-        set (every later bytecode of the process takes the slow path); it is let land
-        here instead, where it is caught.
-        """
-        while True:
-            try:
-                with self.guard:
-                    self.running = False
-                    pending, self.interrupted = self.interrupted, False
-                if pending and self.greenlet is None:
-                    for _ in range(1000):  # the eval loop checks for it at each iteration
-                        pass
-                return
-            except LockLost:
-                continue
-
-    def lost(self, reason: str, interrupt: bool) -> None:
-        with self.guard:
-            self.reason = reason
-            if not (interrupt and self.running):
-                return
-            self.interrupted = True
-            if self.greenlet is not None:
-                _kill_greenlet(self.greenlet, reason, self)
-            else:
-                # Raised in the task's thread at its next bytecode, like a soft time limit.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_ident), ctypes.py_object(LockLost))
-
-
-def _current_greenlet():
-    if "gevent" not in sys.modules:  # never import gevent into a process that does not use it
-        return None
-    from gevent import getcurrent, monkey
-
-    if monkey.is_module_patched("threading"):
-        return getcurrent()
-    return None
-
-
-def _kill_greenlet(glet, reason: str, run_state: _RunState) -> None:
-    import gevent
-
-    def throw() -> None:
-        # Runs later in the hub: the body may have ended (and begun releasing) meanwhile.
-        if run_state.running:
-            glet.throw(LockLost("lock", reason))
-
-    gevent.get_hub().loop.run_callback(throw)
-
-
-def _delivery_of(identifier: str | None) -> tuple | None:
-    """(task id, retries) from a node's identifier; None for nodes not written by a task."""
-    try:
-        info = json.loads(identifier)
-        return (info["task_id"], info.get("retries", 0))
-    except (TypeError, ValueError, AttributeError, KeyError):
-        return None
-
-
 def _holders(lock) -> list[str | None]:
     """Who holds the lock, for the timeout message; best effort."""
     try:
-        return [c.identifier for lk in _fair_locks(lock) for c in lk.contenders() if c.holder]
+        return [c.identifier for lk in lock.locks for c in lk.contenders() if c.holder]
     except Exception:
         return []
 
 
-def _wait_nodes_gone(client, nodes: list[str]) -> None:
-    """Block until every znode in ``nodes`` is deleted (a watch each, no polling)."""
-    for node in nodes:
-        while True:
-            changed = client.handler.event_object()
-            if client.exists(node, watch=lambda _event: changed.set()) is None:
-                break
-            # Re-checked every second too: a watch does not survive a session expiry.
-            changed.wait(1.0)
+for _option, _default in OPTION_DEFAULTS.items():
+    setattr(ZkLockedTask, _option, _default)
 
 
 # ------------------------------------------------------------------ class helpers

@@ -84,6 +84,12 @@ class LockAwareRequest(Request):
                 _reap_async(self)  # waits for the pool to kill the child first
 
 
+def is_locked(task) -> bool:
+    """A locked task, recognised by what it offers (its lock options and paths), so this
+    worker-side module never imports the task class that installs it."""
+    return callable(getattr(task, "lock_options", None)) and callable(getattr(task, "lock_paths", None))
+
+
 def validate_app(app) -> None:
     """Check settings, every locked task's options, that ZooKeeper answers and lets us lock.
 
@@ -91,16 +97,15 @@ def validate_app(app) -> None:
     ordinary exceptions from signal receivers, which would let a misconfigured worker
     start and run tasks it cannot protect.
     """
-    from .client import new_client
+    from .client import connect, disconnect
     from .config import load_settings
-    from .errors import ConfigurationError
-    from .task import ZkLockedTask
+    from .errors import ConfigurationError, LockUnavailable
     from .znodes import probe_permissions
 
     try:
         settings = load_settings(app.conf)
         app._zklock_settings = settings
-        locked = [t for t in app.tasks.values() if isinstance(t, ZkLockedTask)]
+        locked = [t for t in app.tasks.values() if is_locked(t)]
         for t in locked:
             t.__dict__.pop("_zk_options", None)
             t.lock_options()
@@ -108,16 +113,11 @@ def validate_app(app) -> None:
         raise SystemExit(f"celery-zklock: configuration error: {exc}") from None
     if not locked:
         return
-    client = new_client(settings)
     try:
-        try:
-            client.start(timeout=settings.connect_timeout)
-        except Exception as exc:
-            raise SystemExit(
-                f"celery-zklock: cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within "
-                f"{settings.connect_timeout}s ({type(exc).__name__}). Start the ensemble or fix zklock_hosts; "
-                f"{len(locked)} locked task(s) would otherwise run unprotected."
-            ) from None
+        client = connect(settings)
+    except LockUnavailable as exc:
+        raise SystemExit(f"celery-zklock: {exc}; {len(locked)} locked task(s) would otherwise run unprotected.") from None
+    try:
         try:
             probe_permissions(client, settings.root)
         except ConfigurationError as exc:
@@ -129,11 +129,7 @@ def validate_app(app) -> None:
                 f"{len(locked)} locked task(s) unprotected."
             ) from None
     finally:
-        try:
-            client.stop()
-            client.close()
-        except Exception:
-            pass
+        disconnect(client)
     logger.info("celery-zklock: %d locked task(s), ZooKeeper %s reachable", len(locked), settings.hosts)
 
 

@@ -10,8 +10,7 @@ as Curator and kazoo ignore them.
 Parents are created as CONTAINER znodes (ZooKeeper >= 3.5.3): the server deletes a
 container once its last child is gone, so one parent per lock key (order ids, SKUs) never
 accumulates.  kazoo 2.x cannot create containers (its ``create`` only sends the ephemeral
-and sequence flags), so :class:`CreateContainer` adds the ``createContainer`` request
-(opcode 19) on kazoo's own serialisation; its wire format is ``Create2``'s.
+and sequence flags): :mod:`celery_zklock.kazoo_compat` sends the ``createContainer`` request.
 """
 
 from __future__ import annotations
@@ -21,14 +20,11 @@ import threading
 import uuid
 from typing import Iterable, NamedTuple
 
-from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, UnimplementedError
-from kazoo.protocol.serialization import Create2
-from kazoo.security import OPEN_ACL_UNSAFE
+from kazoo.exceptions import NoAuthError, NodeExistsError
 
 #: Sequence markers we order by, first match wins (Curator, then kazoo).
 LOCK_MARKERS = ("-lock-", "__lock__")
 _SEQ_RE = re.compile(r"(?:-lock-|__lock__)(\d{10})$")
-_CONTAINER_FLAG = 4  # CreateMode.CONTAINER.toFlag()
 
 
 def node_prefix(uuid_hex: str) -> str:
@@ -77,12 +73,6 @@ def validate_path(path: object) -> str:
     return path
 
 
-class CreateContainer(Create2):
-    """ZooKeeper ``createContainer`` (opcode 19); same request and reply as ``Create2``."""
-
-    type = 19
-
-
 # Servers that answered UNIMPLEMENTED to createContainer (pre-3.5.3): we fall back to a
 # persistent parent and delete it best-effort after release.
 _NO_CONTAINERS: set[str] = set()
@@ -90,37 +80,6 @@ _NO_CONTAINERS: set[str] = set()
 
 def _client_key(client) -> str:
     return repr(getattr(client, "hosts", client))
-
-
-def create_container(client, path: str) -> None:
-    """Create ``path`` as a container znode (ancestors as persistent nodes); exists is fine.
-
-    Falls back to a persistent node when the server lacks containers; the fallback is
-    remembered per ensemble so later keys skip the failing round trip.
-    """
-    key = _client_key(client)
-    if key not in _NO_CONTAINERS:
-        for attempt in range(2):
-            result = client.handler.async_result()
-            client._call(CreateContainer(_chroot(client, path), b"", OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
-            try:
-                result.get()
-                return
-            except NodeExistsError:
-                return
-            except NoNodeError:
-                if attempt:
-                    raise
-                parent = path.rsplit("/", 1)[0]
-                if parent:
-                    client.ensure_path(parent)
-            except UnimplementedError:
-                _NO_CONTAINERS.add(key)
-                break
-    try:
-        client.create(path, b"", makepath=True)
-    except NodeExistsError:
-        pass
 
 
 def no_auth_error(path: str, action: str):
@@ -151,17 +110,6 @@ def probe_permissions(client, root: str) -> None:
         client.delete(probe)
     except NoAuthError:
         raise no_auth_error(root, "creating and deleting a lock node") from None
-
-
-def create_container_async(client, path: str):
-    """Send a createContainer for ``path`` without waiting; the caller may ignore the reply.
-
-    Used to pipeline the parent's creation ahead of the lock node's create when the parent
-    is probably missing: a new key then costs one round trip instead of three.
-    """
-    result = client.handler.async_result()
-    client._call(CreateContainer(_chroot(client, path), b"", OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
-    return result
 
 
 class RecentPaths:
@@ -200,10 +148,6 @@ def mark_no_containers(client) -> None:
 
 def uses_containers(client) -> bool:
     return _client_key(client) not in _NO_CONTAINERS
-
-
-def _chroot(client, path: str) -> str:
-    return client.chroot + path if client.chroot else path
 
 
 class Contender(NamedTuple):

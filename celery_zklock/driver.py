@@ -1,0 +1,50 @@
+"""The lock's one decision, as a pure function (Curator's ``StandardLockInternalsDriver``).
+
+Why pure: every way a contender can advance — a create reply, a children listing, a watch
+firing — ends in the same question: given the children of the lock path and our node, do
+we hold, and if not, which nodes must we watch?  Answering it without I/O makes it
+testable from a table and keeps the event-driven core (:mod:`celery_zklock.internals`) free
+of ordering rules.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+from .znodes import sort_contenders
+
+
+class Decision(NamedTuple):
+    """What one look at the children tells a contender.
+
+    ``index`` is our place in the queue (None when our node is not among the children:
+    it was deleted, or died with our session).  ``watch`` lists the nodes whose departure
+    can free a slot for us; ``handoff`` says that ``watch`` holds *everyone* ahead of us,
+    so the deletion of any one of them makes us a holder without reading the children again.
+    """
+
+    holds: bool
+    index: int | None
+    watch: tuple[str, ...]
+    handoff: bool
+
+
+def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decision:
+    """Do we hold (``node`` among the ``max_holders`` lowest sequences), and whom to watch.
+
+    Why the window of ``max_holders`` nodes directly ahead and not only "the node N places
+    ahead": holders release and waiters time out in any order; watching only the node N
+    ahead misses the departure of the nodes between, and can wait forever while a slot is
+    free (N=2, queue A B C D me: D times out, B releases — C and I now both hold, yet C
+    watches A and I watch C).  The window is the smallest set whose changes can free a
+    slot for us; with N=1 it is exactly one node, so a release wakes one waiter (no herd).
+    """
+    ordered = sort_contenders(children)
+    try:
+        index = ordered.index(node)
+    except ValueError:
+        return Decision(False, None, (), False)
+    if index < max_holders:
+        return Decision(True, index, (), False)
+    window = tuple(ordered[index - max_holders : index])
+    return Decision(False, index, window, index == max_holders)

@@ -1,0 +1,205 @@
+"""What the framework owns once per client: connection state, timers, guaranteed deletes.
+
+Why once per client (Curator's ``ConnectionStateManager`` and ``delete().guaranteed()``):
+a process waiting on thousands of keys must not register thousands of kazoo state
+listeners, nor keep a thread or a sleeping timer per lock.  One :class:`SessionMonitor`
+per client listens to kazoo once and tells every registered contender; one
+:class:`Timers` loop serves every deadline and suspension grace period; and one
+:func:`guaranteed_delete` is the only way a lock node is deleted.
+
+Rules kept here: no blocking ZooKeeper I/O inside kazoo's state listener (it runs on
+kazoo's connection thread, kazoo #381) — subscribers only flip state and send async
+requests; a delete is retried through connection loss until it succeeds or the session
+that owned the node is gone (kazoo #732 leaks nodes on error).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, SessionExpiredError
+from kazoo.protocol.states import KazooState
+
+from . import kazoo_compat
+
+#: Errors after which a request may be sent again on the same session.
+RETRYABLE = (ConnectionLoss, OperationTimeoutError)
+
+# Outcomes of a guaranteed delete.
+DELETED = "deleted"  # our delete removed the node
+GONE = "gone"  # the node was not there at our first try: someone else deleted it
+EXPIRED = "expired"  # the owning session ended: the node went with it
+
+
+class Timers:
+    """One loop that runs callbacks at monotonic times, for every lock of a client.
+
+    Runs on one thread (or greenlet) made by the client's handler the first time a timer
+    is set; a cancelled timer is just skipped when due.
+    """
+
+    def __init__(self, handler) -> None:
+        self._handler = handler
+        self._heap: list = []
+        self._guard = threading.Lock()
+        self._wake = handler.event_object()
+        self._started = False
+        self._order = itertools.count()
+
+    def call_at(self, when: float, fn: Callable, *args: Any) -> list:
+        """Run ``fn(*args)`` at ``when`` (``time.monotonic()`` clock); returns a handle."""
+        handle = [True]
+        with self._guard:
+            heapq.heappush(self._heap, (when, next(self._order), handle, fn, args))
+            if not self._started:
+                self._started = True
+                self._handler.spawn(self._loop)
+        self._wake.set()
+        return handle
+
+    @staticmethod
+    def cancel(handle: list | None) -> None:
+        if handle is not None:
+            handle[0] = False
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            due = []
+            with self._guard:
+                now = time.monotonic()
+                while self._heap and (self._heap[0][0] <= now or not self._heap[0][2][0]):
+                    when, _, handle, fn, args = heapq.heappop(self._heap)
+                    if handle[0]:
+                        due.append((fn, args))
+                wait = self._heap[0][0] - now if self._heap else None
+            for fn, args in due:
+                try:
+                    fn(*args)
+                except Exception:  # pragma: no cover - a timer must not kill the loop
+                    import logging
+
+                    logging.getLogger("celery_zklock.session").exception("timer callback failed")
+            if not due:
+                self._wake.wait(wait)
+
+
+class SessionMonitor:
+    """The client's connection state, told to every subscribed contender.
+
+    ``epoch`` counts suspensions and losses: a verdict reached under an older epoch (a
+    re-verification whose reply raced a new disconnection) is stale and is dropped.
+    Subscribers implement ``on_connection(state, epoch)``; it runs on kazoo's connection
+    thread and must neither block nor wait for a reply.
+    """
+
+    def __init__(self, client: KazooClient) -> None:
+        self.client = client
+        self.timers = Timers(client.handler)
+        self.epoch = 0
+        self._guard = threading.Lock()
+        self._subscribers: set = set()
+        self._when_connected: list[Callable[[], None]] = []
+        client.add_listener(self._on_state)
+
+    @property
+    def connected(self) -> bool:
+        return self.client.connected
+
+    @property
+    def session(self) -> int | None:
+        return kazoo_compat.session_id(self.client)
+
+    def subscribe(self, subscriber) -> None:
+        with self._guard:
+            self._subscribers.add(subscriber)
+
+    def unsubscribe(self, subscriber) -> None:
+        with self._guard:
+            self._subscribers.discard(subscriber)
+
+    def when_connected(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now if connected, else at the next CONNECTED or LOST (once)."""
+        with self._guard:
+            if not self.client.connected:
+                self._when_connected.append(fn)
+                return
+        fn()
+
+    def grace_timer(self, seconds: float, fn: Callable[[int], None]) -> list:
+        """Call ``fn(epoch)`` after ``seconds``, with the epoch current now."""
+        return self.timers.call_at(time.monotonic() + seconds, fn, self.epoch)
+
+    def _on_state(self, state: str) -> bool:
+        with self._guard:
+            if state != KazooState.CONNECTED:
+                self.epoch += 1
+            epoch = self.epoch
+            subscribers = list(self._subscribers)
+            pending = []
+            if state != KazooState.SUSPENDED:
+                pending, self._when_connected = self._when_connected, []
+        for subscriber in subscribers:
+            subscriber.on_connection(state, epoch)
+        for fn in pending:
+            fn()
+        return False  # keep listening
+
+
+_monitors: "weakref.WeakKeyDictionary[KazooClient, SessionMonitor]" = weakref.WeakKeyDictionary()
+_monitors_guard = threading.Lock()
+
+
+def monitor_for(client: KazooClient) -> SessionMonitor:
+    """The one :class:`SessionMonitor` of ``client``, created on first use."""
+    with _monitors_guard:
+        monitor = _monitors.get(client)
+        if monitor is None:
+            monitor = _monitors[client] = SessionMonitor(client)
+        return monitor
+
+
+def guaranteed_delete(monitor: SessionMonitor, path: str, session: int | None, on_no_auth: Callable[[], Exception] | None = None):
+    """Delete ``path`` (a node of ``session``) however often the connection drops.
+
+    Returns an async result that resolves to :data:`DELETED`, :data:`GONE` or
+    :data:`EXPIRED`, or fails with ``on_no_auth()`` when the ACL forbids the delete.
+    Callers may wait for it (proof at release) or not; the delete goes on either way,
+    resent at each reconnection of the same session, and stops when that session ends.
+    """
+    client = monitor.client
+    outcome = client.handler.async_result()
+    retried = [False]
+
+    def send() -> None:
+        if kazoo_compat.session_id(client) != session:
+            outcome.set(EXPIRED)  # ephemeral nodes die with their session
+            return
+        client.delete_async(path).rawlink(reply)
+
+    def reply(result) -> None:
+        try:
+            result.get()
+            outcome.set(DELETED)
+        except NoNodeError:
+            # On a retry in the same session, only our own earlier delete (whose reply the
+            # connection loss swallowed) can have removed it.
+            outcome.set(DELETED if retried[0] else GONE)
+        except (SessionExpiredError, ConnectionClosedError):
+            outcome.set(EXPIRED)
+        except NoAuthError as exc:
+            outcome.set_exception(on_no_auth() if on_no_auth else exc)
+        except RETRYABLE:
+            retried[0] = True
+            monitor.when_connected(send)
+        except Exception as exc:  # pragma: no cover - unexpected server error
+            outcome.set_exception(exc)
+
+    send()
+    return outcome

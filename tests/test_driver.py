@@ -1,0 +1,82 @@
+"""The lock's one decision (driver.gets_the_lock) and node identities: pure logic, from tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_zklock.driver import Decision, gets_the_lock
+from celery_zklock.identity import Identity
+
+
+def n(seq: int, kind: str = "ours") -> str:
+    """A child name of the given kind with sequence ``seq``."""
+    return {
+        "ours": f"_c_{seq:04x}aaaa-lock-{seq:010d}",
+        "curator": f"_c_{seq:04x}bbbb-lock-{seq:010d}",
+        "kazoo": f"{seq:04x}cccc__lock__{seq:010d}",
+    }[kind]
+
+
+ME = n(5)
+
+
+@pytest.mark.parametrize(
+    "children, max_holders, expected",
+    [
+        # alone: we hold
+        ([ME], 1, Decision(True, 0, (), False)),
+        # first of several (children come unsorted from ZooKeeper)
+        ([n(9), ME, n(7)], 1, Decision(True, 0, (), False)),
+        # second in a mutex queue: watch the one ahead; it is everyone ahead -> handoff
+        ([ME, n(3)], 1, Decision(False, 1, (n(3),), True)),
+        # third: watch only the node directly ahead (no herd), no handoff
+        ([n(1), n(3), ME, n(8)], 1, Decision(False, 2, (n(3),), False)),
+        # semaphore of 2, we are second: we hold
+        ([n(1), ME], 2, Decision(True, 1, (), False)),
+        # semaphore of 2, we are third: watch the two ahead; they are everyone ahead
+        ([n(1), n(3), ME], 2, Decision(False, 2, (n(1), n(3)), True)),
+        # semaphore of 2, we are fourth: the window is the two directly ahead
+        ([n(0), n(1), n(3), ME], 2, Decision(False, 3, (n(1), n(3)), False)),
+        # our node is gone (deleted by an operator, or died with our session)
+        ([n(1), n(3)], 1, Decision(False, None, (), False)),
+        ([], 1, Decision(False, None, (), False)),
+        # Curator and kazoo Lock nodes queue with ours, by sequence
+        ([n(2, "curator"), ME], 1, Decision(False, 1, (n(2, "curator"),), True)),
+        ([n(4, "kazoo"), n(2, "curator"), ME], 1, Decision(False, 2, (n(4, "kazoo"),), False)),
+        # children that are not lock nodes are ignored
+        (["leader", "config", ME], 1, Decision(True, 0, (), False)),
+        # the queue is ordered by sequence, not by name
+        ([f"zzz-lock-{3:010d}", f"aaa-lock-{4:010d}", ME], 1, Decision(False, 2, (f"aaa-lock-{4:010d}",), False)),
+        # max_holders larger than the queue: everyone holds
+        ([n(1), n(3), ME], 5, Decision(True, 2, (), False)),
+    ],
+)
+def test_gets_the_lock(children, max_holders, expected):
+    assert gets_the_lock(children, ME, max_holders) == expected
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (b'{"host":"h","pid":1,"task_id":"t","retries":2,"task":"x.y","worker":"w@h"}',
+         Identity("h", 1, "t", 2, "x.y", "w@h")),
+        (b'{"host":"h","pid":1,"thread":"MainThread"}', Identity("h", 1, thread="MainThread")),
+        (b'{"host":"h","pid":1,"extra":"kept out"}', Identity("h", 1)),
+        (b"10.0.0.1", None),  # Curator's default node data: an IP address
+        (b"", None),
+        (None, None),
+        (b'["h", 1]', None),
+        (b'{"host":"h"}', None),  # no pid: not ours
+        (b'{"host":"h","pid":"1"}', None),
+    ],
+)
+def test_identity_parse(data, expected):
+    assert Identity.parse(data) == expected
+
+
+def test_identity_round_trip_and_delivery():
+    ident = Identity.of_this_process(task_id="abc", retries=0, task="t", worker="w")
+    assert Identity.parse(ident.to_bytes()) == ident
+    assert ident.delivery == ("abc", 0)
+    assert Identity.of_this_thread().delivery is None
+    assert b"null" not in Identity.of_this_thread().to_bytes()  # unset fields are left out
