@@ -13,8 +13,9 @@ Only the container sweep is faster than ZooKeeper's 60 s default (1 s), so that 
 znode count taken after a run reflects what the server will clean up, without waiting a
 minute.
 
-Workers are started and stopped with :class:`examples.runtime.Procs` (own session per
-worker; SIGTERM, then SIGKILL of that worker's process group only).
+Workers are started and stopped with :class:`support.workers.Procs`, shared with the
+examples and the tests (own session per worker; SIGTERM, then SIGKILL of that worker's
+process group only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import sys
 import time
 import uuid
+
+from support.workers import children_of
 
 _T0 = time.monotonic()
 CONTAINER_CHECK_MS = 1000
@@ -42,8 +45,8 @@ class Services:
         self.redis = None
 
     def start(self) -> "Services":
-        from celery_zklock.redis_server import RedisServer
         from celery_zklock.testing import ZooKeeperServer
+        from support.redis_server import RedisServer
 
         self.zk = ZooKeeperServer(tick_ms=2000, fsync=True, container_check_ms=CONTAINER_CHECK_MS)
         self.zk.start(timeout=60, new_session=True)
@@ -185,7 +188,7 @@ class Workers:
     """``count`` real prefork ``celery worker`` processes (``-c 2``) running bench.app."""
 
     def __init__(self, env: dict[str, str], count: int = 2, concurrency: int = 2) -> None:
-        from examples.runtime import Procs
+        from support.workers import Procs
 
         self.procs = Procs(env, tag=uuid.uuid4().hex[:6])
         self.count = count
@@ -193,7 +196,7 @@ class Workers:
         self.items = []
 
     def start(self, app, timeout: float = 90.0) -> "Workers":
-        from examples.runtime import wait_ready
+        from support.workers import wait_ready
 
         self.items = [self.procs.worker("bench.app", f"bench{i}", self.concurrency) for i in range(self.count)]
         wait_ready(app, self.items, timeout)
@@ -256,22 +259,6 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_of(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` (read from /proc; no psutil needed)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            out.append(int(entry))
-    return sorted(out)
 
 
 def rss_kib(pid: int | str = "self", field: str = "VmRSS") -> int | None:

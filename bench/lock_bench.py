@@ -583,8 +583,8 @@ def _log(msg: str) -> None:
 
 def start_servers():
     """Start a standalone ZooKeeper (fsync on) and a Redis, both throwaway, on free ports."""
-    from celery_zklock.redis_server import RedisServer
     from celery_zklock.testing import ZooKeeperServer
+    from support.redis_server import RedisServer
 
     zk = ZooKeeperServer(fsync=True)
     redis_server = RedisServer()

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run (< 2 min): small samples, short caps")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    from examples.runtime import install_interrupt_handlers
+    from support.console import install_interrupt_handlers
 
     install_interrupt_handlers()  # Ctrl-C / SIGTERM unwind through the cleanup above
     results = run(args.quick, args.out)

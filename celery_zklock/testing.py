@@ -6,10 +6,17 @@ happen in the real server.  This module starts ZooKeeper from the local installa
 (Debian's ``zookeeper`` package jars, or ``$ZOOKEEPER_HOME``) on free loopback ports in a
 temporary directory, and lets tests stop, restart and pause (SIGSTOP) members.
 
-It doubles as a pytest plugin (entry point ``celery_zklock``) offering the fixtures
-``zk_server`` (session scoped standalone server), ``zk_ensemble`` (fresh 3-node ensemble)
-and ``zk_client`` (a started ``KazooClient`` on ``zk_server``), so users of
-celery-zklock can test their own locked tasks against the real thing.
+It doubles as an opt-in pytest plugin offering the fixtures ``zk_server`` (session scoped
+standalone server), ``zk_ensemble`` (fresh 3-node ensemble) and ``zk_client`` (a started
+``KazooClient`` on ``zk_server``), so users of celery-zklock can test their own locked
+tasks against the real thing.  Enable it in the top-level ``conftest.py``::
+
+    pytest_plugins = ["celery_zklock.testing"]
+
+It is not registered as a ``pytest11`` entry point (kazoo ships ``kazoo.testing`` the same
+way): installing the library must not add fixtures to every pytest run of every project.
+Imports only the standard library, pytest when present and kazoo (in ``zk_client``) --
+never redis or other test-only packages.
 
 Test servers run with a short ``tickTime`` (200 ms by default) so the negotiated session
 timeout may be as low as 0.4 s: fault tests expire sessions in about a second.

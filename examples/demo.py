@@ -22,7 +22,10 @@ import sys
 import tempfile
 import time
 
-from examples.runtime import STOP, Procs, Report, Services, check_stop, install_interrupt_handlers, say
+from examples.runtime import Report
+from support.console import STOP, check_stop, install_interrupt_handlers, say
+from support.services import Services
+from support.workers import Procs
 
 EXAMPLES = ("flash_sale", "beat_singleton", "retry_on_timeout")
 

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
+from support.workers import ROOT, Worker
 from tests.lockutil import overlapping
 from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
-from tests.workers import ROOT, Worker
 
 
 @pytest.fixture(autouse=True)

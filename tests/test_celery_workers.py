@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from celery_zklock import LockLost, LockTimeout
+from support.workers import Worker
 from tests.lockutil import children, overlapping
-from tests.workers import Worker
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import uuid
 
 from celery_zklock import FairLock
 from celery_zklock.keys import key_path
-from tests.workers import ROOT
+from support.workers import ROOT
 
 
 def run_cli(zk_server, root, *args):

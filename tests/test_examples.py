@@ -131,7 +131,8 @@ def flash_app(example_env):
 
 def test_flash_sale_quick_run_keeps_its_invariants(example_env, flash_app, tmp_path):
     from examples.flash_sale import scenario
-    from examples.runtime import Procs, Report
+    from examples.runtime import Report
+    from support.workers import Procs
 
     report = Report()
     procs = Procs(example_env, str(tmp_path))

@@ -11,7 +11,9 @@ import json
 import sys
 from collections import Counter
 
-from examples.runtime import Procs, Report, run_standalone, say, wait_ready, wait_until
+from examples.runtime import Report, run_standalone, wait_until
+from support.console import say
+from support.workers import Procs, wait_ready
 
 NAME = "beat_singleton"
 APP = "examples.beat_singleton.app"

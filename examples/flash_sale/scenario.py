@@ -19,8 +19,9 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from examples.runtime import (Procs, Report, run_standalone, check_stop, ms, percentile, say,
-                              wait_ready, wait_until)
+from examples.runtime import Report, ms, percentile, run_standalone, wait_until
+from support.console import check_stop, say
+from support.workers import Procs, wait_ready
 
 NAME = "flash_sale"
 APP = "examples.flash_sale.app"

@@ -12,7 +12,9 @@ import json
 import sys
 import time
 
-from examples.runtime import Procs, Report, run_standalone, say, wait_ready, wait_until
+from examples.runtime import Report, run_standalone, wait_until
+from support.console import say
+from support.workers import Procs, wait_ready
 
 NAME = "retry_on_timeout"
 APP = "examples.retry_on_timeout.app"

@@ -25,11 +25,11 @@ from kombu import pools
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.keys import key_path
-from celery_zklock.redis_server import RedisServer
 from celery_zklock.testing import ZooKeeperEnsemble
+from support.redis_server import RedisServer
+from support.workers import Worker
 from tests.faults import app as faults_app
 from tests.faults.checker import FINAL_STATES, Report, check
-from tests.workers import Worker
 
 SESSION = 3.0  # zklock_session_timeout of the workers (the servers' tickTime of 200 ms allows 0.4 .. 4 s)
 

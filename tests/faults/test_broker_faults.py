@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from celery_zklock.redis_server import RedisServer
+from support.redis_server import RedisServer
 from tests.faults import app as A
 from tests.faults.checker import runs_of
 from tests.faults.harness import SESSION, record, wait_until

@@ -2,6 +2,7 @@
 
 Why: tests must not depend on (or dirty) a Redis someone else runs on 6379, and the demo
 must work on a machine with none running.  Uses the ``redis-server`` binary on PATH.
+Repository-only (in :mod:`support`, not the installed package): it needs redis-py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import subprocess
 import tempfile
 import time
 
-from .testing import free_port
+from celery_zklock.testing import free_port
 
 __all__ = ["RedisServer"]
 
