@@ -79,6 +79,16 @@ def targets(results: dict) -> list[dict]:
                            zk["znodes_left"] <= 0, f"{zk['znodes_left']:+d} ({zk['znodes_before']} -> {zk['znodes_after']})"))
         out.append(_target("scale", "ZkLockedTask engine", "no znodes left after the one-key waiters",
                            wt["znodes_left"] <= 0, f"{wt['znodes_left']:+d}"))
+        mk = s.get("many_keys")
+        if mk:
+            out.append(_target("scale", "ZkLockedTask engine",
+                               f"one process waits on {mk['keys']} keys ({mk['waiters']} waiters) with a bounded thread count, "
+                               "every waiter granted in FIFO order",
+                               mk["threads_with_all_waiting"] <= mk["threads_idle_client"] and mk["fifo_violations"] == 0
+                               and mk["granted_while_holder_held"] == 0 and mk["not_waiting_before_release"] == 0,
+                               f"{mk['threads_with_all_waiting']} threads with all waiting ({mk['threads_idle_client']} "
+                               f"idle); {mk['fifo_violations']} FIFO violations; last grant "
+                               f"{mk['release_to_last_grant_s']} s after the holder's release began"))
     if "lock_engine" in sc:
         for t in sc["lock_engine"].get("targets", []):
             out.append(_target("lock_engine", t["contender"], t["target"], t["met"], t["value"]))
@@ -191,6 +201,11 @@ def markdown(results: dict) -> str:
             lines += [f"| plain Celery | n/a | | | {data['not_applicable']['plain']} |"]
         if name == "scale":
             lines += ["", *_waiters_table(data["one_key_waiters"])]
+            if data.get("many_keys"):
+                mk = data["many_keys"]
+                lines += ["", f"One process, {mk['waiters']} waiters on {mk['keys']} keys held by another process "
+                              "(the event-driven engine, `LockInternals`, no thread per waiter):", "",
+                          *_table(["metric", "value"], [[k, v] for k, v in mk.items()])]
         if name == "fairness":
             z = data["zookeeper"]
             lines += ["", f"ZooKeeper during these windows (used by the FairLock row only): {z['fsyncs']} fsyncs, "

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import celery_scenarios, fairness, lock_bench, report, scale, worker_loss
+from . import celery_scenarios, fairness, lock_bench, many_keys, report, scale, worker_loss
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -73,6 +73,8 @@ def run(quick: bool, out: Path) -> dict:
                                fairness.QUICK if quick else fairness.FULL)
         waiters = timed(results, "scale_one_key_waiters", scale.many_waiters, services, sizes.scale_waiters,
                         sizes.scale_waiter_procs)
+        # One process waiting on many keys (threads in this process from here on).
+        many = timed(results, "scale_many_keys", many_keys.run, services.zk_hosts, sizes.scale_waiters)
         # Celery scenarios.
         driver = celery_scenarios.Driver(services.env())
         workers = Workers(services.env(), count=2, concurrency=2)
@@ -85,7 +87,7 @@ def run(quick: bool, out: Path) -> dict:
             sc["hot_key"] = timed(results, "hot_key", celery_scenarios.hot_key, driver, sizes, services)
             keys = timed(results, "scale_distinct_keys", scale.distinct_keys, driver, workers, services,
                          sizes.scale_keys)
-            sc["scale"] = {"contenders": keys, "one_key_waiters": waiters}
+            sc["scale"] = {"contenders": keys, "one_key_waiters": waiters, "many_keys": many}
             sc["worker_loss"] = timed(results, "worker_loss", worker_loss.worker_loss, driver, workers, sizes)
         except BaseException:
             log(f"worker logs kept in {workers.procs.logdir}")

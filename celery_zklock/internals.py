@@ -46,6 +46,7 @@ from kazoo.protocol.states import EventType, KazooState
 
 from . import kazoo_compat, znodes
 from .driver import gets_the_lock
+from .identity import Identity
 from .session import RETRYABLE, SessionMonitor, guaranteed_delete, monitor_for
 
 #: Lock paths whose parent this process saw lately (see znodes.RecentPaths).
@@ -68,10 +69,22 @@ _HELD_STATES = (State.HELD, State.HELD_SUSPENDED)
 class LockInternals:
     """What stays the same across a lock's attempts: where, how many holders, who we are."""
 
-    def __init__(self, client: KazooClient, path: str, max_holders: int, identifier: bytes,
+    def __init__(self, client: KazooClient, path: str, max_holders: int = 1, identifier: str | bytes | None = None,
                  on_lost: Callable[[], None] | None = None, suspended_grace: float | None = None) -> None:
+        if not isinstance(client, KazooClient):
+            raise ValueError(f"client must be a kazoo KazooClient, got {type(client).__name__}")
+        if isinstance(max_holders, bool) or not isinstance(max_holders, int) or max_holders < 1:
+            raise ValueError(f"max_holders must be an int >= 1, got {max_holders!r}")
+        if identifier is None:
+            identifier = Identity.of_this_thread().to_bytes()
+        if isinstance(identifier, str):
+            identifier = identifier.encode("utf-8")
+        if not isinstance(identifier, bytes):
+            raise ValueError(f"identifier must be str or bytes, got {type(identifier).__name__}")
+        if len(identifier) > 64 * 1024:
+            raise ValueError("identifier must be at most 64 KiB")
         self.client = client
-        self.path = path
+        self.path = znodes.validate_path(path)
         self.max_holders = max_holders
         self.identifier = identifier
         self.on_lost = on_lost

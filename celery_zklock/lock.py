@@ -17,7 +17,6 @@ from kazoo.exceptions import NoNodeError
 
 from . import kazoo_compat, znodes
 from .errors import LockLost
-from .identity import Identity
 from .internals import LockInternals, State
 from .session import DELETED, EXPIRED, GONE
 from .znodes import Contender
@@ -60,23 +59,6 @@ class FairLock:
         on_wait: Callable[["FairLock", int], None] | None = None,
         suspended_grace: float | None = None,
     ) -> None:
-        if not isinstance(client, KazooClient):
-            raise ValueError(f"client must be a kazoo KazooClient, got {type(client).__name__}")
-        path = znodes.validate_path(path)
-        if isinstance(max_holders, bool) or not isinstance(max_holders, int) or max_holders < 1:
-            raise ValueError(f"max_holders must be an int >= 1, got {max_holders!r}")
-        if identifier is None:
-            identifier = Identity.of_this_thread().to_bytes()
-        if isinstance(identifier, str):
-            identifier = identifier.encode("utf-8")
-        if not isinstance(identifier, bytes):
-            raise ValueError(f"identifier must be str or bytes, got {type(identifier).__name__}")
-        if len(identifier) > 64 * 1024:
-            raise ValueError("identifier must be at most 64 KiB")
-        self.client = client
-        self.path = path
-        self.max_holders = max_holders
-        self.identifier = identifier
         self.on_lost = on_lost
         self.on_wait = on_wait
         self._internals = LockInternals(
@@ -86,6 +68,11 @@ class FairLock:
         self._cancelled = False
 
     # ------------------------------------------------------------------ state
+    client = property(lambda self: self._internals.client)
+    path = property(lambda self: self._internals.path)
+    max_holders = property(lambda self: self._internals.max_holders)
+    identifier = property(lambda self: self._internals.identifier, doc="Our nodes' data (bytes).")
+
     @property
     def state(self) -> State:
         return State.IDLE if self._attempt is None else self._attempt.state
