@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import celery_scenarios, fairness, lock_bench, many_keys, report, scale, worker_loss
+from . import celery_scenarios, fairness, lock_bench, many_keys, pool_slots, report, scale, worker_loss
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -96,6 +96,8 @@ def run(quick: bool, out: Path) -> dict:
             log("stopping workers")
             workers.stop(timeout=5 if quick else 20)
         workers.procs.remove_logs()
+        hot, cold = (12, 24) if quick else (60, 120)
+        sc["pool_slots"] = timed(results, "pool_slots", pool_slots.run, services, driver, hot, cold, 30)
     finally:
         log("stopping ZooKeeper and Redis")
         services.close()

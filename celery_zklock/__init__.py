@@ -31,8 +31,8 @@ _EXPORTS = {
     "HeldLock": "task",
     "current_lock": "task",
     "lock_path": "task",
-    "SKIPPED": "task",
-    "LOCK_WAITING": "task",
+    "SKIPPED": "states",
+    "LOCK_WAITING": "states",
 }
 
 __all__ = list(_EXPORTS)
@@ -55,4 +55,5 @@ if TYPE_CHECKING:
     from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable, ZkLockError
     from .keys import encode_key
     from .lock import Contender, FairLock, MultiLock, contenders
-    from .task import LOCK_WAITING, SKIPPED, HeldLock, ZkLockedTask, current_lock, lock_path
+    from .states import LOCK_WAITING, SKIPPED
+    from .task import HeldLock, ZkLockedTask, current_lock, lock_path

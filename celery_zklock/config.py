@@ -19,6 +19,7 @@ from .errors import ConfigurationError
 TIMEOUT_POLICIES = ("retry", "skip", "fail")
 LOST_POLICIES = ("fail", "interrupt")
 UNAVAILABLE_POLICIES = ("retry", "fail")
+WAIT_PLACES = ("worker", "pool")
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)(:\d{1,5})?$")
 
@@ -141,6 +142,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
         Setting("zklock_release_on_worker_loss", True, _bool, "The worker parent deletes a killed child's lock nodes at once."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
+        Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
     )
 }
 

@@ -31,6 +31,12 @@ OPTION_DEFAULTS: dict[str, Any] = {**KEY_OPTIONS, **dict.fromkeys(config.TASK_OP
 _LOCKISH_PREFIXES = ("lock_", "on_lock_", "zklock_")
 
 
+def is_locked_task(task) -> bool:
+    """A locked task, recognised by what it offers (its lock options and paths), so the
+    worker-side modules never import the task class that installs them."""
+    return callable(getattr(task, "lock_options", None)) and callable(getattr(task, "lock_paths", None))
+
+
 class _AttributeRecorder:
     """Stands in for a task and records every attribute Celery reads from it."""
 

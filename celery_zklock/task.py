@@ -22,7 +22,7 @@ from celery import Task
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import config, signals, worker_loss
+from . import agent_lock, config, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockTimeout, LockUnavailable
@@ -31,13 +31,15 @@ from .keys import KeySpec, compile_key, key_path
 from .lock import FairLock, MultiLock
 from .interrupts import RunState
 from .redelivery import Redelivery
+from .states import LOCK_WAITING, SKIPPED
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
 
 logger = get_task_logger("celery_zklock")
 
 
-SKIPPED = "SKIPPED"  # custom state stored for a task skipped by on_lock_timeout="skip"
-LOCK_WAITING = "LOCK_WAITING"  # custom state while a task waits in the lock queue
+
+#: How long a pool process waits for its agent's verdict (already decided: a local round trip).
+_CLAIM_TIMEOUT = 5.0
 
 _current: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
 
@@ -79,6 +81,11 @@ def current_lock() -> HeldLock:
     if held is None:
         raise RuntimeError("current_lock() called outside a running ZkLockedTask")
     return held
+
+
+def _tokens_of(lock) -> dict[str, int]:
+    tokens = getattr(lock, "tokens", None)  # MultiLock and AgentLock: per path
+    return dict(tokens) if tokens is not None else {lock.path: lock.token}
 
 
 def _lost_reason(lock) -> str | None:
@@ -143,62 +150,23 @@ class ZkLockedTask(Task):
         paths = [key_path(opts.root, k) for k in keys]
         label = keys[0] if len(keys) == 1 else keys
 
-        try:
-            client = get_client(opts)
-        except LockUnavailable as exc:
-            return self._unavailable(exc, opts, label, direct)
-
         run_state = RunState(threading.get_ident())
-        identity = Identity.of_this_process(
-            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname
-        ).to_bytes()
-        started = time.monotonic()
 
-        copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
-
-        def on_wait(fair: FairLock, position: int) -> None:
-            # Monitoring only: nothing here may fail the task or escape into the lock.
-            if copies.queued_behind_original(fair):
-                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
-                return  # never LOCK_WAITING: the original's state must not be overwritten
-            logger.info("waiting for lock %s (position %s)", label, position)
-            self._lock_event("task-lock-waiting", key=label, position=position)
-            if req.id and not direct and not self.ignore_result:
-                try:
-                    self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
-                except Exception as exc:
-                    logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
-
-        def on_lost(lock: FairLock) -> None:
+        def on_lost(lock) -> None:
             run_state.lost(lock.lost_reason or "lock lost", opts.on_lost == "interrupt")
 
-        common = dict(max_holders=self.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
-        lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
-
-        # From the first acquire until the body's own try below, any exception (a kazoo
-        # error, the backend read, a signal) must not leave our node behind.
-        try:
-            acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
-            waited = time.monotonic() - started
-            if acquired and copies.finished_elsewhere():
-                lock.release()
-                logger.warning(
-                    "task %s already finished under lock %s (this is a redelivered copy): not running it again",
-                    req.id, label,
-                )
-                self._lock_event("task-lock-duplicate", key=label)
-                raise Ignore()
-            if not acquired:
-                if not client.connected:
-                    return self._unavailable(
-                        LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
-                        opts, label, direct,
-                    )
-                return self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
-            held = HeldLock(keys, paths, {lk.path: lk.token for lk in lock.locks}, lock)
-        except BaseException:
-            lock.release()
-            raise
+        started = time.monotonic()
+        # Queued by the worker's lock agent before the pool got the request (prefork/solo
+        # with zklock_wait_in="worker"): claim its verdict.  acks_late tasks wait here, in
+        # process, where redelivered copies are recognised.
+        claimed = None if direct or self.acks_late or not req.id else agent_lock.claim(req.id, _CLAIM_TIMEOUT)
+        if claimed is not None:
+            lock, waited = self._claimed_lock(claimed, opts, label, paths, on_lost)
+        else:
+            lock, waited, early = self._lock_in_process(req, direct, opts, label, paths, on_lost, started)
+            if lock is None:
+                return early
+        held = HeldLock(keys, paths, _tokens_of(lock), lock)
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
         self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
@@ -229,6 +197,75 @@ class ZkLockedTask(Task):
         if run_state.reason is not None:
             raise self._lost_error(label, run_state)
         return result
+
+    def _lock_in_process(self, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost, started: float):
+        """Wait for the lock in this process.  Returns (lock, waited, None) when held, or
+        (None, waited, value) after a policy that returns instead of raising."""
+        try:
+            client = get_client(opts)
+        except LockUnavailable as exc:
+            return None, 0.0, self._unavailable(exc, opts, label, direct)
+
+        identity = Identity.of_this_process(
+            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname
+        ).to_bytes()
+        copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
+
+        def on_wait(fair: FairLock, position: int) -> None:
+            # Monitoring only: nothing here may fail the task or escape into the lock.
+            if copies.queued_behind_original(fair):
+                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
+                return  # never LOCK_WAITING: the original's state must not be overwritten
+            logger.info("waiting for lock %s (position %s)", label, position)
+            self._lock_event("task-lock-waiting", key=label, position=position)
+            if req.id and not direct and not self.ignore_result:
+                try:
+                    self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
+                except Exception as exc:
+                    logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
+
+        common = dict(max_holders=self.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
+        lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
+
+        # From the first acquire until the body's own try below, any exception (a kazoo
+        # error, the backend read, a signal) must not leave our node behind.
+        try:
+            acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
+            waited = time.monotonic() - started
+            if acquired and copies.finished_elsewhere():
+                lock.release()
+                logger.warning(
+                    "task %s already finished under lock %s (this is a redelivered copy): not running it again",
+                    req.id, label,
+                )
+                self._lock_event("task-lock-duplicate", key=label)
+                raise Ignore()
+            if not acquired:
+                if not client.connected:
+                    return None, waited, self._unavailable(
+                        LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
+                        opts, label, direct,
+                    )
+                return None, waited, self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
+        except BaseException:
+            lock.release()
+            raise
+        return lock, waited, None
+
+    def _claimed_lock(self, claimed, opts: ZkSettings, label, paths: list[str], on_lost):
+        """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
+        link, verdict = claimed
+        waited = float(verdict.get("waited") or 0.0)
+        if verdict["verdict"] == "timeout":
+            self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
+        if verdict["verdict"] != "granted":
+            self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
+                              opts, label, False)
+        lock = agent_lock.AgentLock(
+            link, self.request.id, paths, verdict["tokens"], grace=opts.session_timeout / 3.0,
+            release_bound=opts.session_timeout + 1.0, on_lost=on_lost,
+        )
+        return lock, waited
 
     # -------------------------------------------------------------- outcomes
     def _lost_error(self, label: Any, run_state: RunState) -> LockLost:

@@ -24,6 +24,8 @@ from celery.exceptions import WorkerLostError
 from celery.utils.log import get_logger
 from celery.worker.request import Request
 
+from . import worker_queue
+
 logger = get_logger("celery_zklock.worker")
 
 _installed = False
@@ -47,8 +49,8 @@ def _reap_async(request: Request) -> None:
     task, pid = request.task, request.worker_pid
     try:
         settings = cached_settings(task.app)
-        if not settings.release_on_worker_loss or not pid:
-            return
+        if not settings.release_on_worker_loss or not pid or worker_queue.waits_in_agent(task):
+            return  # the agent frees it when the dead process's socket closes
         paths = task.lock_paths(tuple(request.args or ()), dict(request.kwargs or {}), settings)
     except Exception as exc:
         logger.warning("zklock: cannot compute lock paths of lost task %s: %r", request.id, exc)
@@ -68,13 +70,22 @@ def _reap_async(request: Request) -> None:
 class LockAwareRequest(Request):
     """Celery ``Request`` that frees a dead child's lock nodes from the parent at once."""
 
+    def on_success(self, failed__retval__runtime, **kwargs):
+        try:
+            super().on_success(failed__retval__runtime, **kwargs)
+        finally:
+            worker_queue.request_finished(self.id)
+
     def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
         try:
             exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
             if isinstance(exc, WorkerLostError):
                 _reap_async(self)
         finally:
-            super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            try:
+                super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            finally:
+                worker_queue.request_finished(self.id)
 
     def on_timeout(self, soft, timeout):
         try:
@@ -84,13 +95,7 @@ class LockAwareRequest(Request):
                 _reap_async(self)  # waits for the pool to kill the child first
 
 
-def is_locked(task) -> bool:
-    """A locked task, recognised by what it offers (its lock options and paths), so this
-    worker-side module never imports the task class that installs it."""
-    return callable(getattr(task, "lock_options", None)) and callable(getattr(task, "lock_paths", None))
-
-
-def validate_app(app) -> None:
+def validate_app(app) -> bool:
     """Check settings, every locked task's options, that ZooKeeper answers and lets us lock.
 
     Raises SystemExit with a message saying what to fix: Celery logs and swallows
@@ -100,19 +105,20 @@ def validate_app(app) -> None:
     from .client import connect, disconnect
     from .config import load_settings
     from .errors import ConfigurationError, LockUnavailable
+    from .options import is_locked_task
     from .znodes import probe_permissions
 
     try:
         settings = load_settings(app.conf)
         app._zklock_settings = settings
-        locked = [t for t in app.tasks.values() if is_locked(t)]
+        locked = [t for t in app.tasks.values() if is_locked_task(t)]
         for t in locked:
             t.__dict__.pop("_zk_options", None)
             t.lock_options()
     except ConfigurationError as exc:
         raise SystemExit(f"celery-zklock: configuration error: {exc}") from None
     if not locked:
-        return
+        return False
     try:
         client = connect(settings)
     except LockUnavailable as exc:
@@ -131,6 +137,7 @@ def validate_app(app) -> None:
     finally:
         disconnect(client)
     logger.info("celery-zklock: %d locked task(s), ZooKeeper %s reachable", len(locked), settings.hosts)
+    return True
 
 
 class FastChildLossStep(bootsteps.StartStopStep):
@@ -179,7 +186,9 @@ def _on_worker_init(sender=None, **_):
         if getattr(sender, "task_events", False):
             # `-E` reaches the WorkController, not app.conf; pool children read app.conf.
             app.conf.worker_send_task_events = True
-        validate_app(app)
+        if validate_app(app) and worker_queue.start_agent(sender, app._zklock_settings):
+            if worker_queue.WaitOutsidePool not in app.steps["consumer"]:
+                app.steps["consumer"].add(worker_queue.WaitOutsidePool)
 
 
 def _on_shutdown(**_):

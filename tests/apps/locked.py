@@ -29,6 +29,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=600,
 )
+if os.environ.get("TEST_ZK_WAIT_IN"):
+    app.conf.zklock_wait_in = os.environ["TEST_ZK_WAIT_IN"]
 if os.environ.get("TEST_POOL_START_METHOD"):
     app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)

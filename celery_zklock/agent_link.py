@@ -1,0 +1,109 @@
+"""The wire between a worker's lock agent and its main and pool processes.
+
+Why a module of its own: three processes speak it — the agent
+(:mod:`celery_zklock.agent`), the worker's main process (:mod:`celery_zklock.worker_queue`)
+and each pool process (:mod:`celery_zklock.agent_lock`) — and each message must mean the
+same thing to all.  Messages are JSON objects, one per line, over a Unix stream socket
+private to the worker (a directory only this user can enter).  A Unix socket is what makes
+worker loss fast: when a pool process dies, the kernel closes its end, and the agent
+releases what that process held at once — no pid polling, no reaper process.
+
+Requests (``op``) and the agent's answers:
+
+* main -> agent ``wait`` {id, paths, max_holders, timeout, identity}: queue for the lock;
+  answered later by ``granted`` {id, tokens}, ``timeout`` {id, holders} or
+  ``unavailable`` {id, error}, after zero or more ``queued`` {id, position};
+* main -> agent ``cancel`` {id}: stop waiting, or let go of a grant not yet claimed;
+* pool -> agent ``claim`` {id}: "I run this request"; answered by ``claimed`` {id,
+  verdict: granted/timeout/unavailable/unknown, tokens, nodes, holders, error}; from then
+  on the lock belongs to that connection;
+* pool -> agent ``release`` {id}: answered by ``released`` {id, proven, reason};
+* agent -> pool ``state`` {id, held, reason}: the lock became unsafe (suspended), safe
+  again, or lost;
+* agent -> everyone ``ping`` every :data:`HEARTBEAT` seconds: silence means the agent is
+  frozen or gone, and a pool process then stops trusting the locks it holds through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+
+#: Environment variable that tells pool processes where their worker's agent listens.
+ENV = "CELERY_ZKLOCK_AGENT"
+
+#: Seconds between the agent's heartbeats.
+HEARTBEAT = 0.2
+
+
+def socket_path() -> str:
+    """A fresh socket path in a private directory (mode 0700), short enough for AF_UNIX."""
+    return os.path.join(tempfile.mkdtemp(prefix="zklock-agent-"), "agent.sock")
+
+
+def encode(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+class LineReader:
+    """Split a byte stream into decoded JSON messages."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[dict]:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        return [json.loads(line) for line in lines if line]
+
+
+class Connection:
+    """A blocking connection with a thread-safe ``send`` (used by agent and pool processes)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_guard = threading.Lock()
+        self._reader = LineReader()
+        self.closed = False
+
+    @classmethod
+    def open(cls, path: str, timeout: float = 5.0) -> "Connection":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.settimeout(None)
+        return cls(sock)
+
+    def send(self, message: dict) -> bool:
+        """Send one message; False once the other side is gone."""
+        data = encode(message)
+        with self._send_guard:
+            if self.closed:
+                return False
+            try:
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                self.closed = True
+                return False
+
+    def receive(self) -> list[dict] | None:
+        """Block for the next messages; None at end of stream."""
+        try:
+            data = self.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self.closed = True
+            return None
+        return self._reader.feed(data)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,162 @@
+"""A pool process's side of the lock agent: claim the lock the agent took, hold it, give it back.
+
+Why: when the worker's main process queued a request in the agent
+(:mod:`celery_zklock.worker_queue`), the lock is already decided by the time the pool runs
+the task; the pool process only claims it — one local round trip, no ZooKeeper session of
+its own — and learns from the agent whether it stays safe to hold.  ``is_held()`` needs
+no I/O: it is False once the agent says the lock is suspended or lost, and once the
+agent has been silent for a third of the session timeout (frozen, killed, cut off).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from .agent_link import ENV, Connection
+
+_link_guard = threading.Lock()
+_link: "AgentLink | None" = None
+
+
+class AgentLink:
+    """This process's connection to its worker's agent, with one reader thread."""
+
+    def __init__(self, path: str) -> None:
+        self.pid = os.getpid()
+        self.conn = Connection.open(path)
+        self.last_heard = time.monotonic()
+        self._replies: dict[tuple[str, str], list] = {}
+        self._locks: dict[str, "AgentLock"] = {}
+        self._guard = threading.Lock()
+        self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
+        threading.Thread(target=self._read, name="zklock-agent-link", daemon=True).start()
+
+    @property
+    def alive(self) -> bool:
+        return not self.conn.closed
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def call(self, message: dict, answer: str, timeout: float) -> dict | None:
+        """Send ``message``; the agent's ``answer`` for the same id, or None (timeout, gone)."""
+        key = (answer, message["id"])
+        done = threading.Event()
+        slot: list = [done]
+        with self._guard:
+            self._replies[key] = slot
+        if not self.conn.send(message):
+            return None
+        done.wait(timeout)
+        with self._guard:
+            self._replies.pop(key, None)
+        return slot[1] if len(slot) > 1 else None
+
+    def _read(self) -> None:
+        while True:
+            messages = self.conn.receive()
+            if messages is None:
+                break
+            self.last_heard = time.monotonic()
+            for msg in messages:
+                op = msg.get("op")
+                if op == "state":
+                    lock = self._locks.get(msg["id"])
+                    if lock is not None:
+                        lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
+                    continue
+                with self._guard:
+                    slot = self._replies.get((op, msg.get("id")))
+                if slot is not None:
+                    slot.append(msg)
+                    slot[0].set()
+        # The agent is gone: every lock held through it is lost.
+        for lock in list(self._locks.values()):
+            lock._update(False, True, "the worker's lock agent is gone")
+        with self._guard:
+            for slot in self._replies.values():
+                slot[0].set()
+
+
+def link() -> AgentLink | None:
+    """This process's link to its worker's agent; None when tasks lock in-process."""
+    global _link
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    current = _link
+    if current is not None and current.pid == os.getpid() and current.alive:
+        return current
+    with _link_guard:
+        if _link is None or _link.pid != os.getpid() or not _link.alive:
+            try:
+                _link = AgentLink(path)
+            except OSError:
+                return None
+        return _link
+
+
+class AgentLock:
+    """The lock a pool process holds through the agent: what ``current_lock()`` wraps."""
+
+    def __init__(self, link: AgentLink, request_id: str, paths: list[str], tokens: dict[str, int],
+                 grace: float, release_bound: float, on_lost=None) -> None:
+        self.link = link
+        self.id = request_id
+        self.paths = paths
+        self.tokens = tokens
+        self.grace = grace
+        self.release_bound = release_bound
+        self.on_lost = on_lost
+        self.lost_reason: str | None = None
+        self._held = True
+        link._locks[request_id] = self
+
+    @property
+    def locks(self) -> list["AgentLock"]:
+        return [self]
+
+    @property
+    def path(self) -> str:
+        return self.paths[0]
+
+    @property
+    def token(self) -> int:
+        return max(self.tokens.values())
+
+    def is_held(self) -> bool:
+        return self._held and self.link.alive and self.link.silent_for() < self.grace
+
+    def _update(self, held: bool, lost: bool, reason: str | None) -> None:
+        self._held = held and not lost
+        if lost and self.lost_reason is None:
+            self.lost_reason = reason or "lock lost"
+            if self.on_lost is not None:
+                self.on_lost(self)
+
+    def release(self) -> bool:
+        """Give the lock back; True only if the agent proved it held to the end."""
+        self.link._locks.pop(self.id, None)
+        reply = self.link.call({"op": "release", "id": self.id}, "released", self.release_bound)
+        if reply is None:
+            self.lost_reason = self.lost_reason or "the worker's lock agent did not confirm the release"
+            return False
+        if not reply.get("proven"):
+            # The agent's delete found no node: its session expired (frozen, partitioned)
+            # or the node was deleted, and someone else may have held the lock meanwhile.
+            self.lost_reason = self.lost_reason or reply.get("reason") or "lock not held at release"
+            return False
+        return self.lost_reason is None
+
+
+def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
+    """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask."""
+    current = link()
+    if current is None:
+        return None
+    reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout)
+    if reply is None or reply.get("verdict") == "unknown":
+        return None
+    return current, reply

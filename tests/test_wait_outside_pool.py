@@ -1,0 +1,160 @@
+"""Waiting outside the pool: the worker's lock agent queues locked requests before the pool
+runs them (zklock_wait_in="worker", the default), with real workers, Redis and ZooKeeper."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from celery_zklock import LockLost
+from celery_zklock.testing import four_letter_word
+from support.workers import Worker
+from tests.lockutil import children, overlapping
+from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
+
+
+@pytest.fixture(autouse=True)
+def clean(mod):
+    mod._r.delete("history", "arrivals", "retry-runs")
+    yield
+
+
+def _sessions(zk_server) -> int:
+    """Client connections the ZooKeeper server has (``cons``), ours included."""
+    out = four_letter_word("127.0.0.1", zk_server.client_port, "cons")
+    return sum(1 for line in out.splitlines() if line.strip().startswith("/"))
+
+
+def _hot_and_cold(mod, hot_key: str, hot: int, cold: int, hold_ms: int):
+    blockers = [mod.hold.delay(hot_key, hold_ms, f"hot{i}") for i in range(hot)]
+    time.sleep(0.3)  # the hot requests are all queued in the lock before the others arrive
+    started = time.time()
+    cold_results = [mod.hold.delay(f"cold-{uuid.uuid4().hex[:6]}", 20, f"cold{i}") for i in range(cold)]
+    for r in cold_results:
+        r.get(timeout=60)
+    cold_done = time.time() - started
+    for r in blockers:
+        r.get(timeout=120)
+    return cold_done
+
+
+def test_a_hot_key_takes_no_pool_slot(mod, env):
+    """-c 2 prefork, 12 tasks queued on one hot key (600 ms each): tasks on other keys run
+    at once instead of waiting behind the hot chain (in the pool they would have no slot)."""
+    w = Worker(env, "hot1", concurrency=2).start(mod.app)
+    try:
+        cold_done = _hot_and_cold(mod, "hot-" + uuid.uuid4().hex[:6], hot=12, cold=10, hold_ms=600)
+        rows = history(mod, "hold")
+        hot_rows = [r for r in rows if r["tag"].startswith("hot")]
+        assert overlapping([(r["start"], r["end"]) for r in hot_rows]) is None
+        assert [r["token"] for r in sorted(hot_rows, key=lambda r: r["start"])] == sorted(r["token"] for r in hot_rows)
+        # The hot chain takes 12 x 0.6 s; the ten cold tasks finish long before it ends.
+        assert cold_done < 3.0, f"cold tasks waited {cold_done:.1f}s behind the hot key"
+    finally:
+        w.stop()
+
+
+def test_in_pool_waiting_stays_available_for_comparison(mod, env):
+    """zklock_wait_in="pool": the old behaviour, where the same workload blocks the slots."""
+    w = Worker({**env, "TEST_ZK_WAIT_IN": "pool"}, "hot2", concurrency=2).start(mod.app)
+    try:
+        cold_done = _hot_and_cold(mod, "hotp-" + uuid.uuid4().hex[:6], hot=6, cold=4, hold_ms=600)
+        assert cold_done > 1.5, "in-pool waiting should have held both slots behind the hot key"
+    finally:
+        w.stop()
+
+
+def test_one_zookeeper_session_per_worker(mod, env, zk_server):
+    base = _sessions(zk_server)
+    w = Worker(env, "sess", concurrency=4).start(mod.app)
+    try:
+        results = [mod.hold.delay(f"s{i}-{uuid.uuid4().hex[:4]}", 50, i) for i in range(16)]
+        for r in results:
+            r.get(timeout=30)
+        pids = {r["pid"] for r in history(mod, "hold")}
+        assert len(pids) >= 2  # several pool processes ran locked tasks...
+        assert _sessions(zk_server) - base == 1  # ...through the worker's one session
+    finally:
+        w.stop()
+
+
+def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
+    w = Worker(env, "rev", concurrency=2).start(mod.app)
+    try:
+        key = f"rev-{uuid.uuid4().hex[:6]}"
+        holder = mod.hold.delay(key, 1500, "holder")
+        time.sleep(0.3)
+        waiting = mod.hold.delay(key, 10, "revoked")
+        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+        deadline = time.time() + 5
+        while len(children(zk_client, path)) < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(children(zk_client, path)) == 2
+        waiting.revoke()
+        deadline = time.time() + 2
+        while len(children(zk_client, path)) > 1 and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(children(zk_client, path)) == 1, "the revoked task's node was not deleted"
+        holder.get(timeout=30)
+        time.sleep(0.3)
+        assert waiting.state == "REVOKED"
+        assert [r["tag"] for r in history(mod, "hold")] == ["holder"]  # the body never ran
+    finally:
+        w.stop()
+
+
+def test_warm_shutdown_returns_waiting_tasks_to_the_broker(mod, env, zk_client):
+    key = f"shut-{uuid.uuid4().hex[:6]}"
+    w = Worker(env, "shut1", concurrency=2).start(mod.app)
+    holder = mod.hold.delay(key, 1000, "holder")
+    time.sleep(0.3)
+    waiting = [mod.hold.delay(key, 10, f"w{i}") for i in range(3)]
+    path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+    deadline = time.time() + 5
+    while len(children(zk_client, path)) < 4 and time.time() < deadline:
+        time.sleep(0.02)
+    w.stop()  # warm shutdown: the holder finishes, the waiting ones go back to the broker
+    assert holder.get(timeout=5) is not None
+    assert children(zk_client, path) == []  # their nodes were deleted
+    w2 = Worker(env, "shut2", concurrency=2).start(mod.app)
+    try:
+        for r in waiting:
+            r.get(timeout=30)  # ...and run on the next worker
+        tags = [r["tag"] for r in history(mod, "hold")]
+        assert sorted(tags) == ["holder", "w0", "w1", "w2"]
+    finally:
+        w2.stop()
+
+
+def test_killed_agent_is_restarted_and_running_task_follows_on_lock_lost(mod, env):
+    w = Worker(env, "agentkill", concurrency=2).start(mod.app)
+    try:
+        key = f"ak-{uuid.uuid4().hex[:6]}"
+        running = mod.lose_fail.delay(key, 1500)
+        _wait_pid(mod, key)
+        agent = _agent_pid(w)
+        os.kill(agent, signal.SIGKILL)
+        with pytest.raises(LockLost):
+            running.get(timeout=30)
+        deadline = time.time() + 10
+        while (_agent_pid(w) in (None, agent)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _agent_pid(w) not in (None, agent), "the agent was not restarted"
+        assert mod.hold.delay(key, 10, "after").get(timeout=30) is not None  # locking works again
+    finally:
+        w.stop()
+
+
+def _agent_pid(w: Worker) -> int | None:
+    for pid in w.child_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"celery_zklock.agent" in f.read():
+                    return pid
+        except OSError:
+            continue
+    return None
