@@ -43,7 +43,8 @@ def run(services: Services, driver, hot: int, cold: int, ms: float) -> dict:
         log(f"  mixed workload, waiting in the {mode}: 2 workers x prefork -c 3")
         try:
             workers.start(driver.app)
-            driver.warm_up(2)
+            warm = driver.new_tag("warm-slots")  # ZkLockedTask only: other contenders open sessions of their own
+            driver.records(warm, sum(driver.publish("zklock", f"w-{warm}-{i}", warm) is not None for i in range(12)), 60)
             tag = driver.new_tag(f"mixed-{mode}")
             published: dict[str, float] = {}
             hot_key = f"hot-{tag}"
