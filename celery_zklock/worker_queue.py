@@ -163,7 +163,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         for msg in self.reader.feed(data):
             op = msg.get("op")
             if op in ("granted", "timeout", "unavailable"):
-                self._hand_over(msg["id"])
+                self._hand_over(msg["id"], first=op == "granted")
             elif op == "queued":
                 self._queued(msg["id"], msg.get("position"))
 
@@ -214,12 +214,14 @@ class WaitOutsidePool(bootsteps.StartStopStep):
                     "timeout": opts.timeout, "identity": str(identity)})
         return True
 
-    def _hand_over(self, request_id: str) -> None:
+    def _hand_over(self, request_id: str, first: bool = False) -> None:
         req = self.held.pop(request_id, None)
         if req is None:
             return
         self.c.qos.decrement_eventually()
         self.inner(req)
+        if first:
+            _run_next(self.c.pool, req)
 
     def _queued(self, request_id: str, position) -> None:
         req = self.held.get(request_id)
@@ -261,6 +263,23 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.held.clear()
 
     shutdown = stop
+
+
+def _run_next(pool, req) -> None:
+    """A request that holds a lock goes to the head of the pool's queue.
+
+    Why: with every pool process busy, prefork buffers requests in the main process in
+    arrival order; a granted request queued behind them would hold its key's lock while
+    it waits for a slot, and every task queued on that key would wait with it.  Running
+    it first keeps a hot key's chain moving.  This touches Celery's prefork internals
+    (``AsynPool.outbound_buffer``, ``Request._apply_result``) defensively: when they are
+    not there, the request simply keeps its place.
+    """
+    buffer = getattr(getattr(pool, "_pool", None), "outbound_buffer", None)
+    ref = getattr(req, "_apply_result", None)
+    job = ref() if callable(ref) else None
+    if job is not None and buffer and buffer[-1] is job:
+        buffer.appendleft(buffer.pop())
 
 
 def request_finished(request_id: str) -> None:

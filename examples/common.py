@@ -43,6 +43,7 @@ def make_app(name: str) -> Celery:
         task_default_queue=name,
         zklock_hosts=os.environ.get("ZKLOCK_HOSTS") or DEFAULT_ZK_HOSTS,
         zklock_root=os.environ.get("ZKLOCK_ROOT") or "/celery-zklock",
+        zklock_wait_in=os.environ.get("ZKLOCK_WAIT_IN") or "worker",
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         result_expires=3600,
