@@ -131,7 +131,7 @@ class Agent:
         elif op == "claim":
             self._claim(peer, msg["id"])
         elif op == "release":
-            threading.Thread(target=self._release, args=(peer, msg["id"]), daemon=True).start()
+            self._release(peer, msg["id"])
 
     def _wait(self, peer: Connection, msg: dict) -> None:
         timeout = msg.get("timeout")
@@ -219,6 +219,8 @@ class Agent:
                 self._forget(wait)
 
     def _release(self, peer: Connection, request_id: str) -> None:
+        """Let go of a claimed request's locks; the answer says whether each delete proved
+        the lock held to the end.  Answered from the deletes' replies: no thread waits."""
         with self.guard:
             wait = self.waits.get(request_id)
             if wait is None or wait.claimer is not peer or wait.done:
@@ -227,28 +229,31 @@ class Agent:
             wait.done = True
             self.waits.pop(request_id, None)
         reason = next((a.lost_reason for a in wait.attempts if a.lost_reason), None)
-        proven = self._release_attempts(wait, wait_for_proof=True)
-        if not proven and reason is None:
-            reason = "lock node was already gone at release"
-        peer.send({"op": "released", "id": request_id, "proven": proven, "reason": reason})
+        outcomes = self._release_attempts(wait)
+        pending = [p for _, p in outcomes if p is not None and not isinstance(p, str)]
+        left = [len(pending)]
+        guard = threading.Lock()
 
-    def _release_attempts(self, wait: Wait, wait_for_proof: bool = False) -> bool:
-        """Let go of every path taken; True when each delete proved the lock held to the end."""
-        outcomes = []
-        for attempt in reversed(wait.attempts):
-            was_held, pending = attempt.release()
-            outcomes.append((was_held, pending))
-        if not wait_for_proof:
-            return False
-        bound = self.settings.session_timeout + 1.0
-        proven = True
-        for was_held, pending in outcomes:
-            try:
-                outcome = pending.get(timeout=bound) if pending is not None and not isinstance(pending, str) else pending
-            except Exception:
-                outcome = None
-            proven = proven and was_held and outcome == DELETED
-        return proven
+        def answer() -> None:
+            proven = all(held and _outcome(p) == DELETED for held, p in outcomes)
+            why = reason or (None if proven else "lock node was already gone at release")
+            peer.send({"op": "released", "id": request_id, "proven": proven, "reason": why})
+
+        def one_done(_result) -> None:
+            with guard:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                answer()
+
+        if not pending:
+            return answer()
+        for p in pending:
+            p.rawlink(one_done)
+
+    def _release_attempts(self, wait: Wait) -> list:
+        """Let go of every path taken: ``(was_held, outcome)`` per path (see Attempt.release)."""
+        return [attempt.release() for attempt in reversed(wait.attempts)]
 
     def _cancel(self, request_id: str) -> None:
         with self.guard:
@@ -325,6 +330,16 @@ class Agent:
         with self.guard:
             if self.main_seen and self.main is None and not self._claimed():
                 self.stopped.set()
+
+
+def _outcome(pending):
+    """A release outcome: the delete's result once ready, or the string/None given."""
+    if pending is None or isinstance(pending, str):
+        return pending
+    try:
+        return pending.get(timeout=0)
+    except Exception:
+        return None
 
 
 def main() -> int:

@@ -56,11 +56,13 @@ class Timers:
         """Run ``fn(*args)`` at ``when`` (``time.monotonic()`` clock); returns a handle."""
         handle = [True]
         with self._guard:
+            earliest = not self._heap or when < self._heap[0][0]
             heapq.heappush(self._heap, (when, next(self._order), handle, fn, args))
             if not self._started:
                 self._started = True
                 self._handler.spawn(self._loop)
-        self._wake.set()
+        if earliest:  # the loop sleeps until the earliest entry: wake it only to sleep less
+            self._wake.set()
         return handle
 
     @staticmethod
