@@ -145,9 +145,14 @@ class Agent:
         )
         with self.guard:
             old = self.waits.get(wait.id)
-            if old is not None and not old.done:
-                self._drop(old)  # a redelivery of a request we still wait for: the newer wins
-            self.waits[wait.id] = wait
+            if old is None or old.done:
+                self.waits[wait.id] = wait
+        if old is not None and not old.done:
+            # The same task id while we still wait for, or hold, its lock: a retry the body
+            # published while holding it, or a redelivery.  The running one keeps its lock;
+            # this one runs in-process (its claim will say "unknown"), still protected.
+            peer.send({"op": "bypass", "id": wait.id})
+            return
         self._take_next(wait)
 
     def _take_next(self, wait: Wait) -> None:
@@ -206,17 +211,18 @@ class Agent:
             claimer.send(wait.verdict)
 
     def _claim(self, peer: Connection, request_id: str) -> None:
+        """Hand a decided request to the pool process that runs it.  Undecided ones are not
+        claimable: the claimer would run in-process and could queue behind our own node."""
         with self.guard:
             wait = self.waits.get(request_id)
-            if wait is None or wait.done or wait.claimer is not None:
+            if wait is None or wait.done or wait.claimer is not None or wait.verdict is None:
                 peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
                 return
             wait.claimer = peer
             verdict = wait.verdict
-        if verdict is not None:
-            peer.send(verdict)
-            if verdict["verdict"] != "granted":
-                self._forget(wait)
+        peer.send(verdict)
+        if verdict["verdict"] != "granted":
+            self._forget(wait)
 
     def _release(self, peer: Connection, request_id: str) -> None:
         """Let go of a claimed request's locks; the answer says whether each delete proved
@@ -264,10 +270,7 @@ class Agent:
 
     def _drop(self, wait: Wait) -> None:
         """Stop waiting for, or let go of, a request nobody runs."""
-        with self.guard:
-            wait.done = True
-            if self.waits.get(wait.id) is wait:
-                del self.waits[wait.id]
+        self._forget(wait)
         for attempt in wait.attempts:
             attempt.cancel()
         self._release_attempts(wait)

@@ -14,9 +14,13 @@ Requests (``op``) and the agent's answers:
   answered later by ``granted`` {id, tokens}, ``timeout`` {id, holders} or
   ``unavailable`` {id, error}, after zero or more ``queued`` {id, position};
 * main -> agent ``cancel`` {id}: stop waiting, or let go of a grant not yet claimed;
+* agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
+  agent (a retry published by a body still holding its lock, a redelivery): hand it to
+  the pool as it is; it locks in-process there;
 * pool -> agent ``claim`` {id}: "I run this request"; answered by ``claimed`` {id,
   verdict: granted/timeout/unavailable/unknown, tokens, nodes, holders, error}; from then
-  on the lock belongs to that connection;
+  on the lock belongs to that connection.  ``unknown`` (no decided, unclaimed request of
+  that id) makes the pool process lock in-process;
 * pool -> agent ``release`` {id}: answered by ``released`` {id, proven, reason};
 * agent -> pool ``state`` {id, held, reason}: the lock became unsafe (suspended), safe
   again, or lost;

@@ -118,14 +118,6 @@ class AgentLock:
     def locks(self) -> list["AgentLock"]:
         return [self]
 
-    @property
-    def path(self) -> str:
-        return self.paths[0]
-
-    @property
-    def token(self) -> int:
-        return max(self.tokens.values())
-
     def is_held(self) -> bool:
         return self._held and self.link.alive and self.link.silent_for() < self.grace
 

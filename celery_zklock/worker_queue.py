@@ -162,7 +162,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.last_ping = time.monotonic()
         for msg in self.reader.feed(data):
             op = msg.get("op")
-            if op in ("granted", "timeout", "unavailable"):
+            if op in ("granted", "timeout", "unavailable", "bypass"):
                 self._hand_over(msg["id"], first=op == "granted")
             elif op == "queued":
                 self._queued(msg["id"], msg.get("position"))

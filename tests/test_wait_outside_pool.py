@@ -149,6 +149,24 @@ def test_killed_agent_is_restarted_and_running_task_follows_on_lock_lost(mod, en
         w.stop()
 
 
+def test_retry_published_while_holding_waits_for_the_running_attempt(mod, env):
+    """The same task id arrives again (its retry) while its first attempt still holds the
+    lock through the agent: the first keeps its lock, the retry runs after it."""
+    w = Worker(env, "retryhold", concurrency=2).start(mod.app)
+    try:
+        key = f"rh-{uuid.uuid4().hex[:6]}"
+        mod.retry_while_holding.delay(key)
+        deadline = time.time() + 30
+        while len(history(mod, "hold")) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        rows = sorted(history(mod, "hold"), key=lambda r: r["start"])
+        assert [r["tag"] for r in rows] == ["attempt0", "attempt1"], rows
+        assert overlapping([(r["start"], r["end"]) for r in rows]) is None
+        assert rows[0]["token"] < rows[1]["token"]
+    finally:
+        w.stop()
+
+
 def _agent_pid(w: Worker) -> int | None:
     for pid in w.child_pids():
         try:

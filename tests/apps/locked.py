@@ -163,3 +163,14 @@ def autoretry_backoff(self, key, fail_times=2):
     if self.request.retries < fail_times:
         raise Flaky(f"attempt {self.request.retries}")
     return {"retries": self.request.retries, "token": token}
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", bind=True)
+def retry_while_holding(self, key):
+    """Publishes its retry while it still holds the lock (``throw=False``), then goes on:
+    the retry (same task id) must wait for this attempt's lock, not take it over."""
+    start = time.time()
+    if self.request.retries == 0:
+        self.retry(countdown=0, throw=False)
+        time.sleep(0.5)
+    _record("hold", key, f"attempt{self.request.retries}", start, time.time(), current_lock().token)
