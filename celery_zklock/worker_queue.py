@@ -129,12 +129,15 @@ class WaitOutsidePool(bootsteps.StartStopStep):
 
     # ------------------------------------------------------------------ link to the agent
     def start(self, c):
-        if not self.active or self.sock is not None:
+        """Connect to the agent once; (re)arm the checks at every consumer start (a broker
+        reconnection stops and starts the consumer's steps, the agent link stays)."""
+        if not self.active:
             return
-        self._connect()
-        hub = c.hub
-        self.timers = [hub.call_repeatedly(0.1, self._check_revoked),
-                       hub.call_repeatedly(HEARTBEAT * 2, self._check_agent)]
+        if self.sock is None:
+            self._connect()
+        if not self.timers:
+            self.timers = [c.hub.call_repeatedly(0.1, self._check_revoked),
+                           c.hub.call_repeatedly(HEARTBEAT * 2, self._check_agent)]
 
     def _connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
