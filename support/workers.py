@@ -138,6 +138,17 @@ class Proc:
         """The live children of this process (a worker's pool processes)."""
         return children_of(self.pid)
 
+    def agent_pid(self) -> int | None:
+        """The pid of this worker's lock agent (``celery_zklock.agent``), if it runs one."""
+        for pid in self.child_pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"celery_zklock.agent" in f.read():
+                        return pid
+            except OSError:
+                continue
+        return None
+
     def log_tail(self, chars: int | None = None) -> str:
         try:
             with open(self.log_path, errors="replace") as f:

@@ -136,14 +136,14 @@ def test_killed_agent_is_restarted_and_running_task_follows_on_lock_lost(mod, en
         key = f"ak-{uuid.uuid4().hex[:6]}"
         running = mod.lose_fail.delay(key, 1500)
         _wait_pid(mod, key)
-        agent = _agent_pid(w)
+        agent = w.agent_pid()
         os.kill(agent, signal.SIGKILL)
         with pytest.raises(LockLost):
             running.get(timeout=30)
         deadline = time.time() + 10
-        while (_agent_pid(w) in (None, agent)) and time.time() < deadline:
+        while (w.agent_pid() in (None, agent)) and time.time() < deadline:
             time.sleep(0.05)
-        assert _agent_pid(w) not in (None, agent), "the agent was not restarted"
+        assert w.agent_pid() not in (None, agent), "the agent was not restarted"
         assert mod.hold.delay(key, 10, "after").get(timeout=30) is not None  # locking works again
     finally:
         w.stop()
@@ -165,14 +165,3 @@ def test_retry_published_while_holding_waits_for_the_running_attempt(mod, env):
         assert rows[0]["token"] < rows[1]["token"]
     finally:
         w.stop()
-
-
-def _agent_pid(w: Worker) -> int | None:
-    for pid in w.child_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"celery_zklock.agent" in f.read():
-                    return pid
-        except OSError:
-            continue
-    return None

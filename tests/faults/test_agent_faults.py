@@ -18,19 +18,10 @@ from tests.faults import app as A
 from tests.faults.harness import SESSION, record, task_pid, wait_until
 
 
-def _agent_pid(worker) -> int | None:
-    for pid in worker.child_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"celery_zklock.agent" in f.read():
-                    return pid
-        except OSError:
-            continue
-    return None
 
 
 def _new_agent(worker, old: int) -> int:
-    return wait_until(lambda: (p := _agent_pid(worker)) not in (None, old) and p, SESSION * 5,
+    return wait_until(lambda: (p := worker.agent_pid()) not in (None, old) and p, SESSION * 5,
                       what="the worker to restart its lock agent")
 
 
@@ -65,7 +56,7 @@ def test_sigkill_of_the_agent(scenario):
     task_pid(scenario.store, held.id)
     waiters = [scenario.send(A.step, "ak", 30, queue=w.queue) for _ in range(3)]
     scenario.wait_contenders("ak", 4)
-    agent = _agent_pid(w)
+    agent = w.agent_pid()
     assert agent is not None, "no lock agent under the worker"
     os.kill(agent, signal.SIGKILL)
     _new_agent(w, agent)
@@ -86,7 +77,7 @@ def test_agent_frozen_past_the_session_timeout(scenario):
     task_pid(scenario.store, held.id)
     taker = scenario.send(A.step, "afz", 30, queue=other.queue)
     scenario.wait_contenders("afz", 2)
-    agent = _agent_pid(w)
+    agent = w.agent_pid()
     os.kill(agent, signal.SIGSTOP)
     try:
         _new_agent(w, agent)
