@@ -101,11 +101,10 @@ def link() -> AgentLink | None:
 class AgentLock:
     """The lock a pool process holds through the agent: what ``current_lock()`` wraps."""
 
-    def __init__(self, link: AgentLink, request_id: str, paths: list[str], tokens: dict[str, int],
+    def __init__(self, link: AgentLink, request_id: str, tokens: dict[str, int],
                  grace: float, release_bound: float, on_lost=None) -> None:
         self.link = link
         self.id = request_id
-        self.paths = paths
         self.tokens = tokens
         self.grace = grace
         self.release_bound = release_bound

@@ -588,9 +588,6 @@ class Attempt:
             self.client.handler.spawn(self.lk.on_lost)
 
     # ------------------------------------------------------------------ release
-    def is_held(self) -> bool:
-        return self.state is State.HELD
-
     def release(self):
         """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node, the
         string :data:`~celery_zklock.session.EXPIRED`, or the guaranteed delete's async result."""

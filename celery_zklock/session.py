@@ -110,14 +110,6 @@ class SessionMonitor:
         self._when_connected: list[Callable[[], None]] = []
         client.add_listener(self._on_state)
 
-    @property
-    def connected(self) -> bool:
-        return self.client.connected
-
-    @property
-    def session(self) -> int | None:
-        return kazoo_compat.session_id(self.client)
-
     def subscribe(self, subscriber) -> None:
         with self._guard:
             self._subscribers.add(subscriber)

@@ -161,7 +161,7 @@ class ZkLockedTask(Task):
         # process, where redelivered copies are recognised.
         claimed = None if direct or self.acks_late or not req.id else agent_lock.claim(req.id, _CLAIM_TIMEOUT)
         if claimed is not None:
-            lock, waited = self._claimed_lock(claimed, opts, label, paths, on_lost)
+            lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
         else:
             lock, waited, early = self._lock_in_process(req, direct, opts, label, paths, on_lost, started)
             if lock is None:
@@ -252,7 +252,7 @@ class ZkLockedTask(Task):
             raise
         return lock, waited, None
 
-    def _claimed_lock(self, claimed, opts: ZkSettings, label, paths: list[str], on_lost):
+    def _claimed_lock(self, claimed, opts: ZkSettings, label, on_lost):
         """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
         link, verdict = claimed
         waited = float(verdict.get("waited") or 0.0)
@@ -262,7 +262,7 @@ class ZkLockedTask(Task):
             self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
                               opts, label, False)
         lock = agent_lock.AgentLock(
-            link, self.request.id, paths, verdict["tokens"], grace=opts.session_timeout / 3.0,
+            link, self.request.id, verdict["tokens"], grace=opts.session_timeout / 3.0,
             release_bound=opts.session_timeout + 1.0, on_lost=on_lost,
         )
         return lock, waited
