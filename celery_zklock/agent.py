@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from kazoo.protocol.states import KazooState
 
-from .agent_link import HEARTBEAT, Connection
+from .agent_link import HANDOFF_MAX_WAIT, HEARTBEAT, Connection
 from .client import connect, disconnect
 from .config import ZkSettings
 from .internals import LockInternals, State
@@ -42,15 +42,20 @@ class Wait:
     """One request's locks: taken in canonical order, all or nothing."""
 
     id: str
+    task: str
     paths: list[str]
     max_holders: int
     deadline: float | None
     identity: bytes
     owner: Connection
+    early: bool = False  # the main process may hand it to the pool once it is next in line
     claimer: Connection | None = None
     attempts: list = field(default_factory=list)
     verdict: dict | None = None  # what a claim is told once decided
     shown_held: bool | None = None  # the last state pushed to the claimer
+    next_sent: bool = False  # told the main process it is next in line (claimable undecided)
+    queued: bool = False  # had to queue behind another contender (its key is contended)
+    granted_at: float | None = None
     started: float = field(default_factory=time.monotonic)
     done: bool = False  # released or cancelled
 
@@ -67,6 +72,10 @@ class Agent:
         self.main_seen = False
         self.stopped = threading.Event()
         self.parent = os.getppid()
+        # Mean time a lock was held (grant to release), per lock path and per task name:
+        # how long a request next in line would idle in a pool process if handed over.
+        self.hold_by_path: dict[str, float] = {}
+        self.hold_by_task: dict[str, float] = {}
 
     # ------------------------------------------------------------------ serving
     def serve(self) -> None:
@@ -127,7 +136,7 @@ class Agent:
         elif op == "wait":
             self._wait(peer, msg)
         elif op == "cancel":
-            self._cancel(msg["id"])
+            self._cancel(msg["id"], msg.get("why") or "finished")
         elif op == "claim":
             self._claim(peer, msg["id"])
         elif op == "release":
@@ -137,11 +146,13 @@ class Agent:
         timeout = msg.get("timeout")
         wait = Wait(
             id=msg["id"],
+            task=str(msg.get("task") or ""),
             paths=sorted(set(msg["paths"])),
             max_holders=int(msg.get("max_holders") or 1),
             deadline=None if timeout is None else time.monotonic() + float(timeout),
             identity=str(msg.get("identity") or "").encode(),
             owner=peer,
+            early=bool(msg.get("early")),
         )
         with self.guard:
             old = self.waits.get(wait.id)
@@ -168,7 +179,15 @@ class Agent:
                 self.client, wait.paths[index], wait.max_holders, wait.identity,
                 on_lost=lambda: self._lost(wait),
             )
-            attempt = internals.attempt(wait.deadline, on_wait=lambda pos: self._queued(wait, pos))
+            last = index == len(wait.paths) - 1
+            # Watching for "next in line" costs one more look at the queue per handoff:
+            # only for requests that may be handed over early (short holds, or not known).
+            expected = self._expected_hold(wait)
+            early = wait.early and last and (expected is None or expected <= HANDOFF_MAX_WAIT)
+            attempt = internals.attempt(
+                wait.deadline, on_wait=lambda pos: self._queued(wait, pos),
+                on_next=(lambda: self._next(wait)) if early else None,
+            )
             wait.attempts.append(attempt)
         attempt.result.rawlink(lambda result: self._taken(wait, result))
 
@@ -195,31 +214,69 @@ class Agent:
         self._decide(wait, {"verdict": "timeout", "holders": holders})
 
     def _queued(self, wait: Wait, position: int) -> None:
+        wait.queued = True
         wait.owner.send({"op": "queued", "id": wait.id, "position": position})
+
+    def _next(self, wait: Wait) -> None:
+        """Every path but the last is held and the last has only holders ahead: the main
+        process may hand the request to the pool now, so that the release that grants it
+        reaches a pool process already claiming (no dispatch, no wait for a free slot)."""
+        with self.guard:
+            if wait.done or wait.verdict is not None or wait.next_sent:
+                return
+            wait.next_sent = True
+        wait.owner.send({"op": "next", "id": wait.id, "hold": self._expected_hold(wait)})
+
+    def _expected_hold(self, wait: Wait) -> float | None:
+        held = self.hold_by_path.get(wait.paths[-1])
+        return held if held is not None else self.hold_by_task.get(wait.task)
+
+    def _learn_hold(self, wait: Wait) -> None:
+        if wait.granted_at is None:
+            return
+        held = time.monotonic() - wait.granted_at
+        for table, key in ((self.hold_by_path, wait.paths[-1]), (self.hold_by_task, wait.task)):
+            if len(table) > 10_000:
+                table.clear()  # bounded: many one-off keys must not grow the agent
+            mean = table.get(key)
+            table[key] = held if mean is None else mean + 0.3 * (held - mean)
 
     def _decide(self, wait: Wait, verdict: dict) -> None:
         with self.guard:
             if wait.done or wait.verdict is not None:
                 return
             wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
+            if verdict["verdict"] == "granted":
+                wait.granted_at = time.monotonic()
             claimer = wait.claimer
-        answer = {"op": verdict["verdict"], "id": wait.id}
+        answer = {"op": verdict["verdict"], "id": wait.id}  # granted/timeout/unavailable/revoked/shutdown
+        if wait.queued:
+            answer["queued"] = True
         if verdict["verdict"] == "unavailable":
             answer["error"] = verdict["error"]
         wait.owner.send(answer)
         if claimer is not None:
             claimer.send(wait.verdict)
+            if verdict["verdict"] != "granted":
+                self._forget(wait)
 
     def _claim(self, peer: Connection, request_id: str) -> None:
-        """Hand a decided request to the pool process that runs it.  Undecided ones are not
-        claimable: the claimer would run in-process and could queue behind our own node."""
+        """Hand a decided request, or one next in line, to the pool process that runs it.
+
+        A next-in-line claimer is told ``pending`` and gets the verdict the moment it is
+        decided.  Other undecided requests are not claimable: the claimer would run
+        in-process and could queue behind our own node."""
         with self.guard:
             wait = self.waits.get(request_id)
-            if wait is None or wait.done or wait.claimer is not None or wait.verdict is None:
+            if (wait is None or wait.done or wait.claimer is not None
+                    or (wait.verdict is None and not wait.next_sent)):
                 peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
                 return
             wait.claimer = peer
             verdict = wait.verdict
+        if verdict is None:
+            peer.send({"op": "claimed", "id": request_id, "verdict": "pending"})
+            return
         peer.send(verdict)
         if verdict["verdict"] != "granted":
             self._forget(wait)
@@ -234,6 +291,7 @@ class Agent:
                 return
             wait.done = True
             self.waits.pop(request_id, None)
+            self._learn_hold(wait)
         reason = next((a.lost_reason for a in wait.attempts if a.lost_reason), None)
         outcomes = self._release_attempts(wait)
         pending = [p for _, p in outcomes if p is not None and not isinstance(p, str)]
@@ -261,12 +319,26 @@ class Agent:
         """Let go of every path taken: ``(was_held, outcome)`` per path (see Attempt.release)."""
         return [attempt.release() for attempt in reversed(wait.attempts)]
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, why: str = "finished") -> None:
+        """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
+        ``finished`` by the pool without claiming (a grant nobody claimed is let go).
+
+        A request handed to the pool while next in line and still undecided is given the
+        verdict ``why`` instead: its pool process, claiming or about to, must not run it.
+        A claimed, granted request is running: its own release lets go."""
         with self.guard:
             wait = self.waits.get(request_id)
-            if wait is None or wait.claimer is not None:
+            if wait is None or (wait.claimer is not None and wait.verdict is not None):
                 return
-        self._drop(wait)
+            in_pool = wait.next_sent and wait.verdict is None and why != "finished"
+        if not in_pool:
+            if wait.claimer is None:
+                self._drop(wait)
+            return
+        for attempt in wait.attempts:
+            attempt.cancel()
+        self._release_attempts(wait)
+        self._decide(wait, {"verdict": why})
 
     def _drop(self, wait: Wait) -> None:
         """Stop waiting for, or let go of, a request nobody runs."""

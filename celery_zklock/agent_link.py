@@ -42,6 +42,11 @@ ENV = "CELERY_ZKLOCK_AGENT"
 #: Seconds between the agent's heartbeats.
 HEARTBEAT = 0.2
 
+#: A request next in line is handed to a pool process before its grant only if locks on
+#: its path (or of its task) have been held at most this long on average (seconds): that
+#: process idles until the holder releases.
+HANDOFF_MAX_WAIT = 0.5
+
 
 def socket_path() -> str:
     """A fresh socket path in a private directory (mode 0700), short enough for AF_UNIX."""

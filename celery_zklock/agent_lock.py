@@ -11,6 +11,7 @@ agent has been silent for a third of the session timeout (frozen, killed, cut of
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 
@@ -27,7 +28,7 @@ class AgentLink:
         self.pid = os.getpid()
         self.conn = Connection.open(path)
         self.last_heard = time.monotonic()
-        self._replies: dict[tuple[str, str], list] = {}
+        self._replies: dict[tuple[str, str], queue.SimpleQueue] = {}
         self._locks: dict[str, "AgentLock"] = {}
         self._guard = threading.Lock()
         self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
@@ -40,19 +41,28 @@ class AgentLink:
     def silent_for(self) -> float:
         return time.monotonic() - self.last_heard
 
-    def call(self, message: dict, answer: str, timeout: float) -> dict | None:
-        """Send ``message``; the agent's ``answer`` for the same id, or None (timeout, gone)."""
+    def call(self, message: dict, answer: str, timeout: float, until=None) -> dict | None:
+        """Send ``message``; the agent's ``answer`` for the same id, or None (timeout, gone).
+
+        With ``until``, answers for which ``until(answer)`` is false are interim: the wait
+        goes on, without a time limit, for as long as the link lives."""
         key = (answer, message["id"])
-        done = threading.Event()
-        slot: list = [done]
+        replies: queue.SimpleQueue = queue.SimpleQueue()
         with self._guard:
-            self._replies[key] = slot
-        if not self.conn.send(message):
-            return None
-        done.wait(timeout)
-        with self._guard:
-            self._replies.pop(key, None)
-        return slot[1] if len(slot) > 1 else None
+            self._replies[key] = replies
+        try:
+            if not self.conn.send(message):
+                return None
+            try:
+                reply = replies.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            while reply is not None and until is not None and not until(reply):
+                reply = replies.get()  # the reader puts None when the link ends
+            return reply
+        finally:
+            with self._guard:
+                self._replies.pop(key, None)
 
     def _read(self) -> None:
         while True:
@@ -68,16 +78,16 @@ class AgentLink:
                         lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
                     continue
                 with self._guard:
-                    slot = self._replies.get((op, msg.get("id")))
-                if slot is not None:
-                    slot.append(msg)
-                    slot[0].set()
+                    replies = self._replies.get((op, msg.get("id")))
+                if replies is not None:
+                    replies.put(msg)
         # The agent is gone: every lock held through it is lost.
         for lock in list(self._locks.values()):
             lock._update(False, True, "the worker's lock agent is gone")
+        self.conn.closed = True
         with self._guard:
-            for slot in self._replies.values():
-                slot[0].set()
+            for replies in self._replies.values():
+                replies.put(None)
 
 
 def link() -> AgentLink | None:
@@ -143,11 +153,17 @@ class AgentLock:
 
 
 def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
-    """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask."""
+    """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
+
+    A request handed over while next in line is ``pending``: wait here for its verdict
+    (the release ahead of it, its deadline, or its revocation); the agent's heartbeat
+    keeps the link alive, and a dead agent ends the wait (the request then locks
+    in-process: its node died with the agent's session)."""
     current = link()
     if current is None:
         return None
-    reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout)
+    reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout,
+                         until=lambda r: r.get("verdict") != "pending")
     if reply is None or reply.get("verdict") == "unknown":
         return None
     return current, reply

@@ -77,6 +77,14 @@ def _int_or_none(value: Any) -> int | None:
     return value
 
 
+def _slots_or_none(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("must be an int >= 0 (0 = never), or None for half the pool")
+    return value
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in options:
@@ -143,6 +151,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_release_on_worker_loss", True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker)."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
         Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
+        Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )
 }
 

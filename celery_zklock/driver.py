@@ -9,9 +9,10 @@ of ordering rules.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterable, NamedTuple
 
-from .znodes import sort_contenders
+from .znodes import sequence_key
 
 
 class Decision(NamedTuple):
@@ -21,12 +22,21 @@ class Decision(NamedTuple):
     it was deleted, or died with our session).  ``watch`` lists the nodes whose departure
     can free a slot for us; ``handoff`` says that ``watch`` holds *everyone* ahead of us,
     so the deletion of any one of them makes us a holder without reading the children again.
+    ``soon`` is the node just ahead of ``watch``: nodes leave in queue order, so when it
+    has left, so has everyone ahead of it, and we are *next in line* (only holders ahead).
+    A caller that acts on that moment (the worker's agent hands the request to the pool
+    early) watches it too and looks again when it goes; others ignore it.
     """
 
     holds: bool
     index: int | None
     watch: tuple[str, ...]
     handoff: bool
+    soon: tuple[str, ...] = ()
+
+
+def _tail(name: str) -> str:
+    return name[-10:]
 
 
 def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decision:
@@ -39,12 +49,19 @@ def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decis
     watches A and I watch C).  The window is the smallest set whose changes can free a
     slot for us; with N=1 it is exactly one node, so a release wakes one waiter (no herd).
     """
-    ordered = sort_contenders(children)
-    try:
-        index = ordered.index(node)
-    except ValueError:
+    # Without sorting the queue: only the nodes ahead of ours count, and of them only the
+    # max_holders + 1 nearest (a look at a long queue is the engine's hottest loop).  The
+    # 10 sequence digits compare as the numbers do; the sequence is unique per parent.
+    if not isinstance(children, (list, tuple, set, frozenset)):
+        children = list(children)
+    mine = sequence_key(node)
+    if mine is None or node not in children:
         return Decision(False, None, (), False)
+    ahead = [name for name in children if name[-10:] < mine and sequence_key(name) is not None]
+    index = len(ahead)
     if index < max_holders:
         return Decision(True, index, (), False)
-    window = tuple(ordered[index - max_holders : index])
-    return Decision(False, index, window, index == max_holders)
+    nearest = heapq.nlargest(max_holders + 1, ahead, key=_tail)  # nearest first
+    window = tuple(reversed(nearest[:max_holders]))
+    soon = (nearest[max_holders],) if index > max_holders else ()
+    return Decision(False, index, window, index == max_holders, soon)

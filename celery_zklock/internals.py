@@ -98,10 +98,13 @@ class LockInternals:
             return self.suspended_grace
         return kazoo_compat.session_timeout(self.client) / 3.0
 
-    def attempt(self, deadline: float | None, on_wait: Callable[[int], None] | None = None) -> "Attempt":
+    def attempt(self, deadline: float | None, on_wait: Callable[[int], None] | None = None,
+                on_next: Callable[[], None] | None = None) -> "Attempt":
         """Start an acquisition; ``attempt.result`` resolves to True (held) or False.
 
-        ``on_wait(position)`` is called once if the attempt has to queue, and callbacks
+        ``on_wait(position)`` is called once if the attempt has to queue, ``on_next()`` once
+        when it is next in line (every node ahead of it is a holder: the first release makes
+        it a holder, without another read), and callbacks
         rawlinked to ``attempt.result`` run on kazoo's completion thread: neither may
         block (no I/O waits), since they share that thread with every other lock.
 
@@ -111,7 +114,7 @@ class LockInternals:
         if self._attempts:
             self.prefix = znodes.node_prefix(uuid.uuid4().hex)
         self._attempts += 1
-        attempt = Attempt(self, self.prefix, on_wait)
+        attempt = Attempt(self, self.prefix, on_wait, on_next)
         attempt.start(deadline)
         return attempt
 
@@ -123,12 +126,13 @@ class Attempt:
     replies of an earlier look (``_look`` counts children reads and watch sets).
     """
 
-    def __init__(self, internals: LockInternals, prefix: str, on_wait) -> None:
+    def __init__(self, internals: LockInternals, prefix: str, on_wait, on_next=None) -> None:
         self.lk = internals
         self.client = internals.client
         self.monitor = internals.monitor
         self.prefix = prefix
         self.on_wait = on_wait
+        self.on_next = on_next
         self.state = State.IDLE
         self.node: str | None = None  # our child's name once created or adopted
         self.token: int | None = None
@@ -453,11 +457,17 @@ class Attempt:
         if self.on_wait is not None and not self._waited:
             self._waited = True
             self.on_wait(decision.index)
+        if decision.handoff and self.on_next is not None:
+            on_next, self.on_next = self.on_next, None
+            on_next()
         look = self._next_look()
-        for name in decision.watch:
-            watch = partial(self._on_watch, look, decision.handoff)
+        # With on_next pending, also watch the nodes whose departure makes us next in line:
+        # their departure is no handoff, only a reason to look again.
+        soon = decision.soon if self.on_next is not None else ()
+        for name, handoff in [(w, decision.handoff) for w in decision.watch] + [(w, False) for w in soon]:
+            watch = partial(self._on_watch, look, handoff)
             self.client.get_async(f"{self.lk.path}/{name}", watch=watch).rawlink(
-                partial(self._on_watch_set, look, decision.handoff)
+                partial(self._on_watch_set, look, handoff)
             )
 
     def _on_watch_set(self, look, handoff: bool, result) -> None:

@@ -256,6 +256,18 @@ class ZkLockedTask(Task):
         """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
         link, verdict = claimed
         waited = float(verdict.get("waited") or 0.0)
+        if verdict["verdict"] == "revoked":
+            # Handed over while next in line, then revoked: the main process has recorded
+            # REVOKED and deleted its node; the body never runs.
+            logger.info("task %s revoked while waiting for lock %s: not run", self.request.id, label)
+            raise Ignore()
+        if verdict["verdict"] == "shutdown":
+            # Warm shutdown while next in line: its message was acknowledged when this
+            # process took it, so it goes back to the broker as a new message with the same
+            # id, arguments and retry count (what Celery's retry publishes), and queues anew.
+            logger.info("worker shutting down: task %s goes back to the broker (lock %s)", self.request.id, label)
+            self.signature_from_request(self.request).apply_async()
+            raise Ignore()
         if verdict["verdict"] == "timeout":
             self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
         if verdict["verdict"] != "granted":

@@ -32,7 +32,7 @@ from celery import bootsteps
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
-from .agent_link import ENV, HEARTBEAT, LineReader, encode, socket_path
+from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
 from .config import ZkSettings
 from .identity import Identity
 from .options import is_locked_task
@@ -117,12 +117,16 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         global _step
         self.c = c
         self.inner = c.on_task_request
-        self.held: dict[str, object] = {}
+        self.held: dict[str, object] = {}  # waiting for a verdict, here
+        self.early: dict[str, object] = {}  # handed to the pool while next in line
+        self.next_up: dict[str, float] = {}  # held ids next in line awaiting a slot -> expected wait
+        self.revoking: set[str] = set()  # early ids whose revocation was sent to the agent
         self.sock: socket.socket | None = None
         self.reader = LineReader()
         self.last_ping = time.monotonic()
         self.timers: list = []
         self.active = _agent is not None and getattr(c, "hub", None) is not None
+        self.handoff_slots = _handoff_slots(c, _agent.settings) if self.active else 0
         if self.active:
             c.on_task_request = self.on_request
             _step = self
@@ -166,7 +170,16 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         for msg in self.reader.feed(data):
             op = msg.get("op")
             if op in ("granted", "timeout", "unavailable", "bypass"):
-                self._hand_over(msg["id"], first=op == "granted")
+                # Only a grant that had to queue jumps the pool's queue: its key is
+                # contended, and tasks behind it wait for its release.
+                self._hand_over(msg["id"], first=op == "granted" and bool(msg.get("queued")))
+                if msg["id"] in self.early:
+                    self._early_done(msg["id"])  # decided: it no longer waits in its slot
+            elif op == "next":
+                self._next_in_line(msg["id"], msg.get("hold"))
+            elif op == "revoked":
+                self._revoked_in_pool(msg["id"])
+                self._early_done(msg["id"])
             elif op == "queued":
                 self._queued(msg["id"], msg.get("position"))
 
@@ -183,6 +196,10 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         _agent.kill()
         _agent.start()
         self._connect()
+        # Requests in the pool next in line lost their nodes with the agent: their claims
+        # now find no verdict, and they lock in-process.
+        self.early.clear()
+        self.next_up.clear()
         for req in list(self.held.values()):
             self._submit(req)
 
@@ -214,17 +231,59 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         retries = (req.request_dict or {}).get("retries") or 0
         identity = Identity.of_this_process(task_id=req.id, retries=retries, task=task.name, worker=req.hostname)
         self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
-                    "timeout": opts.timeout, "identity": str(identity)})
+                    "timeout": opts.timeout, "identity": str(identity), "task": task.name,
+                    "early": self._slots() > 0})
         return True
 
     def _hand_over(self, request_id: str, first: bool = False) -> None:
+        self.next_up.pop(request_id, None)
         req = self.held.pop(request_id, None)
         if req is None:
             return
         self.c.qos.decrement_eventually()
         self.inner(req)
         if first:
-            _run_next(self.c.pool, req)
+            _run_next(self.c, req)
+
+    def _next_in_line(self, request_id: str, hold: float | None) -> None:
+        """The agent says only holders are ahead of this request: if its wait is expected
+        to be short and a handoff slot is free, hand it to the pool now (at the head of
+        its queue), where it claims and waits for the release; the grant then reaches a
+        process already running it."""
+        req = self.held.get(request_id)
+        if req is None:
+            return
+        when = hand_over_early(hold, len(self.early), self._slots())
+        if when == "later":
+            self.next_up[request_id] = hold  # a slot may free up before its grant
+        elif when == "now":
+            self.early[request_id] = req
+            self._hand_over(request_id, first=True)
+
+    def _slots(self) -> int:
+        """Handoff slots, never all of the pool: a process must stay for the holders
+        themselves, or next-in-line requests parked in every process would wait for
+        grants that no free process can run (a deadlock until their lock timeouts)."""
+        processes = _processes(self.c)
+        return max(0, min(self.handoff_slots, processes - 1))
+
+    def _early_done(self, request_id: str) -> None:
+        self.early.pop(request_id, None)
+        self.revoking.discard(request_id)
+        while self.next_up and len(self.early) < self._slots():
+            waiting = next(iter(self.next_up))
+            self._next_in_line(waiting, self.next_up.pop(waiting))
+
+    def _forget_next(self, request_id: str) -> None:
+        self.next_up.pop(request_id, None)
+
+    def _revoked_in_pool(self, request_id: str) -> None:
+        """The agent gave up the node of a request revoked while next in line in the pool:
+        record it as Celery records a revoked request (state, event, signal); the pool
+        process, told ``revoked``, does not run it."""
+        req = self.early.get(request_id)
+        if req is not None:
+            req.revoked()
 
     def _queued(self, request_id: str, position) -> None:
         req = self.held.get(request_id)
@@ -243,14 +302,20 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         """A revoked waiting request: its node goes at once and it never reaches the pool."""
         for request_id in [i for i in self.held if i in worker_state.revoked]:
             req = self.held.pop(request_id)
-            self._send({"op": "cancel", "id": request_id})
+            self._forget_next(request_id)
+            self._send({"op": "cancel", "id": request_id, "why": "revoked"})
             self.c.qos.decrement_eventually()
             req.revoked()  # acknowledges, stores REVOKED, sends the event and signal
+        for request_id in [i for i in self.early if i in worker_state.revoked and i not in self.revoking]:
+            self.revoking.add(request_id)  # the agent answers "revoked" unless already granted
+            self._send({"op": "cancel", "id": request_id, "why": "revoked"})
 
     def request_finished(self, request_id: str) -> None:
         """The pool is done with a request: free a grant it never claimed (no-op otherwise)."""
         if self.sock is not None:
-            self._send({"op": "cancel", "id": request_id})
+            self._send({"op": "cancel", "id": request_id, "why": "finished"})
+        if request_id in self.early:
+            self._early_done(request_id)  # finished undecided: it never claimed (or was bypassed)
 
     def stop(self, c):
         """Warm shutdown: waiting requests go back to the broker; their nodes are deleted."""
@@ -258,27 +323,75 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             tref.cancel()
         self.timers = []
         for request_id, req in list(self.held.items()):
-            self._send({"op": "cancel", "id": request_id})
+            self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
             try:
                 req.reject(requeue=True)
             except Exception as exc:
                 logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
         self.held.clear()
+        self.next_up.clear()
+        for request_id in self.early:
+            # In the pool, next in line: unless granted meanwhile, its process is told
+            # "shutdown" and publishes it back to the broker instead of running it.
+            self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
 
     shutdown = stop
 
 
-def _run_next(pool, req) -> None:
-    """A request that holds a lock goes to the head of the pool's queue.
+def hand_over_early(expected_wait: float | None, early: int, slots: int,
+                    max_wait: float = HANDOFF_MAX_WAIT) -> str:
+    """Hand a next-in-line request to the pool ``"now"``, ``"later"`` (when a handoff slot
+    frees), or ``"no"`` (it waits here for its grant, like any other).
 
-    Why: with every pool process busy, prefork buffers requests in the main process in
-    arrival order; a granted request queued behind them would hold its key's lock while
-    it waits for a slot, and every task queued on that key would wait with it.  Running
-    it first keeps a hot key's chain moving.  This touches Celery's prefork internals
-    (``AsynPool.outbound_buffer``, ``Request._apply_result``) defensively: when they are
+    Why these rules: a pool process given a next-in-line request idles until the holder
+    releases, so it is worth it only when that wait is known to be short (a hot chain of
+    short tasks, where it saves the dispatch and the wait for a free slot at every
+    handoff) and only in a bounded number of processes: a long holder, or a task not seen
+    yet, never parks a pool process.
+    """
+    if slots <= 0 or expected_wait is None or expected_wait > max_wait:
+        return "no"
+    return "now" if early < slots else "later"
+
+
+def _handoff_slots(c, settings: ZkSettings) -> int:
+    """How many pool processes may wait for a lock their task is next in line for: the
+    setting, or half the pool (rounded down: a -c 1 pool never parks its one process).
+    The solo pool's one process must never wait: none there."""
+    if not (getattr(type(c.pool), "__module__", "") or "").endswith("prefork"):
+        return 0
+    if settings.handoff_slots is not None:
+        return settings.handoff_slots
+    return _processes(c) // 2
+
+
+def _processes(c) -> int:
+    """The pool's current size (it changes with --autoscale)."""
+    pool = getattr(c.pool, "_pool", None)
+    live = getattr(pool, "_processes", None)
+    return int(live if isinstance(live, int) and live > 0 else getattr(c.pool, "limit", None) or 1)
+
+
+def _run_next(c, req) -> None:
+    """A request that holds its lock, or is next in line for it, goes to the head of the
+    worker's queue for a pool process.
+
+    Why: with every pool process busy, prefork queues requests in the main process in
+    arrival order — in the worker's semaphore (``LaxBoundedSemaphore``, one permit per
+    process) and then in the pool's outbound buffer; a granted request queued behind
+    them would hold its key's lock while it waits for a slot, and every task queued on
+    that key would wait with it.  Running it first keeps a hot key's chain moving.  This
+    touches kombu's and Celery's prefork internals (``_waiting``,
+    ``AsynPool.outbound_buffer``, ``Request._apply_result``) defensively: when they are
     not there, the request simply keeps its place.
     """
-    buffer = getattr(getattr(pool, "_pool", None), "outbound_buffer", None)
+    waiting = getattr(getattr(c.controller, "semaphore", None), "_waiting", None)
+    if waiting:
+        entry = waiting[-1]
+        if isinstance(entry, tuple) and len(entry) == 3 and entry[1][:1] == (req,):
+            waiting.appendleft(waiting.pop())
+            return
+    buffer = getattr(getattr(c.pool, "_pool", None), "outbound_buffer", None)
     ref = getattr(req, "_apply_result", None)
     job = ref() if callable(ref) else None
     if job is not None and buffer and buffer[-1] is job:

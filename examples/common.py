@@ -44,6 +44,7 @@ def make_app(name: str) -> Celery:
         zklock_hosts=os.environ.get("ZKLOCK_HOSTS") or DEFAULT_ZK_HOSTS,
         zklock_root=os.environ.get("ZKLOCK_ROOT") or "/celery-zklock",
         zklock_wait_in=os.environ.get("ZKLOCK_WAIT_IN") or "worker",
+        zklock_handoff_slots=int(os.environ["ZKLOCK_HANDOFF_SLOTS"]) if os.environ.get("ZKLOCK_HANDOFF_SLOTS") else None,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         result_expires=3600,

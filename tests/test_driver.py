@@ -29,24 +29,30 @@ ME = n(5)
         ([n(9), ME, n(7)], 1, Decision(True, 0, (), False)),
         # second in a mutex queue: watch the one ahead; it is everyone ahead -> handoff
         ([ME, n(3)], 1, Decision(False, 1, (n(3),), True)),
-        # third: watch only the node directly ahead (no herd), no handoff
-        ([n(1), n(3), ME, n(8)], 1, Decision(False, 2, (n(3),), False)),
+        # third: watch only the node directly ahead (no herd), no handoff; the holder's
+        # departure would make us next in line
+        ([n(1), n(3), ME, n(8)], 1, Decision(False, 2, (n(3),), False, (n(1),))),
+        # fourth: the holder's successor leaving (after the holder) makes us next in line
+        ([n(0), n(1), n(3), ME], 1, Decision(False, 3, (n(3),), False, (n(1),))),
         # semaphore of 2, we are second: we hold
         ([n(1), ME], 2, Decision(True, 1, (), False)),
         # semaphore of 2, we are third: watch the two ahead; they are everyone ahead
         ([n(1), n(3), ME], 2, Decision(False, 2, (n(1), n(3)), True)),
         # semaphore of 2, we are fourth: the window is the two directly ahead
-        ([n(0), n(1), n(3), ME], 2, Decision(False, 3, (n(1), n(3)), False)),
+        ([n(0), n(1), n(3), ME], 2, Decision(False, 3, (n(1), n(3)), False, (n(0),))),
+        # semaphore of 2, fifth: two places behind next in line
+        ([n(0), n(1), n(2), n(3), ME], 2, Decision(False, 4, (n(2), n(3)), False, (n(1),))),
         # our node is gone (deleted by an operator, or died with our session)
         ([n(1), n(3)], 1, Decision(False, None, (), False)),
         ([], 1, Decision(False, None, (), False)),
         # Curator and kazoo Lock nodes queue with ours, by sequence
         ([n(2, "curator"), ME], 1, Decision(False, 1, (n(2, "curator"),), True)),
-        ([n(4, "kazoo"), n(2, "curator"), ME], 1, Decision(False, 2, (n(4, "kazoo"),), False)),
+        ([n(4, "kazoo"), n(2, "curator"), ME], 1, Decision(False, 2, (n(4, "kazoo"),), False, (n(2, "curator"),))),
         # children that are not lock nodes are ignored
         (["leader", "config", ME], 1, Decision(True, 0, (), False)),
         # the queue is ordered by sequence, not by name
-        ([f"zzz-lock-{3:010d}", f"aaa-lock-{4:010d}", ME], 1, Decision(False, 2, (f"aaa-lock-{4:010d}",), False)),
+        ([f"zzz-lock-{3:010d}", f"aaa-lock-{4:010d}", ME], 1,
+         Decision(False, 2, (f"aaa-lock-{4:010d}",), False, (f"zzz-lock-{3:010d}",))),
         # max_holders larger than the queue: everyone holds
         ([n(1), n(3), ME], 5, Decision(True, 2, (), False)),
     ],

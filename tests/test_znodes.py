@@ -13,6 +13,10 @@ def test_sequence_parsed_for_curator_and_kazoo_names():
     assert znodes.sequence_of("leader-0000000001") is None
     assert znodes.sequence_of("_c_abc-lock-12") is None  # not a 10-digit sequence
     assert znodes.sequence_of("something-else") is None
+    assert znodes.sequence_of("-lock-0000000001") == 1  # a bare marker still queues
+    assert znodes.sequence_of("lock-0000000004") is None  # no marker
+    assert znodes.sequence_of("abc-lock-00000000x1") is None
+    assert znodes.sequence_of("abc-lock-٠٠٠٠٠٠٠٠٠١") is None  # digits, not ASCII
 
 
 def test_contenders_sorted_numerically_across_kinds_and_others_ignored():
