@@ -86,3 +86,21 @@ def test_identity_round_trip_and_delivery():
     assert ident.delivery == ("abc", 0)
     assert Identity.of_this_thread().delivery is None
     assert b"null" not in Identity.of_this_thread().to_bytes()  # unset fields are left out
+
+
+@pytest.mark.parametrize(
+    "expected_wait, early, slots, expected",
+    [
+        (0.03, 0, 1, "now"),  # a short hold, a free handoff slot: into a pool process now
+        (0.03, 1, 1, "later"),  # the slot is taken: when it frees, if still undecided
+        (0.03, 0, 0, "no"),  # no handoff slots (zklock_handoff_slots=0, solo, -c 1)
+        (None, 0, 2, "no"),  # holds not known yet: never park a process on a guess
+        (0.5, 0, 1, "now"),  # the bound itself is short enough
+        (0.51, 0, 1, "no"),  # a long hold: its process would idle that long
+        (5.0, 3, 4, "no"),
+    ],
+)
+def test_hand_over_early(expected_wait, early, slots, expected):
+    from celery_zklock.worker_queue import hand_over_early
+
+    assert hand_over_early(expected_wait, early, slots) == expected

@@ -3,8 +3,10 @@ runs them (zklock_wait_in="worker", the default), with real workers, Redis and Z
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import time
 import uuid
 
@@ -165,3 +167,106 @@ def test_retry_published_while_holding_waits_for_the_running_attempt(mod, env):
         assert rows[0]["token"] < rows[1]["token"]
     finally:
         w.stop()
+
+
+# --------------------------------------------------------------- next in line, in the pool
+def _active_ids(mod, worker_name: str) -> set[str]:
+    """Ids of the requests the worker has handed to its pool (Celery's ``inspect active``)."""
+    node = f"{worker_name}@{socket.gethostname()}"
+    replies = mod.app.control.inspect(destination=[node], timeout=2.0).active() or {}
+    return {t["id"] for t in replies.get(node, [])}
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.05)
+
+
+def _learn_short_holds(mod, key: str, n: int = 3) -> None:
+    """Run a few short tasks on ``key`` one after another: the agent learns its holds are
+    short, so the next in line on it may wait in a pool process."""
+    for i in range(n):
+        mod.hold.delay(key, 10, f"warm{i}").get(timeout=30)
+
+
+def test_next_in_line_waits_in_one_pool_process_and_revoke_still_stops_it(mod, env, zk_client):
+    """-c 3 (one handoff slot): behind a holder, the next in line is handed to the pool and
+    waits there for the release; the one after it stays in the worker.  Revoking the one in
+    the pool deletes its node at once and its body never runs."""
+    name = "next1"
+    w = Worker(env, name, concurrency=3).start(mod.app)
+    try:
+        key = f"nx-{uuid.uuid4().hex[:6]}"
+        _learn_short_holds(mod, key)
+        holder = mod.hold.delay(key, 2500, "holder")
+        _wait_for(lambda: any(r["tag"] == "holder" for r in map(json.loads, mod._r.lrange("arrivals", 0, -1))), 10,
+                  "the holder runs")
+        nxt = mod.hold.delay(key, 10, "next")
+        third = mod.hold.delay(key, 10, "third")
+        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+        _wait_for(lambda: len(children(zk_client, path)) == 3, 5, "three nodes queue")
+        _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
+        assert third.id not in _active_ids(mod, name)  # only one handoff slot: it waits in the worker
+        nxt.revoke()
+        _wait_for(lambda: len(children(zk_client, path)) == 2, 2, "the revoked task's node is deleted")
+        assert holder.get(timeout=30) is not None
+        assert third.get(timeout=30) is not None
+        _wait_for(lambda: nxt.state == "REVOKED", 5, "the revoked task is REVOKED")
+        tags = [r["tag"] for r in sorted(history(mod, "hold"), key=lambda r: r["start"])]
+        assert tags[-2:] == ["holder", "third"] and "next" not in tags  # its body never ran
+    finally:
+        w.stop()
+
+
+def test_long_holds_never_park_a_pool_process(mod, env, zk_client):
+    """Locks on this key are held for long: the next in line stays in the worker, and the
+    pool's other processes serve other keys."""
+    name = "next2"
+    w = Worker(env, name, concurrency=3).start(mod.app)
+    try:
+        key = f"nl-{uuid.uuid4().hex[:6]}"
+        mod.hold.delay(key, 800, "warm0").get(timeout=30)  # the agent learns: long holds here
+        holder = mod.hold.delay(key, 1500, "holder")
+        nxt = mod.hold.delay(key, 10, "next")
+        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+        _wait_for(lambda: len(children(zk_client, path)) == 2, 5, "two nodes queue")
+        _wait_for(lambda: holder.id in _active_ids(mod, name), 5, "the holder runs")
+        time.sleep(0.3)
+        assert nxt.id not in _active_ids(mod, name)
+        others = [mod.hold.delay(f"o-{uuid.uuid4().hex[:6]}", 10, f"o{i}") for i in range(4)]
+        for r in others:
+            r.get(timeout=5)  # two free processes serve other keys while the holder runs
+        assert not holder.ready()
+        assert nxt.get(timeout=30) is not None
+    finally:
+        w.stop()
+
+
+def test_warm_shutdown_sends_the_next_in_line_back_from_the_pool(mod, env, zk_client):
+    """A warm shutdown while the next in line waits in a pool process: it does not run here;
+    it goes back to the broker (same id) and runs once, after the holder, on another worker."""
+    name = "next3"
+    w = Worker(env, name, concurrency=3).start(mod.app)
+    key = f"ns-{uuid.uuid4().hex[:6]}"
+    _learn_short_holds(mod, key)
+    holder = mod.hold.delay(key, 1500, "holder")
+    nxt = mod.hold.delay(key, 10, "next")
+    _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
+    first_pids = set(w.child_pids())
+    w.stop()
+    assert holder.get(timeout=5) is not None
+    path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+    assert children(zk_client, path) == []
+    w2 = Worker(env, "next3b", concurrency=3).start(mod.app)
+    try:
+        assert nxt.get(timeout=30) is not None
+        rows = sorted(history(mod, "hold"), key=lambda r: r["start"])
+        assert [r["tag"] for r in rows][-2:] == ["holder", "next"]
+        assert [r["tag"] for r in rows].count("next") == 1
+        assert rows[-1]["pid"] not in first_pids  # it ran on the second worker, not while shutting down
+        assert rows[-2]["token"] < rows[-1]["token"]
+    finally:
+        w2.stop()
