@@ -270,3 +270,22 @@ def test_warm_shutdown_sends_the_next_in_line_back_from_the_pool(mod, env, zk_cl
         assert rows[-2]["token"] < rows[-1]["token"]
     finally:
         w2.stop()
+
+
+def test_handoff_slots_never_take_every_process(mod, env):
+    """zklock_handoff_slots larger than the pool: one process always stays for the holders.
+    (Were every process parked with a next in line, the holders they wait for could never
+    run: the chains would stall until their lock timeouts.)"""
+    w = Worker({**env, "TEST_ZK_HANDOFF_SLOTS": "8"}, "next4", concurrency=2).start(mod.app)
+    try:
+        keys = [f"nd-{uuid.uuid4().hex[:6]}" for _ in range(3)]
+        for key in keys:
+            _learn_short_holds(mod, key, n=2)
+        results = [mod.hold.delay(key, 30, f"{key}-{i}") for i in range(8) for key in keys]
+        for r in results:
+            r.get(timeout=20)
+        for key in keys:
+            rows = [r for r in history(mod, "hold") if r["key"] == key]
+            assert overlapping([(r["start"], r["end"]) for r in rows]) is None
+    finally:
+        w.stop()

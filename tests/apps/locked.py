@@ -31,6 +31,8 @@ app.conf.update(
 )
 if os.environ.get("TEST_ZK_WAIT_IN"):
     app.conf.zklock_wait_in = os.environ["TEST_ZK_WAIT_IN"]
+if os.environ.get("TEST_ZK_HANDOFF_SLOTS"):
+    app.conf.zklock_handoff_slots = int(os.environ["TEST_ZK_HANDOFF_SLOTS"])
 if os.environ.get("TEST_POOL_START_METHOD"):
     app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)
