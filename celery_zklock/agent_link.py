@@ -10,17 +10,24 @@ releases what that process held at once — no pid polling, no reaper process.
 
 Requests (``op``) and the agent's answers:
 
-* main -> agent ``wait`` {id, paths, max_holders, timeout, identity}: queue for the lock;
-  answered later by ``granted`` {id, tokens}, ``timeout`` {id, holders} or
-  ``unavailable`` {id, error}, after zero or more ``queued`` {id, position};
-* main -> agent ``cancel`` {id}: stop waiting, or let go of a grant not yet claimed;
+* main -> agent ``wait`` {id, task, paths, max_holders, timeout, identity, early}: queue
+  for the lock; answered later by ``granted`` {id, queued}, ``timeout`` or
+  ``unavailable`` {id, error}, after zero or more ``queued`` {id, position}.  With
+  ``early``, also ``next`` {id, hold} when only holders are ahead of it (``hold``: how
+  long locks on its path, or of its task, have been held on average, or null);
+* main -> agent ``cancel`` {id, why}: ``revoked`` or ``shutdown`` — stop waiting (a
+  request already handed to the pool as next in line gets that verdict instead, and
+  the main process hears ``revoked`` {id} back); ``finished`` — the pool is done with
+  it: let go of a grant nobody claimed;
 * agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
   agent (a retry published by a body still holding its lock, a redelivery): hand it to
   the pool as it is; it locks in-process there;
 * pool -> agent ``claim`` {id}: "I run this request"; answered by ``claimed`` {id,
-  verdict: granted/timeout/unavailable/unknown, tokens, nodes, holders, error}; from then
-  on the lock belongs to that connection.  ``unknown`` (no decided, unclaimed request of
-  that id) makes the pool process lock in-process;
+  verdict: granted/timeout/unavailable/revoked/shutdown/unknown, tokens, nodes, holders,
+  error}, or first by ``claimed`` {verdict: pending} for a request next in line, whose
+  verdict follows when decided; from then on the lock belongs to that connection.
+  ``unknown`` (no such request, or one neither decided nor next in line) makes the pool
+  process lock in-process;
 * pool -> agent ``release`` {id}: answered by ``released`` {id, proven, reason};
 * agent -> pool ``state`` {id, held, reason}: the lock became unsafe (suspended), safe
   again, or lost;
