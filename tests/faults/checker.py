@@ -123,6 +123,7 @@ def check(
     excused: Iterable[str] = ("LockLost",),
     leftovers: Iterable[str] = (),
     reruns: bool = False,
+    acked_lost: Iterable[str] = (),
 ) -> Report:
     """Check a history.
 
@@ -130,9 +131,12 @@ def check(
     name for FAILURE, else None.  ``allowed`` lists the states or failure reasons this
     scenario may produce besides SUCCESS (e.g. ``"LockLost"``, ``"WorkerLostError"``,
     ``"SKIPPED"``).  ``excused`` are the failure reasons that admit a run was not exclusive.
+    ``acked_lost`` lists tasks that Celery itself loses in this scenario (their message was
+    acknowledged when they started, and their worker was then killed whole): they need no
+    final state, but none may have completed a run.
     """
     events = list(events)
-    allowed, excused = set(allowed), set(excused)
+    allowed, excused, acked_lost = set(allowed), set(excused), set(acked_lost)
     all_runs = runs_of(events)
     by_key: dict[str, list[Run]] = defaultdict(list)
     by_task: dict[str, list[Run]] = defaultdict(list)
@@ -176,6 +180,11 @@ def check(
     lost = duplicated = succeeded = 0
     for task, (state, reason) in sorted(outcomes.items()):
         complete = [r for r in by_task.get(task, []) if r.complete]
+        if task in acked_lost and state not in FINAL_STATES:
+            lost += 1
+            if complete:
+                violations.append(f"accounting: task {task} was to be lost with its worker, yet ran to completion")
+            continue
         if state not in FINAL_STATES:
             lost += 1
             violations.append(f"accounting: task {task} never reached a final state (state {state})")

@@ -318,20 +318,21 @@ class Scenario:
         self.submitted.append(result.id)
         return result
 
-    def outcomes(self, timeout: float) -> dict[str, tuple[str, str | None]]:
-        """Final (state, failure reason) of every submitted task, waiting up to ``timeout``."""
+    def outcomes(self, timeout: float, skip=frozenset()) -> dict[str, tuple[str, str | None]]:
+        """Final (state, failure reason) of every submitted task, waiting up to ``timeout``
+        (not for those in ``skip``)."""
         deadline = time.monotonic() + timeout
         found: dict[str, tuple[str, str | None]] = {}
         while True:
             for tid in self.submitted:
-                if tid in found:
+                if tid in found or tid in skip:
                     continue
                 res = self.app.AsyncResult(tid)
                 state = res.state
                 if state in FINAL_STATES:
                     reason = type(res.result).__name__ if state == "FAILURE" else None
                     found[tid] = (state, reason)
-            if len(found) == len(self.submitted) or time.monotonic() >= deadline:
+            if len(found) + len(set(skip) & set(self.submitted)) >= len(self.submitted) or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         for tid in self.submitted:
@@ -363,11 +364,13 @@ class Scenario:
         return self.lock_nodes()
 
     def verify(self, allowed=(), timeout: float = 90.0, cleanup_timeout: float = SESSION + 3,
-               reruns: bool = False) -> Report:
-        """Run the checker over this scenario's history; fail the test on any violation."""
-        outcomes = self.outcomes(timeout)
+               reruns: bool = False, acked_lost=()) -> Report:
+        """Run the checker over this scenario's history; fail the test on any violation.
+        ``acked_lost``: see :func:`tests.faults.checker.check` (not waited for)."""
+        lost = set(acked_lost)
+        outcomes = self.outcomes(timeout, skip=lost)
         report = check(self.store.events(), outcomes, allowed=allowed, leftovers=self.leftovers(cleanup_timeout),
-                       reruns=reruns)
+                       reruns=reruns, acked_lost=lost)
         assert report.ok, report.explain() + self.logs()
         return report
 

@@ -66,6 +66,37 @@ def test_sigkill_of_the_agent(scenario):
     assert all(x.state == "SUCCESS" for x in waiters)
 
 
+def test_sigkill_of_the_worker_main_process_while_its_agent_survives(scenario):
+    """Promise: the worker's main process alone is SIGKILLed while one of its pool processes
+    runs a locked body and two more requests wait in its agent.  Celery kills the pool
+    processes with their parent (PR_SET_PDEATHSIG), and the agent, which outlives them,
+    sees their sockets close: it deletes every node of that worker at once, so another
+    worker's waiter takes the lock within a fraction of the session timeout.  The agent,
+    with nobody left to serve, then exits.  The killed run's message was acknowledged when
+    it started, so Celery itself loses that task (not ours to report); the waiting ones
+    stay unacknowledged with the dead worker."""
+    victim = scenario.worker("victim", concurrency=2)
+    survivor = scenario.worker("survivor", concurrency=1)
+    held = scenario.send(A.step, "mk", 5000, queue=victim.queue)
+    task_pid(scenario.store, held.id)
+    for _ in range(2):  # not awaited: their messages stay with the dead worker
+        A.step.apply_async(("mk", 30, 0), queue=victim.queue)
+    scenario.wait_contenders("mk", 3)
+    taker = scenario.send(A.step, "mk", 30, queue=survivor.queue)
+    scenario.wait_contenders("mk", 4)
+    agent = victim.agent_pid()
+    assert agent is not None, "no lock agent under the worker"
+    killed = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+    took = wait_until(lambda: scenario.first([taker.id]), SESSION * 5, what="the survivor's waiter to run")
+    takeover = took["t"] - killed
+    wait_until(lambda: not os.path.exists(f"/proc/{agent}"), SESSION * 3, what="the orphaned agent to exit")
+    report = scenario.verify(acked_lost=[held.id])
+    record("agent-survives-main-sigkill", recover_s=round(takeover, 3), **report.figures)
+    assert taker.state == "SUCCESS"
+    assert takeover < SESSION / 2, f"the survivor took the lock {takeover:.2f}s after the kill: a session expiry"
+
+
 @pytest.mark.slow
 def test_agent_frozen_past_the_session_timeout(scenario):
     """Promise: a frozen agent stops its heartbeats; the worker kills and restarts it, the
