@@ -12,6 +12,7 @@ ZooKeeper/Redis or start local ones), :class:`support.workers.Procs` (``celery w
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -70,6 +71,11 @@ class Row:
 class Report:
     def __init__(self) -> None:
         self.rows: list[Row] = []
+        self.figures: dict[str, dict[str, float]] = {}  # example -> name -> number (for --json)
+
+    def figure(self, example: str, name: str, value: float) -> None:
+        """A number for machines (``--json``; the benchmark reads them), beside the table."""
+        self.figures.setdefault(example, {})[name] = value
 
     def metric(self, example: str, metric: str, value: object) -> None:
         self.rows.append(Row(example, metric, str(value)))
@@ -105,7 +111,8 @@ class Report:
         return "\n".join(lines)
 
 
-def run_standalone(run: Callable[["Report", "Procs | None"], object], spawn: bool = True) -> int:
+def run_standalone(run: Callable[["Report", "Procs | None"], object], spawn: bool = True,
+                   json_out: str | None = None) -> int:
     """Run one example on its own (``python -m examples.NAME``): services, processes, table.
 
     Why one helper: every example's command line must start (or reuse) ZooKeeper and
@@ -129,6 +136,10 @@ def run_standalone(run: Callable[["Report", "Procs | None"], object], spawn: boo
                 procs.stop_all()
             services.close()
     print(report.render())
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"ok": report.ok, "figures": report.figures,
+                       "failures": [f"{r.example}: {r.metric} = {r.value}" for r in report.failures()]}, f)
     if procs is not None:
         if report.ok:
             procs.remove_logs()

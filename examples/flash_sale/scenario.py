@@ -135,6 +135,12 @@ def run(report: Report, procs: Procs | None, orders: int = 1200, skus: int = 5, 
     report.metric(NAME, "enqueue->start p50 / p99", f"{ms(percentile(e2s, 50))} / {ms(percentile(e2s, 99))}")
     report.metric(NAME, "total time (first send -> last order)", f"{last_end - t0:.2f} s "
                                                                   f"({orders / max(last_end - t0, 1e-9):.0f} orders/s)")
+    report.figure(NAME, "orders_per_s", round(orders / max(last_end - t0, 1e-9), 1))
+    report.figure(NAME, "enqueue_s", round(sent, 3))
+    report.figure(NAME, "enqueue_to_start_p50_s", round(percentile(e2s, 50), 4))
+    report.figure(NAME, "enqueue_to_start_p99_s", round(percentile(e2s, 99), 4))
+    report.figure(NAME, "lock_wait_p50_s", round(percentile(waits, 50), 4))
+    report.figure(NAME, "lock_retries", retries)
     workers_seen = Counter(o["worker"].split("@")[0] for o in obs)
     report.check(NAME, "orders run by each worker", ", ".join(f"{k.split('-')[0]}: {v}" for k, v in sorted(workers_seen.items())),
                  procs is None or len(workers_seen) == workers)
@@ -150,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--no-spawn", action="store_true",
                         help="use workers that are already running (REDIS_URL/ZKLOCK_HOSTS from the environment)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures and failed checks as JSON")
     args = parser.parse_args(argv)
-    return run_standalone(lambda report, procs: run(report, procs, args.orders, args.skus, concurrency=args.concurrency), spawn=not args.no_spawn)
+    return run_standalone(lambda report, procs: run(report, procs, args.orders, args.skus, concurrency=args.concurrency),
+                          spawn=not args.no_spawn, json_out=args.json)
 
 
 if __name__ == "__main__":

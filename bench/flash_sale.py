@@ -1,0 +1,60 @@
+"""Scenario: the flash-sale demo's workload, waiting in the worker vs waiting in the pool.
+
+Why the demo itself, run as a subprocess: it is the workload users see (``make demo``):
+1,200 ``buy`` orders on 5 SKUs fired in one burst at 2 workers x ``prefork -c 3``, every
+order on a hot key.  Its invariants (stock never oversold, no overlap, tokens increasing)
+must hold in both modes; a run whose checks fail is reported as such, not as a number.
+Both modes run on the benchmark's ZooKeeper and Redis, alternating, ``rounds`` times each;
+the figures are medians.
+
+``orders/s`` counts from the first order sent to the last order done, as the demo prints
+it, so it includes the burst's publishing (``enqueue_s``), which shares the machine's
+CPUs with the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from .infra import Services, log
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _one(services: Services, mode: str, orders: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = {**os.environ, "ZKLOCK_HOSTS": services.zk_hosts, "REDIS_URL": services.redis_url,
+           "ZKLOCK_WAIT_IN": mode, "PYTHONPATH": ROOT}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "examples.flash_sale", "--orders", str(orders), "--json", out],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        with open(out) as f:
+            result = json.load(f)
+    finally:
+        os.unlink(out)
+    if proc.returncode != 0 or not result["ok"]:
+        raise RuntimeError(f"flash sale ({mode}) failed its checks: {result.get('failures')}\n{proc.stdout[-3000:]}")
+    return result["figures"]["flash_sale"]
+
+
+def run(services: Services, orders: int = 1200, rounds: int = 2) -> dict:
+    runs: dict[str, list[dict]] = {"worker": [], "pool": []}
+    for r in range(rounds):
+        for mode in ("worker", "pool") if r % 2 == 0 else ("pool", "worker"):
+            log(f"  flash sale, waiting in the {mode}: {orders} orders, round {r + 1}/{rounds}")
+            runs[mode].append(_one(services, mode, orders))
+    modes = {}
+    for mode, rows in runs.items():
+        modes[mode] = {
+            "label": f"wait in the {mode}",
+            **{k: round(statistics.median(row[k] for row in rows), 4) for k in rows[0]},
+            "orders_per_s_runs": [row["orders_per_s"] for row in rows],
+        }
+    return {"orders": orders, "skus": 5, "rounds": rounds, "modes": modes,
+            "worker_vs_pool": round(modes["worker"]["orders_per_s"] / modes["pool"]["orders_per_s"], 2)}
