@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import celery_scenarios, fairness, lock_bench, many_keys, pool_slots, report, scale, worker_loss
+from . import celery_scenarios, fairness, flash_sale, lock_bench, many_keys, pool_slots, report, scale, worker_loss
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -97,7 +97,10 @@ def run(quick: bool, out: Path) -> dict:
             workers.stop(timeout=5 if quick else 20)
         workers.procs.remove_logs()
         hot, cold = (12, 24) if quick else (60, 120)
-        sc["pool_slots"] = timed(results, "pool_slots", pool_slots.run, services, driver, hot, cold, 30)
+        sc["pool_slots"] = timed(results, "pool_slots", pool_slots.run, services, driver, hot, cold, 30,
+                                 1 if quick else 3)
+        sc["flash_sale"] = timed(results, "flash_sale", flash_sale.run, services, 300 if quick else 1200,
+                                 1 if quick else 2)
     finally:
         log("stopping ZooKeeper and Redis")
         services.close()
