@@ -10,6 +10,11 @@ only once the agent has decided: granted, timed out or unavailable.  The pool pr
 then claims that verdict (:mod:`celery_zklock.agent_lock`) and runs the body, or applies
 the timeout/unavailable policy exactly as an in-pool wait would.
 
+One exception, bounded: a request the agent says is *next in line* (only holders ahead),
+on a key whose locks are held briefly, may go to a pool process before its grant and wait
+there for the release (see :func:`hand_over_early`), so a hot key's chain does not pay a
+dispatch and a wait for a free process at every handoff.
+
 The request handler is wrapped in a consumer bootstep (``c.on_task_request``), so ETA,
 countdown and rate-limited requests pass through it too.  The main process talks to the
 agent through the event loop (the hub): no thread ever runs in the forking parent.
