@@ -29,7 +29,7 @@ from kazoo.protocol.states import KazooState
 
 from .agent_link import HANDOFF_MAX_WAIT, HEARTBEAT, Connection
 from .client import connect, disconnect
-from .config import ZkSettings
+from .config import ZkSettings, from_wire
 from .internals import LockInternals, State
 from .lock import contenders
 from .session import DELETED
@@ -420,9 +420,7 @@ def _outcome(pending):
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-agent] %(message)s")
     path = sys.argv[1]
-    raw = json.loads(sys.stdin.readline())
-    raw["auth_secret"] = tuple(map(tuple, raw.get("auth_secret") or ())) or None
-    settings = ZkSettings(**raw)
+    settings = from_wire(json.loads(sys.stdin.readline()))
     agent = Agent(settings, path)
 
     def on_state(state: str) -> None:

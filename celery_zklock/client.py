@@ -28,11 +28,12 @@ from kazoo.retry import KazooRetry
 
 from .config import ZkSettings
 from .errors import LockUnavailable
+from .security import acl_provider, client_kwargs, tls_diagnosis
 
 logger = logging.getLogger("celery_zklock.worker")
 
 _lock = threading.Lock()
-_clients: dict[tuple[int, str, float], KazooClient] = {}
+_clients: dict[tuple, KazooClient] = {}
 
 
 def _handler():
@@ -109,13 +110,16 @@ def new_client(settings: ZkSettings, handler=None) -> KazooClient:
     short cap: a task waiting for its lock must see the ensemble again as soon as it is
     back, and the session timeout — not a retry budget — bounds how long a lock survives.
     """
-    return KazooClient(
+    client = KazooClient(
         hosts=settings.hosts,
         timeout=settings.session_timeout,
         handler=handler or _handler(),
         auth_data=list(settings.auth_secret) if settings.auth_secret else None,
         connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
+        **client_kwargs(settings),
     )
+    client.zklock_acl_provider = acl_provider(settings)  # read by kazoo_compat.acl_for
+    return client
 
 
 def connect(settings: ZkSettings, handler=None) -> KazooClient:
@@ -129,9 +133,10 @@ def connect(settings: ZkSettings, handler=None) -> KazooClient:
         client.start(timeout=settings.connect_timeout)
     except Exception as exc:
         disconnect(client)
+        why = tls_diagnosis(settings)  # a TLS failure says which setting and file to fix
         raise LockUnavailable(
             f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
-            f"({type(exc).__name__}: {exc}); start the ensemble or fix zklock_hosts"
+            f"({type(exc).__name__}: {exc}); " + (why or "start the ensemble or fix zklock_hosts")
         ) from exc
     return client
 
@@ -147,7 +152,8 @@ def disconnect(client: KazooClient) -> None:
 
 def get_client(settings: ZkSettings) -> KazooClient:
     """This process's started client for ``settings``; raises LockUnavailable."""
-    key = (os.getpid(), settings.hosts, settings.session_timeout, settings.auth_secret)
+    key = (os.getpid(), settings.hosts, settings.session_timeout, settings.auth_secret, settings.use_ssl,
+           settings.sasl_options, settings.acl)
     client = _clients.get(key)
     if client is not None:
         return client

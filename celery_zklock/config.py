@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import ConfigurationError
+from .security import censored, check_acl, check_sasl_options, check_use_ssl
 
 TIMEOUT_POLICIES = ("retry", "skip", "fail")
 LOST_POLICIES = ("fail", "interrupt")
@@ -150,6 +151,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
         Setting("zklock_release_on_worker_loss", True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker)."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
+        Setting("zklock_use_ssl", False, check_use_ssl, "TLS to ZooKeeper: True (system CAs) or a dict of kazoo's TLS options (ca, certfile, keyfile, keyfile_password, verify_certs, check_hostname), like broker_use_ssl."),
+        Setting("zklock_sasl_options", None, check_sasl_options, "SASL authentication (kazoo sasl_options): {'mechanism': 'DIGEST-MD5', 'username': ..., 'password': ...} or GSSAPI."),
+        Setting("zklock_acl", None, check_acl, "ACL of every node we create: None = with credentials, our identity all rights and anyone READ (without, open); a list of kazoo ACLs; or a callable path -> list of ACLs."),
         Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )
@@ -168,14 +172,20 @@ def check_setting(name: str, value: Any, where: str) -> Any:
     try:
         return SETTINGS[name].check(value)
     except ValueError as exc:
-        shown = "the value" if name == "zklock_auth_secret" else repr(value)  # never echo credentials
+        shown = "the value" if name in _SECRET_SETTINGS else repr(value)  # never echo credentials
         raise ConfigurationError(f"{where}: {shown} is invalid: {exc}. ({SETTINGS[name].help})") from None
+
+
+#: Settings whose values may hold credentials: never echoed in errors.
+_SECRET_SETTINGS = ("zklock_auth_secret", "zklock_sasl_options", "zklock_use_ssl")
 
 
 def _settings_repr(self) -> str:  # never print credentials in logs or errors
     shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     if shown["auth_secret"]:
         shown["auth_secret"] = tuple((scheme, "***") for scheme, _ in shown["auth_secret"])
+    for name in ("use_ssl", "sasl_options"):
+        shown[name] = censored(shown[name])
     return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
@@ -183,7 +193,7 @@ def _settings_repr(self) -> str:  # never print credentials in logs or errors
 #: (``settings.timeout`` for ``zklock_timeout``), derived from it so the two cannot drift.
 ZkSettings = dataclasses.make_dataclass(
     "ZkSettings",
-    [(s.field, Any, dataclasses.field(default=s.default)) for s in SETTINGS.values()],
+    [(s.field, Any, dataclasses.field(default=s.check(s.default))) for s in SETTINGS.values()],
     frozen=True,
     namespace={"__repr__": _settings_repr, "__module__": __name__,
                "__doc__": "The validated zklock_* settings of an app (with a task's overrides applied)."},
@@ -202,6 +212,17 @@ def load_settings(conf: Any) -> ZkSettings:
     return ZkSettings(**{
         s.field: check_setting(name, conf.get(name, s.default), f"setting {name}") for name, s in SETTINGS.items()
     })
+
+
+def to_wire(settings: ZkSettings) -> dict:
+    """The settings as JSON for the worker's helper processes (the lock agent, the reaper):
+    sent on their stdin, never argv — they may hold credentials."""
+    return dataclasses.asdict(settings)
+
+
+def from_wire(raw: dict) -> ZkSettings:
+    """Back from :func:`to_wire`, through the same checks (JSON turned tuples into lists)."""
+    return ZkSettings(**{s.field: s.check(raw.get(s.field, s.default)) for s in SETTINGS.values()})
 
 
 def cached_settings(app: Any) -> ZkSettings:

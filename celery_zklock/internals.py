@@ -221,9 +221,13 @@ class Attempt:
         if new_key:
             # A key not locked lately: its container probably does not exist (they are
             # reaped when empty), so create it in the same round trip, and read no children.
-            kazoo_compat.create_container_async(self.client, self.lk.path).rawlink(self._on_parent)
+            kazoo_compat.create_container_async(
+                self.client, self.lk.path, kazoo_compat.acl_for(self.client, self.lk.path)
+            ).rawlink(self._on_parent)
+        node = f"{self.lk.path}/{self.prefix}"
         created = self.client.create_async(
-            f"{self.lk.path}/{self.prefix}", self.lk.identifier, ephemeral=True, sequence=True, include_data=True
+            node, self.lk.identifier, acl=kazoo_compat.acl_for(self.client, node), ephemeral=True, sequence=True,
+            include_data=True,
         )
         listed = None if new_key else self.client.get_children_async(self.lk.path)
         created.rawlink(partial(self._on_created, session, listed))
@@ -285,18 +289,21 @@ class Attempt:
             except NoNodeError:  # an ancestor is missing too
                 parent = path.rsplit("/", 1)[0]
                 if parent:
-                    return self.client.ensure_path_async(parent).rawlink(lambda r: self._parent_made(r, retry=True))
+                    return self.client.ensure_path_async(parent, kazoo_compat.acl_for(self.client, parent)).rawlink(
+                        lambda r: self._parent_made(r, retry=True))
             except UnimplementedError:
                 znodes.mark_no_containers(self.client)
-                return self.client.create_async(path, b"", makepath=True).rawlink(self._parent_made)
+                return self.client.create_async(path, b"", acl=kazoo_compat.acl_for(self.client, path),
+                                                makepath=True).rawlink(self._parent_made)
             except Exception:
                 pass
             self._parent_made(result)
 
+        acl = kazoo_compat.acl_for(self.client, path)
         if znodes.uses_containers(self.client):
-            kazoo_compat.create_container_async(self.client, path).rawlink(made)
+            kazoo_compat.create_container_async(self.client, path, acl).rawlink(made)
         else:
-            self.client.create_async(path, b"", makepath=True).rawlink(self._parent_made)
+            self.client.create_async(path, b"", acl=acl, makepath=True).rawlink(self._parent_made)
 
     def _parent_made(self, result, retry: bool = False) -> None:
         with self._guard:

@@ -48,5 +48,13 @@ def create_container_async(client: KazooClient, path: str, acl=None):
     """
     full = client.chroot + path if client.chroot else path
     result = client.handler.async_result()
-    client._call(CreateContainer(full, b"", acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
+    client._call(CreateContainer(full, b"", acl or client.default_acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
     return result
+
+
+def acl_for(client: KazooClient, path: str):
+    """The ACL for a node we create at ``path``: the client's ACL provider's answer (Curator's
+    ``getAclForPath``, set by :func:`celery_zklock.client.new_client` from ``zklock_acl``),
+    or None for the client's ``default_acl``."""
+    provider = getattr(client, "zklock_acl_provider", None)
+    return list(provider(path)) if provider is not None else None

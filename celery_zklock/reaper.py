@@ -42,7 +42,7 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
     from kazoo.exceptions import NoNodeError
 
     from .client import connect, disconnect
-    from .config import ZkSettings
+    from .config import from_wire
     from .identity import Identity
 
     deadline = time.monotonic() + wait_dead
@@ -51,7 +51,7 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
             logger.warning("zklock: child %s still alive; leaving its locks to its session timeout", pid)
             return 0
         time.sleep(0.005)
-    zk = ZkSettings(**{**settings, "auth_secret": tuple(map(tuple, settings.get("auth_secret") or ())) or None})
+    zk = from_wire(settings)
     client = connect(zk)
     removed = 0
     try:

@@ -13,7 +13,6 @@ documents per-task ``Request`` classes for this purpose.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import subprocess
@@ -43,7 +42,7 @@ def reap_finished_reapers() -> None:
 
 def _reap_async(request: Request) -> None:
     """Start a reaper process for a lost request; the parent does no ZooKeeper I/O itself."""
-    from .config import cached_settings
+    from .config import cached_settings, to_wire
 
     reap_finished_reapers()
     task, pid = request.task, request.worker_pid
@@ -55,7 +54,7 @@ def _reap_async(request: Request) -> None:
     except Exception as exc:
         logger.warning("zklock: cannot compute lock paths of lost task %s: %r", request.id, exc)
         return
-    job = {"settings": dataclasses.asdict(settings), "paths": paths, "task_id": request.id, "pid": pid,
+    job = {"settings": to_wire(settings), "paths": paths, "task_id": request.id, "pid": pid,
            "host": socket.gethostname()}
     # The job goes through stdin, not argv: it may carry zklock_auth_secret credentials.
     proc = subprocess.Popen([sys.executable, "-m", "celery_zklock.reaper"], stdin=subprocess.PIPE, close_fds=True)

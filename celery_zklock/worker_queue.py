@@ -38,7 +38,7 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
 from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
-from .config import ZkSettings
+from .config import ZkSettings, to_wire
 from .identity import Identity
 from .options import is_locked_task
 from .states import LOCK_WAITING
@@ -67,8 +67,7 @@ class AgentProcess:
             [sys.executable, "-m", "celery_zklock.agent", self.path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
         )
-        settings = dict(self.settings.__dict__)
-        self.proc.stdin.write((json.dumps(settings) + "\n").encode())  # may hold credentials: never argv
+        self.proc.stdin.write((json.dumps(to_wire(self.settings)) + "\n").encode())  # may hold credentials: never argv
         self.proc.stdin.close()
         deadline = time.monotonic() + self.settings.connect_timeout + 5.0
         line = b""

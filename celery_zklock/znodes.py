@@ -21,6 +21,8 @@ from typing import Iterable, NamedTuple
 
 from kazoo.exceptions import NoAuthError, NodeExistsError
 
+from . import kazoo_compat
+
 #: Sequence markers we order by, first match wins (Curator, then kazoo).
 LOCK_MARKERS = ("-lock-", "__lock__")
 
@@ -114,10 +116,11 @@ def probe_permissions(client, root: str) -> None:
     try:
         if client.exists(root) is None:
             try:
-                client.create(root, b"", makepath=True)
+                client.create(root, b"", acl=kazoo_compat.acl_for(client, root), makepath=True)
             except NodeExistsError:
                 pass
-        probe = client.create(f"{root}/_zklock-probe-{uuid.uuid4().hex}", b"", ephemeral=True)
+        probe_path = f"{root}/_zklock-probe-{uuid.uuid4().hex}"
+        probe = client.create(probe_path, b"", acl=kazoo_compat.acl_for(client, probe_path), ephemeral=True)
         client.delete(probe)
     except NoAuthError:
         raise no_auth_error(root, "creating and deleting a lock node") from None
