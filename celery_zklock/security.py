@@ -32,10 +32,15 @@ SASL_MECHANISMS = ("DIGEST-MD5", "GSSAPI")
 SECRET_KEYS = ("keyfile_password", "password")
 
 
+#: broker_use_ssl's (ssl.wrap_socket) names for kazoo's: users copy that setting's dict.
+_TLS_ALIASES = {"ca_certs": "ca", "cafile": "ca", "cert_reqs": "verify_certs", "password": "keyfile_password"}
+
+
 def _options(value: dict, known: tuple[str, ...], what: str) -> None:
     for key in value:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            close = [_TLS_ALIASES[key]] if key in _TLS_ALIASES and what == "TLS" else \
+                difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown {what} option {key!r}.{hint} Known: {', '.join(known)}")
 
@@ -217,11 +222,15 @@ def tls_diagnosis(settings, timeout: float = 2.0) -> str | None:
             # harmless to a plaintext server: it drops a malformed request.)
             context = ssl.create_default_context()
             context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            speaks_tls = (f"the server at {host}:{port} speaks TLS: set zklock_use_ssl (with the ensemble's CA "
+                          "and, if it requires one, a client certificate)")
             try:
                 with context.wrap_socket(raw, server_hostname=host):
-                    return (f"the server at {host}:{port} speaks TLS: set zklock_use_ssl (with the ensemble's CA "
-                            "and, if it requires one, a client certificate)")
-            except (ssl.SSLError, OSError):
+                    return speaks_tls
+            except ssl.SSLError as exc:  # a TLS alert (e.g. "certificate required") is TLS too
+                reason = (exc.reason or str(exc)).upper()
+                return speaks_tls if any(w in reason for w in ("ALERT", "CERTIFICATE", "HANDSHAKE")) else None
+            except OSError:
                 return None
         context = ssl.create_default_context(cafile=tls.get("ca"))
         context.check_hostname = bool(tls.get("check_hostname", False))
@@ -246,13 +255,14 @@ def tls_diagnosis(settings, timeout: float = 2.0) -> str | None:
                     f"({exc.verify_message}): give the CA that signed the ensemble's certificates")
         except ssl.SSLError as exc:
             reason = (exc.reason or str(exc)).upper()
-            if "CERTIFICATE_REQUIRED" in reason or ("HANDSHAKE_FAILURE" in reason and not tls.get("certfile")):
+            if "CERTIFICATE_REQUIRED" in reason or (not tls.get("certfile") and (
+                    "CERTIFICATE" in reason or "HANDSHAKE_FAILURE" in reason)):
                 return ("the server requires a client certificate: set zklock_use_ssl['certfile'] and "
                         "zklock_use_ssl['keyfile']")
             if "UNKNOWN_CA" in reason or "BAD_CERTIFICATE" in reason or "CERTIFICATE_UNKNOWN" in reason:
                 return (f"the server rejected the client certificate zklock_use_ssl['certfile']="
                         f"{tls.get('certfile')!r} ({exc.reason}): it is not signed by a CA the ensemble trusts")
-            if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason or "PACKET_LENGTH" in reason:
+            if any(w in reason for w in ("WRONG_VERSION_NUMBER", "RECORD_LAYER", "PACKET_LENGTH", "EOF")):
                 return (f"the server at {host}:{port} does not speak TLS: point zklock_hosts at its "
                         "secureClientPort, or unset zklock_use_ssl")
             return f"TLS handshake with {host}:{port} failed ({exc.reason or exc}); check zklock_use_ssl"

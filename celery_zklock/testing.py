@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 __all__ = [
+    "TlsMaterial",
     "ZooKeeperNotInstalled",
     "ZooKeeperServer",
     "ZooKeeperEnsemble",
@@ -105,9 +106,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def four_letter_word(host: str, port: int, word: str, timeout: float = 1.0) -> str:
-    """Send a ZooKeeper four-letter command (``ruok``, ``srvr``, ``mntr``...) and return the reply."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
+def four_letter_word(host: str, port: int, word: str, timeout: float = 1.0, tls: "TlsMaterial | None" = None) -> str:
+    """Send a ZooKeeper four-letter command (``ruok``, ``srvr``, ``mntr``...) and return the
+    reply (over TLS with a client certificate of ``tls`` for a TLS-only server)."""
+    raw = socket.create_connection((host, port), timeout=timeout)
+    if tls is not None:
+        import ssl
+
+        context = ssl.create_default_context(cafile=tls.ca)
+        context.check_hostname = False
+        context.load_cert_chain(tls.client_cert, tls.client_key)
+        try:
+            raw = context.wrap_socket(raw, server_hostname=host)
+        except ssl.SSLError as exc:
+            raw.close()
+            raise OSError(f"TLS handshake failed: {exc}") from exc
+    with raw as s:
         s.sendall(word.encode())
         chunks = []
         while True:
@@ -130,12 +144,82 @@ def is_reachable(hosts: str, timeout: float = 1.0) -> bool:
     return False
 
 
+class TlsMaterial:
+    """A throwaway CA, a server certificate for 127.0.0.1 and client certificates, made
+    with ``openssl`` in a temporary directory at test time (nothing committed can expire).
+
+    Files (PEM): ``ca``, ``server`` (key + certificate, what ZooKeeper's PEM keystore
+    reads), ``client_cert``/``client_key`` signed by the CA, ``client_key_encrypted``
+    (password :attr:`KEY_PASSWORD`), and ``rogue_ca`` with ``rogue_cert``/``rogue_key``:
+    a second CA the server does not trust, for the wrong-CA cases.
+    """
+
+    KEY_PASSWORD = "test-key-password"
+
+    def __init__(self, workdir: str | None = None) -> None:
+        self.workdir = workdir or tempfile.mkdtemp(prefix="zklock-tls-")
+        self._own = workdir is None
+        d = self.workdir
+        self.ca, self.ca_key = f"{d}/ca.pem", f"{d}/ca.key"
+        self.server = f"{d}/server-keystore.pem"
+        self.client_cert, self.client_key = f"{d}/client.pem", f"{d}/client.key"
+        self.client_key_encrypted = f"{d}/client-encrypted.key"
+        self.rogue_ca, self.rogue_ca_key = f"{d}/rogue-ca.pem", f"{d}/rogue-ca.key"
+        self.rogue_cert, self.rogue_key = f"{d}/rogue-client.pem", f"{d}/rogue-client.key"
+        self._make()
+
+    def _openssl(self, *args: str) -> None:
+        proc = subprocess.run(["openssl", *args], cwd=self.workdir, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args)} failed: {proc.stderr[-2000:]}")
+
+    def _ca(self, cert: str, key: str, name: str) -> None:
+        self._openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                      "-days", "2", "-subj", f"/CN={name}")
+
+    def _signed(self, cert: str, key: str, ca: str, ca_key: str, name: str, san: str | None = None) -> None:
+        csr = f"{cert}.csr"
+        self._openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
+        ext = f"{cert}.ext"
+        with open(os.path.join(self.workdir, ext), "w") as f:
+            f.write(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
+        self._openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                      "-days", "2", "-extfile", ext)
+
+    def _make(self) -> None:
+        self._ca(self.ca, self.ca_key, "celery-zklock test CA")
+        self._ca(self.rogue_ca, self.rogue_ca_key, "rogue CA")
+        server_cert, server_key = f"{self.workdir}/server.pem", f"{self.workdir}/server.key"
+        self._signed(server_cert, server_key, self.ca, self.ca_key, "127.0.0.1", san="IP:127.0.0.1,DNS:localhost")
+        with open(self.server, "w") as out:  # ZooKeeper's PEM keystore: the key, then the certificate
+            for part in (server_key, server_cert):
+                with open(part) as f:
+                    out.write(f.read())
+        self._signed(self.client_cert, self.client_key, self.ca, self.ca_key, "worker")
+        self._openssl("pkey", "-in", self.client_key, "-out", self.client_key_encrypted, "-aes256",
+                      "-passout", f"pass:{self.KEY_PASSWORD}")
+        self._signed(self.rogue_cert, self.rogue_key, self.rogue_ca, self.rogue_ca_key, "intruder")
+
+    def client_options(self) -> dict:
+        """``zklock_use_ssl`` for a client this server accepts."""
+        return {"ca": self.ca, "certfile": self.client_cert, "keyfile": self.client_key}
+
+    def close(self) -> None:
+        if self._own:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 @dataclass
 class ZooKeeperServer:
     """One ZooKeeper server process (standalone, or a member of an ensemble).
 
     ``peers`` is filled in by :class:`ZooKeeperEnsemble`; a server without peers runs
     ``ZooKeeperServerMain``.  All ports bind to 127.0.0.1.
+
+    With ``tls`` the server listens only on a TLS port (``secureClientPort``, Netty) and
+    requires a client certificate signed by ``tls.ca`` (``ssl.clientAuth=need``).  With
+    ``sasl_users`` ({user: password}) every session must authenticate with SASL
+    DIGEST-MD5 (a JAAS file written at start) before it may do anything.
     """
 
     tick_ms: int = 200
@@ -146,6 +230,8 @@ class ZooKeeperServer:
     fsync: bool = True
     container_check_ms: int = 100
     max_client_cnxns: int = 0
+    tls: TlsMaterial | None = field(default=None, repr=False)
+    sasl_users: dict[str, str] | None = field(default=None, repr=False)
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _own_workdir: bool = field(default=False, repr=False)
 
@@ -157,11 +243,30 @@ class ZooKeeperServer:
         assert self.workdir
         data = os.path.join(self.workdir, "data")
         os.makedirs(data, exist_ok=True)
+        if self.tls is not None:
+            port_lines = [
+                f"secureClientPort={self.client_port}",
+                "secureClientPortAddress=127.0.0.1",
+                "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+                f"ssl.keyStore.location={self.tls.server}",
+                "ssl.keyStore.type=PEM",
+                f"ssl.trustStore.location={self.tls.ca}",
+                "ssl.trustStore.type=PEM",
+                "ssl.clientAuth=need",
+            ]
+        else:
+            port_lines = [f"clientPort={self.client_port}", "clientPortAddress=127.0.0.1"]
+        if self.sasl_users:
+            port_lines += [
+                "authProvider.1=org.apache.zookeeper.server.auth.SASLAuthenticationProvider",
+                "sessionRequireClientSASLAuth=true",
+                "enforce.auth.enabled=true",
+                "enforce.auth.schemes=sasl",
+            ]
         lines = [
             f"tickTime={self.tick_ms}",
             f"dataDir={data}",
-            f"clientPort={self.client_port}",
-            "clientPortAddress=127.0.0.1",
+            *port_lines,
             f"maxClientCnxns={self.max_client_cnxns}",
             "initLimit=20",
             "syncLimit=10",
@@ -206,6 +311,7 @@ class ZooKeeperServer:
             "-Dznode.container.maxPerMinute=1000000",
             "-Dzookeeper.admin.enableServer=false",
             "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+            *self._jaas_options(),
             main,
             cfg,
         ]
@@ -216,6 +322,16 @@ class ZooKeeperServer:
         if wait:
             self.wait_serving(timeout)
         return self
+
+    def _jaas_options(self) -> list[str]:
+        if not self.sasl_users:
+            return []
+        users = "\n".join(f'  user_{u}="{p}"' for u, p in self.sasl_users.items())
+        path = os.path.join(self.workdir or "", "jaas.conf")
+        with open(path, "w") as f:
+            f.write("Server {\n  org.apache.zookeeper.server.auth.DigestLoginModule required\n" + users + ";\n};\n")
+        return [f"-Djava.security.auth.login.config={path}", "-Dzookeeper.authProvider.1="
+                "org.apache.zookeeper.server.auth.SASLAuthenticationProvider"]
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         """Block until the server answers ``ruok`` and (in an ensemble) has a role."""
@@ -231,7 +347,7 @@ class ZooKeeperServer:
     def mode(self) -> str | None:
         """``standalone``, ``leader``, ``follower`` or None when not serving."""
         try:
-            out = four_letter_word("127.0.0.1", self.client_port, "srvr", timeout=0.5)
+            out = four_letter_word("127.0.0.1", self.client_port, "srvr", timeout=0.5, tls=self.tls)
         except OSError:
             return None
         for line in out.splitlines():

@@ -31,6 +31,10 @@ app.conf.update(
 )
 if os.environ.get("TEST_ZK_WAIT_IN"):
     app.conf.zklock_wait_in = os.environ["TEST_ZK_WAIT_IN"]
+# Security settings for tests/test_security.py, as JSON (the worker gets them through its env).
+for _name in ("use_ssl", "auth_secret", "sasl_options"):
+    if os.environ.get(f"TEST_ZK_{_name.upper()}"):
+        app.conf[f"zklock_{_name}"] = json.loads(os.environ[f"TEST_ZK_{_name.upper()}"])
 if os.environ.get("TEST_ZK_HANDOFF_SLOTS"):
     app.conf.zklock_handoff_slots = int(os.environ["TEST_ZK_HANDOFF_SLOTS"])
 if os.environ.get("TEST_POOL_START_METHOD"):

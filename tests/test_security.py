@@ -1,0 +1,245 @@
+"""ZooKeeper security against real servers: mutual TLS (a TLS-only ensemble member whose
+certificates are made at test time), digest ACLs on every node we create, and the clear
+errors for each way a secure setup can be wrong."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import time
+import uuid
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
+from kazoo.recipe.lock import Lock
+from kazoo.security import Permissions
+
+from celery_zklock import LockUnavailable
+from celery_zklock.client import connect, disconnect
+from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_settings
+from celery_zklock.errors import ConfigurationError
+from celery_zklock.testing import TlsMaterial, ZooKeeperServer
+from support.workers import Worker
+from tests.lockutil import children, overlapping
+from tests.test_celery_workers import _wait_pid
+
+SECRET = "hunter2-not-in-logs"
+
+
+@pytest.fixture(scope="module")
+def tls():
+    material = TlsMaterial()
+    yield material
+    material.close()
+
+
+@pytest.fixture(scope="module")
+def tls_zk(tls):
+    server = ZooKeeperServer(tls=tls).start()
+    yield server
+    server.close()
+
+
+def _settings(hosts: str, **values) -> ZkSettings:
+    return ZkSettings(hosts=hosts, connect_timeout=3.0, session_timeout=4.0,
+                      **{k: check_setting(f"zklock_{k}", v, k) for k, v in values.items()})
+
+
+# ------------------------------------------------------------------ TLS, client side
+def test_locks_over_mutual_tls(tls, tls_zk):
+    client = connect(_settings(tls_zk.hosts, use_ssl=tls.client_options()))
+    try:
+        path = client.create("/tls-probe", b"", ephemeral=True)
+        assert client.exists(path)
+    finally:
+        disconnect(client)
+
+
+def test_encrypted_client_key_with_its_password(tls, tls_zk):
+    opts = {**tls.client_options(), "keyfile": tls.client_key_encrypted, "keyfile_password": tls.KEY_PASSWORD}
+    disconnect(connect(_settings(tls_zk.hosts, use_ssl=opts)))
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("plaintext", r"speaks TLS: set zklock_use_ssl"),
+        ("no client certificate", r"requires a client certificate: set zklock_use_ssl\['certfile'\]"),
+        ("wrong CA", r"does not verify against zklock_use_ssl\['ca'\]='[^']*rogue-ca.pem'"),
+        ("certificate of another CA", r"rejected the client certificate zklock_use_ssl\['certfile'\]='[^']*rogue-client.pem'"),
+        ("wrong key password", r"cannot load the client certificate .*wrong keyfile_password"),
+    ],
+)
+def test_each_tls_mistake_gets_its_own_message(tls, tls_zk, case, expected):
+    opts = {
+        "plaintext": None,
+        "no client certificate": {"ca": tls.ca},
+        "wrong CA": {**tls.client_options(), "ca": tls.rogue_ca},
+        "certificate of another CA": {"ca": tls.ca, "certfile": tls.rogue_cert, "keyfile": tls.rogue_key},
+        "wrong key password": {**tls.client_options(), "keyfile": tls.client_key_encrypted, "keyfile_password": "nope"},
+    }[case]
+    settings = _settings(tls_zk.hosts, use_ssl=opts) if opts else _settings(tls_zk.hosts)
+    with pytest.raises(LockUnavailable, match=expected) as info:
+        connect(settings)
+    assert "nope" not in str(info.value) and tls.KEY_PASSWORD not in str(info.value)
+
+
+def test_tls_to_a_plaintext_server_says_so(tls, zk_server):
+    with pytest.raises(LockUnavailable, match="does not speak TLS"):
+        connect(_settings(zk_server.hosts, use_ssl=tls.client_options()))
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ({"ca": "/nonexistent/ca.pem"}, r"'ca' file '/nonexistent/ca.pem' does not exist"),
+        ({"cafile": "/x"}, r"unknown TLS option 'cafile'. Did you mean 'ca'\?"),
+        ({"ca_certs": "/x", "cert_reqs": 2}, r"unknown TLS option 'ca_certs'. Did you mean 'ca'\?"),  # broker_use_ssl's names
+        ({"verify_certs": "yes"}, r"'verify_certs' must be True or False"),
+        ("tls", r"must be True, False, or a dict"),
+        ({"keyfile": "/etc/hostname"}, r"'keyfile' needs its 'certfile'"),
+    ],
+)
+def test_bad_use_ssl_values_stop_at_load(value, expected):
+    from celery import Celery
+
+    app = Celery(set_as_current=False)
+    app.conf.zklock_use_ssl = value
+    with pytest.raises(ConfigurationError, match=r"setting zklock_use_ssl: .*" + expected):
+        load_settings(app.conf)
+
+
+def test_secrets_are_never_shown():
+    settings = _settings("127.0.0.1:1", auth_secret=[("digest", f"u:{SECRET}")],
+                         sasl_options={"mechanism": "DIGEST-MD5", "username": "u", "password": SECRET})
+    assert SECRET not in repr(settings)
+    for name, bad in (("zklock_sasl_options", {"mechanism": "DIGEST-MD5", "username": "u", "password": SECRET, "pw": 1}),
+                      ("zklock_use_ssl", {"keyfile_password": SECRET, "cafile": "x"})):
+        with pytest.raises(ConfigurationError) as info:
+            check_setting(name, bad, name)
+        assert SECRET not in str(info.value)
+    # Celery's own censoring (`celery inspect conf`) reaches into these dicts by key name.
+    from celery.app.utils import filter_hidden_settings
+
+    shown = filter_hidden_settings({"zklock_sasl_options": {"password": SECRET},
+                                    "zklock_use_ssl": {"keyfile_password": SECRET}, "zklock_auth_secret": [SECRET]})
+    assert SECRET not in json.dumps(shown)
+
+
+def test_every_security_setting_is_declared_once():
+    assert {"zklock_use_ssl", "zklock_sasl_options", "zklock_acl"} <= set(SETTINGS)
+
+
+# ------------------------------------------------------------------ real workers
+@pytest.fixture(scope="module")
+def secure_env(redis_server, tls, tls_zk):
+    values = {
+        "TEST_REDIS_URL": redis_server.url,
+        "TEST_ZK_HOSTS": tls_zk.hosts,
+        "TEST_ZK_ROOT": f"/sec-{uuid.uuid4().hex[:8]}",
+        "TEST_ZK_SESSION": "4",
+        "TEST_ZK_USE_SSL": json.dumps(tls.client_options()),
+        "TEST_ZK_AUTH_SECRET": json.dumps([["digest", f"worker:{SECRET}"]]),
+    }
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    import tests.apps.locked as m
+
+    yield values, importlib.reload(m)
+    for k, v in saved.items():  # later modules reload the app without TLS
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _admin(tls, tls_zk, auth: bool) -> KazooClient:
+    client = KazooClient(tls_zk.hosts, use_ssl=True, **tls.client_options(),
+                         auth_data=[("digest", f"worker:{SECRET}")] if auth else None)
+    client.start(timeout=10)
+    return client
+
+
+def test_worker_over_mutual_tls_with_acls_keeps_exclusion_against_an_intruder(secure_env, tls, tls_zk):
+    """Locked tasks run through a real worker over TLS with digest credentials.  Another
+    client on the ensemble without those credentials can list the queue but can neither
+    delete nor overwrite the holder's node; the holder keeps its lock and ends SUCCESS."""
+    env, mod = secure_env
+    mod._r.delete("history", "arrivals")
+    w = Worker(env, "tls1", concurrency=3).start(mod.app)
+    intruder = _admin(tls, tls_zk, auth=False)
+    try:
+        key = f"sec-{uuid.uuid4().hex[:6]}"
+        holder = mod.hold.delay(key, 2000, "holder")
+        rest = [mod.hold.delay(key, 20, f"w{i}") for i in range(4)]
+        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+        deadline = time.time() + 10
+        while len(children(intruder, path)) < 5 and time.time() < deadline:
+            time.sleep(0.05)
+        queue = children(intruder, path)
+        assert len(queue) == 5  # READ for everyone: the queue is visible
+        first = f"{path}/{queue[0]}"
+        with pytest.raises(NoAuthError):
+            intruder.delete(first)
+        with pytest.raises(NoAuthError):
+            intruder.set(first, b"mine now")
+        with pytest.raises(NoAuthError):
+            intruder.delete(path)
+        acl, _ = intruder.get_acls(first)
+        assert {(a.id.scheme, a.perms) for a in acl} == {("digest", Permissions.ALL), ("world", Permissions.READ)}
+        assert holder.get(timeout=30) is not None
+        for r in rest:
+            r.get(timeout=30)
+        rows = [json.loads(x) for x in mod._r.lrange("history", 0, -1)]
+        assert overlapping([(r["start"], r["end"]) for r in rows if r["key"] == key]) is None
+        assert holder.state == "SUCCESS"
+    finally:
+        intruder.stop()
+        intruder.close()
+        w.stop()
+
+
+def test_worker_loss_release_and_a_kazoo_peer_with_the_same_credentials(secure_env, tls, tls_zk):
+    """A pool process SIGKILLed while holding: the agent (same credentials) deletes its node
+    at once.  A kazoo Lock peer with the same credentials queues on the same path."""
+    env, mod = secure_env
+    mod._r.delete("history", "arrivals")
+    w = Worker(env, "tls2", concurrency=2).start(mod.app)
+    peer = _admin(tls, tls_zk, auth=True)
+    try:
+        key = f"loss-{uuid.uuid4().hex[:6]}"
+        mod.report_pid.delay(key, 30000)
+        pid = _wait_pid(mod, key)
+        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+        nxt = mod.hold.delay(key, 10, "next")
+        deadline = time.time() + 10
+        while len(children(peer, path)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(children(peer, path)) == 2
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)
+        assert nxt.get(timeout=10) is not None
+        took = [json.loads(x) for x in mod._r.lrange("arrivals", 0, -1) if json.loads(x)["tag"] == "next"][0]["start"]
+        assert took - killed < 2.0, "the dead process's lock was not freed at once (session timeout is 4 s)"
+        lock = Lock(peer, path, identifier="kazoo-peer", extra_lock_patterns=["-lock-"])
+        assert lock.acquire(timeout=10)
+        lock.release()
+    finally:
+        peer.stop()
+        peer.close()
+        w.stop()
+
+
+def test_worker_without_a_client_certificate_refuses_to_start(secure_env, tls):
+    env, mod = secure_env
+    bad = {**env, "TEST_ZK_USE_SSL": json.dumps({"ca": tls.ca})}
+    w = Worker(bad, "tls3", concurrency=1)
+    w.start()
+    try:
+        assert w.proc.wait(60) != 0
+        assert "requires a client certificate: set zklock_use_ssl['certfile']" in w.log()
+    finally:
+        w.stop()
