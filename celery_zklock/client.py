@@ -28,7 +28,7 @@ from kazoo.retry import KazooRetry
 
 from .config import ZkSettings
 from .errors import LockUnavailable
-from .security import acl_provider, client_kwargs, tls_diagnosis
+from .security import acl_provider, auth_problem, client_kwargs, tls_diagnosis
 
 logger = logging.getLogger("celery_zklock.worker")
 
@@ -138,6 +138,10 @@ def connect(settings: ZkSettings, handler=None) -> KazooClient:
             f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
             f"({type(exc).__name__}: {exc}); " + (why or "start the ensemble or fix zklock_hosts")
         ) from exc
+    why = auth_problem(client, settings)
+    if why:
+        disconnect(client)
+        raise LockUnavailable(f"connected to ZooKeeper at zklock_hosts={settings.hosts!r}, but {why}")
     return client
 
 

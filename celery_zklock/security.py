@@ -89,6 +89,10 @@ def check_sasl_options(value: Any) -> tuple | None:
     if not isinstance(value, dict):
         raise ValueError("must be None or a dict like {'mechanism': 'DIGEST-MD5', 'username': 'u', 'password': 'p'}")
     _options(value, SASL_OPTIONS, "SASL")
+    try:
+        import puresasl  # noqa: F401  (kazoo's SASL needs it)
+    except ImportError:
+        raise ValueError("SASL needs the pure-sasl package: pip install 'celery-zklock[sasl]'") from None
     mechanism = value.get("mechanism")
     if mechanism not in SASL_MECHANISMS:
         raise ValueError(f"'mechanism' must be one of {', '.join(SASL_MECHANISMS)}")
@@ -268,4 +272,32 @@ def tls_diagnosis(settings, timeout: float = 2.0) -> str | None:
             return f"TLS handshake with {host}:{port} failed ({exc.reason or exc}); check zklock_use_ssl"
         except OSError:
             return None
+    return None
+
+
+def auth_problem(client, settings) -> str | None:
+    """After connecting: does the server refuse our session for want of (the right) SASL
+    authentication?  A message naming ``zklock_sasl_options``, or None.
+
+    Why a probe: ZooKeeper accepts the connection and only then closes a session that
+    failed or lacks SASL, and kazoo keeps reconnecting; without this a worker would start,
+    and every task would fail with a bare ConnectionLoss."""
+    from kazoo.exceptions import SessionClosedRequireSaslError
+
+    sasl = dict(settings.sasl_options or ())
+    failed = False
+    for attempt in range(2):  # twice, a moment apart: the server may close the session late
+        try:
+            client.exists_async("/").get(timeout=settings.connect_timeout)
+        except SessionClosedRequireSaslError:
+            return "the server requires SASL authentication: set zklock_sasl_options"
+        except Exception:  # the session closed (AuthFailed, ConnectionLoss/Closed), or no reply
+            failed = True
+        if attempt == 0 and sasl:
+            import time
+
+            time.sleep(0.2)
+    if sasl and (failed or not client.connected):
+        return (f"it closed our session right after SASL {sasl.get('mechanism')} authentication as "
+                f"{sasl.get('username')!r}: check zklock_sasl_options' username and password")
     return None

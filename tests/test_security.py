@@ -243,3 +243,75 @@ def test_worker_without_a_client_certificate_refuses_to_start(secure_env, tls):
         assert "requires a client certificate: set zklock_use_ssl['certfile']" in w.log()
     finally:
         w.stop()
+
+
+# ------------------------------------------------------------------ SASL DIGEST-MD5
+@pytest.fixture(scope="module")
+def sasl_zk():
+    server = ZooKeeperServer(sasl_users={"worker": SECRET, "monitor": "read-only-pw"}).start()
+    yield server
+    server.close()
+
+
+def _sasl(user: str, password: str) -> dict:
+    return {"mechanism": "DIGEST-MD5", "username": user, "password": password}
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (None, r"the server requires SASL authentication: set zklock_sasl_options"),
+        (_sasl("worker", "wrong"), r"SASL DIGEST-MD5 authentication as 'worker': check zklock_sasl_options' username and password"),
+        (_sasl("nobody", "x"), r"as 'nobody': check zklock_sasl_options"),
+    ],
+)
+def test_sasl_mistakes_get_clear_messages(sasl_zk, options, expected):
+    settings = _settings(sasl_zk.hosts, sasl_options=options) if options else _settings(sasl_zk.hosts)
+    with pytest.raises(LockUnavailable, match=expected) as info:
+        connect(settings)
+    assert SECRET not in str(info.value) and "wrong" not in str(info.value).split("check")[0]
+
+
+def test_sasl_worker_acl_keeps_other_sasl_users_read_only(redis_server, sasl_zk):
+    """A real worker authenticated with SASL DIGEST-MD5: its nodes carry sasl:worker (all
+    rights) + world READ, so another authenticated user can watch the queue but cannot
+    delete the holder's node; the holder ends SUCCESS."""
+    values = {
+        "TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": sasl_zk.hosts,
+        "TEST_ZK_ROOT": f"/sasl-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4",
+        "TEST_ZK_SASL_OPTIONS": json.dumps(_sasl("worker", SECRET)),
+    }
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    import tests.apps.locked as m
+
+    mod = importlib.reload(m)
+    w = Worker(values, "sasl1", concurrency=2).start(mod.app)
+    monitor = KazooClient(sasl_zk.hosts, sasl_options=_sasl("monitor", "read-only-pw"))
+    monitor.start(timeout=10)
+    try:
+        key = f"s-{uuid.uuid4().hex[:6]}"
+        holder = mod.hold.delay(key, 1500, "holder")
+        waiter = mod.hold.delay(key, 10, "waiter")
+        path = f"{values['TEST_ZK_ROOT']}/k:{key}"
+        deadline = time.time() + 10
+        while len(children(monitor, path)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        queue = children(monitor, path)
+        assert len(queue) == 2
+        with pytest.raises(NoAuthError):
+            monitor.delete(f"{path}/{queue[0]}")
+        acl, _ = monitor.get_acls(f"{path}/{queue[0]}")
+        assert {(a.id.scheme, a.id.id, a.perms) for a in acl} == {("sasl", "worker", Permissions.ALL),
+                                                                  ("world", "anyone", Permissions.READ)}
+        assert holder.get(timeout=30) is not None and waiter.get(timeout=30) is not None
+        assert SECRET not in w.log()
+    finally:
+        monitor.stop()
+        monitor.close()
+        w.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
