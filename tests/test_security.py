@@ -280,6 +280,7 @@ def test_sasl_worker_acl_keeps_other_sasl_users_read_only(redis_server, sasl_zk)
         "TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": sasl_zk.hosts,
         "TEST_ZK_ROOT": f"/sasl-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4",
         "TEST_ZK_SASL_OPTIONS": json.dumps(_sasl("worker", SECRET)),
+        "TEST_ZK_USE_SSL": "", "TEST_ZK_AUTH_SECRET": "",  # not the TLS tests' settings
     }
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
