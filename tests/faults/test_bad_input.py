@@ -102,12 +102,22 @@ SETTING_ROWS = [
     ({"FAULTS_ZK_HOSTS": "127.0.0.1:2181,,127.0.0.1:2182"}, r"zklock_hosts.*not host\[:port\]"),
     ({"FAULTS_ZK_HOSTS": "zk.invalid:2181"}, r"cannot reach ZooKeeper at zklock_hosts='zk.invalid:2181'"),
     ({"FAULTS_ZK_HOSTS": "BROKER"}, r"cannot reach ZooKeeper at zklock_hosts="),  # a Redis, not a ZooKeeper
+    ({"FAULTS_CONF": json.dumps({"zklock_use_ssl": {"ca": "/nonexistent/zk-ca.pem"}})},
+     r"zklock_use_ssl.*'ca' file '/nonexistent/zk-ca.pem' does not exist"),
+    ({"FAULTS_CONF": json.dumps({"zklock_use_ssl": {"ca_certs": "/etc/hostname"}})},
+     r"zklock_use_ssl.*unknown TLS option 'ca_certs'. Did you mean 'ca'"),
+    ({"FAULTS_CONF": json.dumps({"zklock_use_ssl": True})},  # TLS to a plaintext ensemble
+     r"does not speak TLS: point zklock_hosts at its secureClientPort, or unset zklock_use_ssl"),
+    ({"FAULTS_CONF": json.dumps({"zklock_sasl_options": {"mechanism": "PLAIN", "password": "hunter2"}})},
+     r"zklock_sasl_options.*'mechanism' must be one of DIGEST-MD5, GSSAPI"),
+    ({"FAULTS_CONF": json.dumps({"zklock_acl": [[99, "world", "anyone"]]})}, r"zklock_acl.*is not an ACL"),
 ]
 
 
 @pytest.mark.parametrize("env, expected", SETTING_ROWS, ids=[
     "typo-setting", "bad-policy", "negative-session", "auth-as-string", "root-double-slash", "port-out-of-range",
-    "url-scheme", "empty-host", "unresolvable-host", "not-zookeeper"])
+    "url-scheme", "empty-host", "unresolvable-host", "not-zookeeper", "tls-missing-ca", "tls-broker-use-ssl-name",
+    "tls-to-plaintext", "sasl-mechanism", "acl-not-an-acl"])
 def test_worker_refuses_bad_settings(scenario, env, expected):
     env = {k: v.replace("BROKER", f"127.0.0.1:{scenario.cluster.broker.port}") for k, v in env.items()}
     queued = scenario.send(A.step, "never", 5, queue=f"{scenario.name}-refused")
