@@ -31,6 +31,7 @@ _EXPORTS = {
     "HeldLock": "task",
     "current_lock": "task",
     "lock_path": "task",
+    "lock_configured_tasks": "task",
     "SKIPPED": "states",
     "LOCK_WAITING": "states",
 }
@@ -56,4 +57,4 @@ if TYPE_CHECKING:
     from .keys import encode_key
     from .lock import Contender, FairLock, MultiLock, contenders
     from .states import LOCK_WAITING, SKIPPED
-    from .task import HeldLock, ZkLockedTask, current_lock, lock_path
+    from .task import HeldLock, ZkLockedTask, current_lock, lock_configured_tasks, lock_path

@@ -13,6 +13,9 @@ import click
 from kazoo.exceptions import NoAuthError
 from celery.bin.base import CeleryCommand
 
+# Celery imports this module for every `celery` command (the celery.commands entry point),
+# so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
+from . import task  # noqa: F401
 from .client import connect, disconnect
 from .errors import LockUnavailable
 from .config import load_settings

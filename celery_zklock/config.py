@@ -86,6 +86,23 @@ def _slots_or_none(value: Any) -> int | None:
     return value
 
 
+def _tasks(value: Any) -> tuple:
+    """{task name or fnmatch glob: {lock option: value}}; normal form: a tuple of pairs
+    (the options themselves are checked at worker start, against the tasks they lock)."""
+    if not value:
+        return ()
+    if isinstance(value, (list, tuple)):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise ValueError("must be a dict like {'proj.billing.tasks.sync_account': {'lock_key': 'acct:{account_id}'}}")
+    for pattern, options in value.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{pattern!r} is not a task name or pattern")
+        if not isinstance(options, dict):
+            raise ValueError(f"the options of {pattern!r} must be a dict of lock options, got {options!r}")
+    return tuple((pattern, dict(options)) for pattern, options in value.items())
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in options:
@@ -127,6 +144,7 @@ class Setting:
     check: Callable[[Any], Any]
     help: str
     option: str | None = None
+    wire: bool = True  # sent to the worker's helper processes (the lock agent, the reaper)
 
     @property
     def field(self) -> str:
@@ -154,6 +172,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_use_ssl", False, check_use_ssl, "TLS to ZooKeeper: True (system CAs) or a dict of kazoo's TLS options (ca, certfile, keyfile, keyfile_password, verify_certs, check_hostname), like broker_use_ssl."),
         Setting("zklock_sasl_options", None, check_sasl_options, "SASL authentication (kazoo sasl_options): {'mechanism': 'DIGEST-MD5', 'username': ..., 'password': ...} or GSSAPI."),
         Setting("zklock_acl", None, check_acl, "ACL of every node we create: None = with credentials, our identity all rights and anyone READ (without, open); a list of kazoo ACLs; or a callable path -> list of ACLs."),
+        Setting("zklock_tasks", {}, _tasks, "Lock tasks without changing their code: {task name or fnmatch glob: {lock option: value}}, applied at worker start.", wire=False),
         Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )
@@ -217,7 +236,7 @@ def load_settings(conf: Any) -> ZkSettings:
 def to_wire(settings: ZkSettings) -> dict:
     """The settings as JSON for the worker's helper processes (the lock agent, the reaper):
     sent on their stdin, never argv — they may hold credentials."""
-    return dataclasses.asdict(settings)
+    return {s.field: getattr(settings, s.field) for s in SETTINGS.values() if s.wire}
 
 
 def from_wire(raw: dict) -> ZkSettings:

@@ -22,7 +22,7 @@ from celery import Task
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import agent_lock, config, signals, worker_loss
+from . import agent_lock, by_config, config, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockTimeout, LockUnavailable
@@ -367,4 +367,11 @@ def lock_path(key: str, app=None) -> str:
     return key_path(load_settings(app.conf).root, key)
 
 
+def lock_configured_tasks(app) -> list[str]:
+    """Lock the tasks ``zklock_tasks`` names (see :mod:`celery_zklock.by_config`): done at
+    worker start; call it in another process that runs those tasks eagerly."""
+    return by_config.lock_tasks(app, ZkLockedTask)
+
+
+worker_loss.before_validation.append(lock_configured_tasks)
 worker_loss.install()

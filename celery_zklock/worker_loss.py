@@ -94,6 +94,11 @@ class LockAwareRequest(Request):
                 _reap_async(self)  # waits for the pool to kill the child first
 
 
+#: Called with the app at worker start, before validation (``by_config`` locks the tasks
+#: ``zklock_tasks`` names): a ConfigurationError there stops the worker like any other.
+before_validation: list = []
+
+
 def validate_app(app) -> bool:
     """Check settings, every locked task's options, that ZooKeeper answers and lets us lock.
 
@@ -108,6 +113,8 @@ def validate_app(app) -> bool:
     from .znodes import probe_permissions
 
     try:
+        for hook in before_validation:
+            hook(app)
         settings = load_settings(app.conf)
         app._zklock_settings = settings
         locked = [t for t in app.tasks.values() if is_locked_task(t)]

@@ -8,7 +8,7 @@ import os
 import time
 
 import redis
-from celery import Celery
+from celery import Celery, shared_task
 
 from celery_zklock import ZkLockedTask, current_lock
 
@@ -32,7 +32,7 @@ app.conf.update(
 if os.environ.get("TEST_ZK_WAIT_IN"):
     app.conf.zklock_wait_in = os.environ["TEST_ZK_WAIT_IN"]
 # Security settings for tests/test_security.py, as JSON (the worker gets them through its env).
-for _name in ("use_ssl", "auth_secret", "sasl_options"):
+for _name in ("use_ssl", "auth_secret", "sasl_options", "tasks"):
     if os.environ.get(f"TEST_ZK_{_name.upper()}"):
         app.conf[f"zklock_{_name}"] = json.loads(os.environ[f"TEST_ZK_{_name.upper()}"])
 if os.environ.get("TEST_ZK_HANDOFF_SLOTS"):
@@ -180,3 +180,12 @@ def retry_while_holding(self, key):
         self.retry(countdown=0, throw=False)
         time.sleep(0.5)
     _record("hold", key, f"attempt{self.request.retries}", start, time.time(), current_lock().token)
+
+
+# Not a ZkLockedTask: locked only through zklock_tasks (TEST_ZK_TASKS), code unchanged.
+@shared_task(name="tests.apps.shared.plain_hold")
+def plain_hold(key, ms=20, tag=None):
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("plain", key, tag, start, time.time())
+    return os.getpid()
