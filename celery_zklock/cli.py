@@ -2,26 +2,38 @@
 
 Registered under Celery's ``celery.commands`` entry point, so it runs with the app's own
 configuration: ``celery -A proj zklock status``.  Answers "who holds the lock?" (a common
-request to the peers, celery-once #110) without a ZooKeeper shell.
+request to the peers, celery-once #110) without a ZooKeeper shell, frees the lock of a
+machine known to be dead, and streams lock events.  Every command takes ``--json``.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
+import logging
+import socket
+import time
 
 import click
-from kazoo.exceptions import NoAuthError
 from celery.bin.base import CeleryCommand
+from kazoo.exceptions import NoAuthError, NoNodeError
 
 # Celery imports this module for every `celery` command (the celery.commands entry point),
 # so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
 from . import task  # noqa: F401
 from .client import connect, disconnect
-from .errors import LockUnavailable
 from .config import load_settings
+from .errors import LockUnavailable
+from .identity import Identity
 from .keys import encode_key, key_path
 from .lock import contenders
 from .znodes import no_auth_error
+
+logger = logging.getLogger("celery_zklock.cli")
+
+#: The lock events workers send with ``-E`` (``task-lock-*``), as ``watch`` shows them.
+LOCK_EVENTS = ("task-lock-waiting", "task-lock-acquired", "task-lock-released", "task-lock-timeout",
+               "task-lock-lost", "task-lock-unavailable", "task-lock-duplicate")
 
 
 def _client(settings):
@@ -31,55 +43,174 @@ def _client(settings):
         raise click.ClickException(str(exc)) from None
 
 
+def _echo_json(value) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
 @click.group(cls=click.Group, name="zklock")
 @click.pass_context
 def zklock(ctx: click.Context) -> None:
-    """Inspect celery-zklock locks (holders, waiters, znode paths)."""
+    """Inspect and operate celery-zklock locks (holders, waiters, znode paths, events)."""
 
 
+# ------------------------------------------------------------------ status
 @zklock.command(cls=CeleryCommand)
 @click.argument("key", required=False)
+@click.option("--prefix", help="Only keys starting with this prefix.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def status(ctx: click.Context, key: str | None, as_json: bool) -> None:
-    """Holders and waiters of KEY, or of every key with contenders."""
-    app = ctx.obj.app
-    settings = load_settings(app.conf)
+def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: bool) -> None:
+    """Every holder and waiter of KEY, of the keys starting with --prefix, or of every key."""
+    if key is not None and prefix is not None:
+        raise click.UsageError("give KEY or --prefix, not both")
+    settings = load_settings(ctx.obj.app.conf)
     client = _client(settings)
     try:
-        _status(client, settings, key, as_json)
+        report = lock_report(client, settings.root, key, prefix)
     except NoAuthError:
         raise click.ClickException(str(no_auth_error(settings.root, "reading the lock queues"))) from None
     finally:
         disconnect(client)
-
-
-def _status(client, settings, key: str | None, as_json: bool) -> None:
-    """Print the holders and waiters of KEY (or of every key) as text or JSON."""
-    if key is not None:
-        names = [encode_key(key)]
-    else:
-        names = sorted(client.get_children(settings.root)) if client.exists(settings.root) else []
-    report = {}
-    for name in names:
-        path = f"{settings.root}/{name}"
-        found = contenders(client, path)
-        if found:
-            report[path] = [{"node": c.node, "holder": c.holder, "owner": c.identifier} for c in found]
     if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
+        return _echo_json(report)
     if not report:
         click.echo("no locks held or waited for")
     for path, rows in report.items():
         click.echo(path)
         for r in rows:
-            click.echo(f"  {'HOLDS ' if r['holder'] else 'waits '} {r['node']}  {r['owner']}")
+            who = " ".join(f"{k}={r[k]}" for k in ("task", "task_id", "worker", "host", "pid") if r.get(k) is not None)
+            what = "HOLDS" if r["holder"] else "waits"
+            click.echo(f"  {r['position']:>3} {what}  {r['for_s']:>8.1f}s  {r['node']}  {who or r['data']}")
 
 
+def lock_report(client, root: str, key: str | None = None, prefix: str | None = None) -> dict:
+    """{lock path: [contender, ...]} in queue order; each contender with its position, holder
+    flag (every holder of a semaphore), age, and the task, worker, host and pid its node names."""
+    if key is not None:
+        names = [encode_key(key)]
+    else:
+        try:
+            names = sorted(client.get_children(root))
+        except NoNodeError:
+            names = []
+        if prefix is not None:
+            start = encode_key(prefix) if prefix else ""
+            names = [n for n in names if n.startswith(start)]
+    now = time.time()
+    report = {}
+    for name in names:
+        path = f"{root}/{name}"
+        found = contenders(client, path, max_holders=None)
+        if not found:
+            continue
+        rows = []
+        for position, c in enumerate(found):
+            ident = Identity.parse(c.identifier)
+            rows.append({
+                "node": c.node, "position": position, "holder": c.holder,
+                "for_s": round(now - c.created, 3) if c.created else None,
+                "task": ident.task if ident else None, "task_id": ident.task_id if ident else None,
+                "worker": ident.worker if ident else None, "host": ident.host if ident else None,
+                "pid": ident.pid if ident else None, "data": None if ident else c.identifier,
+            })
+        report[path] = rows
+    return report
+
+
+# ------------------------------------------------------------------ path
 @zklock.command(cls=CeleryCommand)
 @click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def path(ctx: click.Context, key: str) -> None:
+def path(ctx: click.Context, key: str, as_json: bool) -> None:
     """Print the znode path of KEY (to share the lock with Curator or kazoo users)."""
-    click.echo(key_path(load_settings(ctx.obj.app.conf).root, key))
+    value = key_path(load_settings(ctx.obj.app.conf).root, key)
+    if as_json:
+        return _echo_json({"key": key, "path": value})
+    click.echo(value)
+
+
+# ------------------------------------------------------------------ release
+@zklock.command(cls=CeleryCommand)
+@click.argument("key")
+@click.option("--node", required=True, help="The exact node name to delete (see `status`).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def release(ctx: click.Context, key: str, node: str, yes: bool, as_json: bool) -> None:
+    """Force-delete one contender NODE of KEY: for an operator who knows its machine is dead.
+
+    Deleting a live holder's node lets the next task in while it still runs: its release
+    will fail with LockLost, and whatever it writes after is no longer exclusive.  So this
+    deletes exactly the named node, after showing who it belongs to, and never guesses."""
+    settings = load_settings(ctx.obj.app.conf)
+    client = _client(settings)
+    try:
+        report = lock_report(client, settings.root, key)
+        rows = next(iter(report.values()), [])
+        row = next((r for r in rows if r["node"] == node), None)
+        lock = key_path(settings.root, key)
+        if row is None:
+            known = ", ".join(r["node"] for r in rows) or "none"
+            raise click.ClickException(f"no node {node!r} under {lock} (its contenders: {known}); nothing deleted")
+        owner = " ".join(f"{k}={row[k]}" for k in ("task", "task_id", "worker", "host", "pid") if row.get(k) is not None)
+        if not yes and not as_json:
+            click.confirm(f"delete {lock}/{node} ({'HOLDS' if row['holder'] else 'waits'}; {owner or row['data']})?",
+                          abort=True)
+        elif not yes:
+            raise click.UsageError("--json needs --yes (no prompt in machine-readable mode)")
+        who = f"{getpass.getuser()}@{socket.gethostname()}"
+        try:
+            client.delete(f"{lock}/{node}")
+        except NoNodeError:
+            raise click.ClickException(f"{lock}/{node} went away meanwhile; nothing deleted") from None
+        except NoAuthError:
+            raise click.ClickException(str(no_auth_error(lock, "deleting a lock node"))) from None
+        audit = f"celery-zklock: {who} force-deleted lock node {lock}/{node} ({owner or row['data']})"
+        logger.warning(audit)  # into the operator's logging, when configured
+        click.echo(audit, err=True)  # and always on stderr
+    finally:
+        disconnect(client)
+    result = {"deleted": f"{lock}/{node}", "was_holder": row["holder"], "owner": row, "by": who}
+    if as_json:
+        return _echo_json(result)
+    click.echo(f"deleted {lock}/{node} (by {who})")
+
+
+# ------------------------------------------------------------------ watch
+@zklock.command(cls=CeleryCommand)
+@click.option("--prefix", default="", help="Only events of keys starting with this prefix.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--limit", type=int, default=0, help="Stop after this many events (0: run until Ctrl-C).")
+@click.option("--timeout", type=float, default=None, help="Stop after this many seconds.")
+@click.pass_context
+def watch(ctx: click.Context, prefix: str, as_json: bool, limit: int, timeout: float | None) -> None:
+    """Stream lock events (waiting, acquired, released, timeout, lost...) of workers started
+    with -E (task events on), for keys starting with --prefix."""
+    app = ctx.obj.app
+    seen = [0]
+
+    def on_event(event: dict) -> None:
+        if event.get("type") not in LOCK_EVENTS:
+            return
+        keys = event.get("key")
+        keys = keys if isinstance(keys, list) else [keys]
+        if prefix and not any(isinstance(k, str) and k.startswith(prefix) for k in keys):
+            return
+        seen[0] += 1
+        if as_json:
+            click.echo(json.dumps(event, sort_keys=True, default=str))
+        else:
+            extra = " ".join(f"{k}={event[k]}" for k in ("token", "wait", "held", "position", "policy", "reason", "error")
+                             if event.get(k) is not None)
+            click.echo(f"{time.strftime('%H:%M:%S', time.localtime(event.get('timestamp', time.time())))} "
+                       f"{event['type'][10:]:<11} {event.get('key')}  {event.get('uuid')}  {event.get('hostname')}  {extra}")
+        if limit and seen[0] >= limit:
+            raise KeyboardInterrupt
+
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": on_event})
+        try:
+            receiver.capture(limit=None, timeout=timeout, wakeup=True)
+        except (KeyboardInterrupt, socket.timeout, TimeoutError):
+            pass

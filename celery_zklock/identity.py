@@ -26,6 +26,7 @@ class Identity:
     task: str | None = None
     worker: str | None = None
     thread: str | None = None
+    holders: int | None = None  # the lock's max_holders when > 1: readers see every holder
 
     @classmethod
     def of_this_process(cls, **fields) -> "Identity":
@@ -51,7 +52,7 @@ class Identity:
             return None
         if not isinstance(info, dict) or not isinstance(info.get("host"), str) or not isinstance(info.get("pid"), int):
             return None
-        known = {k: info.get(k) for k in ("task_id", "retries", "task", "worker", "thread")}
+        known = {k: info.get(k) for k in ("task_id", "retries", "task", "worker", "thread", "holders")}
         return cls(host=info["host"], pid=info["pid"], **known)
 
     @property

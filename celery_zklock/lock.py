@@ -17,6 +17,7 @@ from kazoo.exceptions import NoNodeError
 
 from . import kazoo_compat, znodes
 from .errors import LockLost
+from .identity import Identity
 from .internals import LockInternals, State
 from .session import DELETED, EXPIRED, GONE
 from .znodes import Contender
@@ -242,23 +243,29 @@ class FairLock:
         return f"<FairLock {self.path} {self.state.value} token={self.token}>"
 
 
-def contenders(client: KazooClient, path: str, max_holders: int = 1) -> list[Contender]:
-    """Holders and waiters on ``path`` in queue order (any of our, Curator's or kazoo's nodes)."""
+def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> list[Contender]:
+    """Holders and waiters on ``path`` in queue order (any of our, Curator's or kazoo's nodes).
+
+    ``max_holders=None``: as many holders as our nodes' data says the lock has (a
+    semaphore's tasks record ``lock_max_holders``), else one — for readers such as
+    ``celery zklock status`` that do not know the task."""
     try:
         ordered = znodes.sort_contenders(client.get_children(path))
     except NoNodeError:
         return []
     pending = [(name, client.get_async(f"{path}/{name}")) for name in ordered]
-    out = []
+    found = []
     for name, result in pending:
         try:
-            data, _ = result.get()
+            data, stat = result.get()
         except NoNodeError:
             continue
-        out.append(
-            Contender(name, znodes.sequence_of(name) or 0, data.decode("utf-8", "replace"), len(out) < max_holders)
-        )
-    return out
+        found.append((name, data.decode("utf-8", "replace"), stat.ctime / 1000.0))
+    if max_holders is None:
+        declared = [i.holders for _, data, _ in found if (i := Identity.parse(data)) is not None and i.holders]
+        max_holders = max(declared) if declared else 1
+    return [Contender(name, znodes.sequence_of(name) or 0, data, index < max_holders, created)
+            for index, (name, data, created) in enumerate(found)]
 
 
 class MultiLock:

@@ -190,6 +190,8 @@ class ZkLockedTask(Task):
                 # learns here that someone else may have run meanwhile.
                 proven = lock.release()
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
+                self._lock_event("task-lock-released", key=label, token=held.token, proven=proven,
+                                 held=round(time.monotonic() - started - waited, 6))
         except LockLost:
             raise self._lost_error(label, run_state) from None
         if not proven and run_state.reason is None:
@@ -207,7 +209,8 @@ class ZkLockedTask(Task):
             return None, 0.0, self._unavailable(exc, opts, label, direct)
 
         identity = Identity.of_this_process(
-            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname
+            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname,
+            holders=self.lock_max_holders if self.lock_max_holders > 1 else None,
         ).to_bytes()
         copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
 

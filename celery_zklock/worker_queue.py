@@ -233,7 +233,8 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         except Exception:
             return False
         retries = (req.request_dict or {}).get("retries") or 0
-        identity = Identity.of_this_process(task_id=req.id, retries=retries, task=task.name, worker=req.hostname)
+        identity = Identity.of_this_process(task_id=req.id, retries=retries, task=task.name, worker=req.hostname,
+                                            holders=task.lock_max_holders if task.lock_max_holders > 1 else None)
         self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
                     "timeout": opts.timeout, "identity": str(identity), "task": task.name,
                     "early": self._slots() > 0})

@@ -171,3 +171,4 @@ class Contender(NamedTuple):
     sequence: int
     identifier: str
     holder: bool
+    created: float | None = None  # the node's creation time (s since the epoch): queued since

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+
+import pytest
 
 from celery_zklock import FairLock
 from celery_zklock.keys import key_path
-from support.workers import ROOT
+from support.workers import ROOT, Worker
 
 
-def run_cli(zk_server, root, *args):
+def run_cli(zk_server, root, *args, redis_url=None, input=None):
     env = {**os.environ, "PYTHONPATH": ROOT, "TEST_ZK_HOSTS": zk_server.hosts, "TEST_ZK_ROOT": root}
+    if redis_url:
+        env["TEST_REDIS_URL"] = redis_url
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.locked", "zklock", *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, input=input)
 
 
 def test_status_shows_holder_and_waiter(zk_server, zk_client):
@@ -29,7 +35,7 @@ def test_status_shows_holder_and_waiter(zk_server, zk_client):
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
         assert list(report) == [path]
-        assert report[path][0]["holder"] is True and json.loads(report[path][0]["owner"])["task"] == "buy"
+        assert report[path][0]["holder"] is True and json.loads(report[path][0]["data"])["task"] == "buy"
         text = run_cli(zk_server, root, "status", "sku/7")
         assert "HOLDS" in text.stdout and path in text.stdout
     finally:
@@ -40,3 +46,105 @@ def test_status_shows_holder_and_waiter(zk_server, zk_client):
 def test_path_prints_the_znode(zk_server):
     out = run_cli(zk_server, "/r", "path", "order:1/ü")
     assert out.stdout.strip() == "/r/order:1%2F%C3%BC"
+
+
+
+def test_path_json(zk_server):
+    out = run_cli(zk_server, "/r", "path", "order:1", "--json")
+    assert json.loads(out.stdout) == {"key": "order:1", "path": "/r/order:1"}
+
+
+# ------------------------------------------------------------------ with real workers
+@pytest.fixture(scope="module")
+def cli_env(redis_server, zk_server):
+    values = {"TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": zk_server.hosts,
+              "TEST_ZK_ROOT": f"/cli-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4"}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    import tests.apps.locked as m
+
+    mod = importlib.reload(m)
+    w = Worker(values, "cliw", concurrency=3, extra=["-E"]).start(mod.app)
+    yield values, mod, w
+    w.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_env, zk_server):
+    values, mod, w = cli_env
+    key = f"sem-{uuid.uuid4().hex[:6]}"
+    running = [mod.hold_two.delay(key, 2500, f"t{i}") for i in range(3)]
+    root = values["TEST_ZK_ROOT"]
+
+    def report():
+        out = run_cli(zk_server, root, "status", f"k:{key}", "--json", redis_url=values["TEST_REDIS_URL"])
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout).get(key_path(root, f"k:{key}"), [])
+
+    _wait(lambda: len(report()) == 3)
+    rows = report()
+    assert [r["holder"] for r in rows] == [True, True, False]  # lock_max_holders=2: two hold
+    assert {r["task_id"] for r in rows} == {r.id for r in running}
+    assert all(r["task"] == "tests.apps.locked.hold_two" and r["worker"].startswith("cliw") and r["pid"] for r in rows)
+    assert all(r["for_s"] >= 0 for r in rows)
+    by_prefix = json.loads(run_cli(zk_server, root, "status", "--prefix", "k:sem-", "--json").stdout)
+    assert key_path(root, f"k:{key}") in by_prefix
+    assert json.loads(run_cli(zk_server, root, "status", "--prefix", "k:nothing-", "--json").stdout) == {}
+    text = run_cli(zk_server, root, "status", f"k:{key}").stdout
+    assert text.count("HOLDS") == 2 and text.count("waits") == 1 and "task_id=" in text
+    for r in running:
+        r.get(timeout=30)
+
+
+def test_release_deletes_exactly_the_named_node_and_logs_who(cli_env, zk_server, zk_client):
+    values, mod, w = cli_env
+    root = values["TEST_ZK_ROOT"]
+    path = key_path(root, "k:dead-machine")
+    dead = FairLock(zk_client, path, identifier='{"host":"gone-01","pid":4242,"task":"t","task_id":"x"}')
+    assert dead.acquire(timeout=5)
+    waiter = mod.hold.delay("dead-machine", 10, "after")
+    _wait(lambda: len(zk_client.get_children(path)) == 2)
+    node = dead.node.rsplit("/", 1)[-1]
+    refused = run_cli(zk_server, root, "release", "k:dead-machine", "--node", node[:-1], "--yes")
+    assert refused.returncode != 0 and "nothing deleted" in refused.stderr
+    aborted = run_cli(zk_server, root, "release", "k:dead-machine", "--node", node, input="n\n")
+    assert aborted.returncode != 0 and node in zk_client.get_children(path)
+    out = run_cli(zk_server, root, "release", "k:dead-machine", "--node", node, "--yes", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["deleted"] == f"{path}/{node}" and result["was_holder"] and result["owner"]["host"] == "gone-01"
+    assert "force-deleted lock node" in out.stderr and result["by"] in out.stderr
+    assert waiter.get(timeout=10) is not None  # the next task went in
+
+
+def test_watch_streams_lock_events_for_a_prefix(cli_env, zk_server):
+    values, mod, w = cli_env
+    root = values["TEST_ZK_ROOT"]
+    env = {**os.environ, "PYTHONPATH": ROOT, **values}
+    watcher = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.locked", "zklock", "watch",
+                                "--prefix", "k:watched", "--json", "--limit", "4", "--timeout", "30"],
+                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # the receiver binds its queue
+    mod.hold.delay("other", 10, "ignored").get(timeout=10)
+    first = mod.hold.delay("watched", 300, "a")
+    second = mod.hold.delay("watched", 10, "b")
+    first.get(timeout=10)
+    second.get(timeout=10)
+    out, err = watcher.communicate(timeout=40)
+    events = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert len(events) == 4, err[-2000:]
+    assert all(e["key"] == "k:watched" for e in events)
+    types = [e["type"] for e in events]
+    assert types.count("task-lock-acquired") >= 1 and "task-lock-released" in types
+    assert {e["uuid"] for e in events} <= {first.id, second.id}
