@@ -103,6 +103,18 @@ def _tasks(value: Any) -> tuple:
     return tuple((pattern, dict(options)) for pattern, options in value.items())
 
 
+def _metrics_port(value: Any) -> int | str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and ":" in value:
+        host, _, port = value.rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return value
+    elif isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536:
+        return value
+    raise ValueError("must be None, a port (9808) or 'host:port' ('0.0.0.0:9808')")
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in options:
@@ -173,6 +185,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_sasl_options", None, check_sasl_options, "SASL authentication (kazoo sasl_options): {'mechanism': 'DIGEST-MD5', 'username': ..., 'password': ...} or GSSAPI."),
         Setting("zklock_acl", None, check_acl, "ACL of every node we create: None = with credentials, our identity all rights and anyone READ (without, open); a list of kazoo ACLs; or a callable path -> list of ACLs."),
         Setting("zklock_tasks", {}, _tasks, "Lock tasks without changing their code: {task name or fnmatch glob: {lock option: value}}, applied at worker start.", wire=False),
+        Setting("zklock_metrics_port", None, _metrics_port, "Serve Prometheus metrics of the worker's locks on this port (127.0.0.1) or 'host:port'; needs the [metrics] extra."),
         Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )

@@ -22,7 +22,7 @@ from celery import Task
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import agent_lock, by_config, config, signals, worker_loss
+from . import agent_lock, by_config, config, metrics, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockTimeout, LockUnavailable
@@ -167,6 +167,7 @@ class ZkLockedTask(Task):
             if lock is None:
                 return early
         held = HeldLock(keys, paths, _tokens_of(lock), lock)
+        acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
         self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
@@ -191,7 +192,7 @@ class ZkLockedTask(Task):
                 proven = lock.release()
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
                 self._lock_event("task-lock-released", key=label, token=held.token, proven=proven,
-                                 held=round(time.monotonic() - started - waited, 6))
+                                 held=round(time.monotonic() - acquired_at, 6))
         except LockLost:
             raise self._lost_error(label, run_state) from None
         if not proven and run_state.reason is None:
@@ -214,6 +215,8 @@ class ZkLockedTask(Task):
         ).to_bytes()
         copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
 
+        counted_waiting = [False]  # in the zklock_waiting gauge until the wait ends
+
         def on_wait(fair: FairLock, position: int) -> None:
             # Monitoring only: nothing here may fail the task or escape into the lock.
             if copies.queued_behind_original(fair):
@@ -221,6 +224,7 @@ class ZkLockedTask(Task):
                 return  # never LOCK_WAITING: the original's state must not be overwritten
             logger.info("waiting for lock %s (position %s)", label, position)
             self._lock_event("task-lock-waiting", key=label, position=position)
+            counted_waiting[0] = True
             if req.id and not direct and not self.ignore_result:
                 try:
                     self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
@@ -233,7 +237,11 @@ class ZkLockedTask(Task):
         # From the first acquire until the body's own try below, any exception (a kazoo
         # error, the backend read, a signal) must not leave our node behind.
         try:
-            acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
+            try:
+                acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
+            finally:
+                if counted_waiting[0]:
+                    metrics.record("waited", self)
             waited = time.monotonic() - started
             if acquired and copies.finished_elsewhere():
                 lock.release()
@@ -318,7 +326,9 @@ class ZkLockedTask(Task):
         return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
 
     def _lock_event(self, type_: str, **fields: Any) -> None:
-        """Celery event for Flower/monitors; only when task events are on (``-E``)."""
+        """Celery event for Flower/monitors, only when task events are on (``-E``); and the
+        worker's Prometheus metrics when ``zklock_metrics_port`` is set."""
+        metrics.record(type_[len("task-lock-"):], self, **fields)
         if not self.app.conf.worker_send_task_events or self.request.called_directly or not self.request.hostname:
             return
         try:

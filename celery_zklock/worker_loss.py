@@ -23,7 +23,7 @@ from celery.exceptions import WorkerLostError
 from celery.utils.log import get_logger
 from celery.worker.request import Request
 
-from . import worker_queue
+from . import metrics, worker_queue
 
 logger = get_logger("celery_zklock.worker")
 
@@ -121,6 +121,7 @@ def validate_app(app) -> bool:
         for t in locked:
             t.__dict__.pop("_zk_options", None)
             t.lock_options()
+        metrics.start(settings)  # before the pool forks
     except ConfigurationError as exc:
         raise SystemExit(f"celery-zklock: configuration error: {exc}") from None
     if not locked:

@@ -40,6 +40,7 @@ from celery.worker import state as worker_state
 from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
 from .config import ZkSettings, to_wire
 from .identity import Identity
+from . import metrics
 from .options import is_locked_task
 from .states import LOCK_WAITING
 
@@ -125,6 +126,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.early: dict[str, object] = {}  # handed to the pool while next in line
         self.next_up: dict[str, float] = {}  # held ids next in line awaiting a slot -> expected wait
         self.revoking: set[str] = set()  # early ids whose revocation was sent to the agent
+        self.counted_waiting: set[str] = set()  # held ids in the zklock_waiting gauge
         self.sock: socket.socket | None = None
         self.reader = LineReader()
         self.last_ping = time.monotonic()
@@ -245,6 +247,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         req = self.held.pop(request_id, None)
         if req is None:
             return
+        self._not_waiting(request_id, req)
         self.c.qos.decrement_eventually()
         self.inner(req)
         if first:
@@ -279,6 +282,11 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             waiting = next(iter(self.next_up))
             self._next_in_line(waiting, self.next_up.pop(waiting))
 
+    def _not_waiting(self, request_id: str, req) -> None:
+        if request_id in self.counted_waiting:
+            self.counted_waiting.discard(request_id)
+            metrics.record("waited", req.task)
+
     def _forget_next(self, request_id: str) -> None:
         self.next_up.pop(request_id, None)
 
@@ -296,6 +304,9 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             return
         key = req.task.lock_keys(tuple(req.args or ()), dict(req.kwargs or {}))
         label = key[0] if len(key) == 1 else key
+        if request_id not in self.counted_waiting:
+            self.counted_waiting.add(request_id)
+            metrics.record("waiting", req.task)
         try:
             req.send_event("task-lock-waiting", key=label, position=position)
             if not req.task.ignore_result:
@@ -308,6 +319,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         for request_id in [i for i in self.held if i in worker_state.revoked]:
             req = self.held.pop(request_id)
             self._forget_next(request_id)
+            self._not_waiting(request_id, req)
             self._send({"op": "cancel", "id": request_id, "why": "revoked"})
             self.c.qos.decrement_eventually()
             req.revoked()  # acknowledges, stores REVOKED, sends the event and signal
@@ -333,6 +345,8 @@ class WaitOutsidePool(bootsteps.StartStopStep):
                 req.reject(requeue=True)
             except Exception as exc:
                 logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
+        for request_id, req in list(self.held.items()):
+            self._not_waiting(request_id, req)
         self.held.clear()
         self.next_up.clear()
         for request_id in self.early:

@@ -35,6 +35,8 @@ if os.environ.get("TEST_ZK_WAIT_IN"):
 for _name in ("use_ssl", "auth_secret", "sasl_options", "tasks"):
     if os.environ.get(f"TEST_ZK_{_name.upper()}"):
         app.conf[f"zklock_{_name}"] = json.loads(os.environ[f"TEST_ZK_{_name.upper()}"])
+if os.environ.get("TEST_ZK_METRICS_PORT"):
+    app.conf.zklock_metrics_port = int(os.environ["TEST_ZK_METRICS_PORT"])
 if os.environ.get("TEST_ZK_HANDOFF_SLOTS"):
     app.conf.zklock_handoff_slots = int(os.environ["TEST_ZK_HANDOFF_SLOTS"])
 if os.environ.get("TEST_POOL_START_METHOD"):

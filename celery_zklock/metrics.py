@@ -1,0 +1,138 @@
+"""Prometheus metrics of a worker's locks (optional: ``pip install "celery-zklock[metrics]"``).
+
+Why this shape: with prefork, locks are waited for in the worker's main process or its lock
+agent and held in pool processes — separate processes whose numbers must add up.  So the
+worker runs ``prometheus_client`` in multiprocess mode: every process writes its samples to
+files in one directory (``PROMETHEUS_MULTIPROC_DIR``, set at worker start, before the pool
+forks), and one small exec'd exporter process serves their sum on ``zklock_metrics_port``
+(threads are fine there; in the forking parent they are not).  Labels are the task name and
+the *key pattern* (the ``lock_key`` template, e.g. ``sku:{sku_id}``), never the raw key:
+one series per order id would explode.
+
+Metrics: ``zklock_wait_seconds`` and ``zklock_hold_seconds`` (histograms),
+``zklock_acquired_total``, ``zklock_timeouts_total{policy}``, ``zklock_lost_total{reason}``,
+``zklock_unavailable_total``, and the gauges ``zklock_waiting`` and ``zklock_holding``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+_metrics: dict[str, Any] | None = None
+_exporter = None
+
+BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, float("inf"))
+
+
+def pattern_of(task) -> str:
+    """The label for a task's keys: its ``lock_key`` template(s), not the keys themselves."""
+    key = getattr(task, "lock_key", None)
+    if callable(key):
+        return f"<{getattr(key, '__qualname__', 'callable')}>"
+    if isinstance(key, (list, tuple)):
+        return ",".join(map(str, key))
+    return str(key if key is not None else task.name)
+
+
+def start(settings) -> None:
+    """At worker start, before the pool forks: multiprocess mode and the exporter process.
+
+    Raises ConfigurationError when prometheus_client is missing or was imported before
+    multiprocess mode could be chosen (the pool's numbers would be lost)."""
+    global _metrics, _exporter
+    from .errors import ConfigurationError
+
+    if settings.metrics_port is None or _metrics is not None:
+        return
+    if not os.environ.get(ENV):
+        os.environ[ENV] = tempfile.mkdtemp(prefix="zklock-metrics-")
+    try:
+        import prometheus_client
+        from prometheus_client import values
+    except ImportError:
+        raise ConfigurationError("zklock_metrics_port needs prometheus_client: pip install 'celery-zklock[metrics]'") from None
+    if "MultiProcessValue" not in getattr(values.ValueClass, "__qualname__", ""):
+        raise ConfigurationError(
+            "zklock_metrics_port: prometheus_client was imported before the worker started, so it is not in "
+            f"multiprocess mode and the pool processes' numbers would be lost; set {ENV} to an empty directory "
+            "in the worker's environment")
+    labels = ("task", "key")
+    _metrics = {
+        "wait": prometheus_client.Histogram("zklock_wait_seconds", "Time a task waited for its lock", labels, buckets=BUCKETS),
+        "hold": prometheus_client.Histogram("zklock_hold_seconds", "Time a task held its lock", labels, buckets=BUCKETS),
+        "acquired": prometheus_client.Counter("zklock_acquired", "Locks acquired", labels),
+        "timeout": prometheus_client.Counter("zklock_timeouts", "Lock waits that timed out", (*labels, "policy")),
+        "lost": prometheus_client.Counter("zklock_lost", "Locks lost while held", (*labels, "reason")),
+        "unavailable": prometheus_client.Counter("zklock_unavailable", "Tasks not run: ZooKeeper unreachable", labels),
+        "waiting": prometheus_client.Gauge("zklock_waiting", "Tasks waiting for their lock", labels, multiprocess_mode="livesum"),
+        "holding": prometheus_client.Gauge("zklock_holding", "Tasks holding their lock", labels, multiprocess_mode="livesum"),
+    }
+    import subprocess
+
+    _exporter = subprocess.Popen(
+        [sys.executable, "-m", "celery_zklock.metrics", os.environ[ENV], str(settings.metrics_port), str(os.getpid())],
+        stdin=subprocess.DEVNULL, close_fds=True,
+    )
+
+
+def record(event: str, task, **fields: Any) -> None:
+    """One lock event of ``task`` (the ``task-lock-*`` name without its prefix)."""
+    m = _metrics
+    if m is None:
+        return
+    try:
+        labels = (task.name, pattern_of(task))
+        if event == "acquired":
+            m["acquired"].labels(*labels).inc()
+            m["wait"].labels(*labels).observe(float(fields.get("wait") or 0.0))
+            m["holding"].labels(*labels).inc()
+        elif event == "released":
+            m["holding"].labels(*labels).dec()
+            m["hold"].labels(*labels).observe(float(fields.get("held") or 0.0))
+        elif event == "timeout":
+            m["timeout"].labels(*labels, str(fields.get("policy"))).inc()
+        elif event == "lost":
+            m["lost"].labels(*labels, _reason(fields.get("reason"))).inc()
+        elif event == "unavailable":
+            m["unavailable"].labels(*labels).inc()
+        elif event in ("waiting", "waited"):
+            m["waiting"].labels(*labels).inc(1 if event == "waiting" else -1)
+    except Exception:  # monitoring must never break a task
+        pass
+
+
+def _reason(reason: Any) -> str:
+    """A bounded label: the kind of loss, not its free text."""
+    text = str(reason or "").lower()
+    for kind in ("expired", "suspended", "deleted", "agent", "release", "connection"):
+        if kind in text:
+            return kind
+    return "other"
+
+
+def main() -> int:
+    """The exporter: serve the sum of the worker's processes until the worker is gone."""
+    path, port, parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    host, _, port_s = port.rpartition(":")
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    start_http_server(int(port_s), addr=host or "127.0.0.1", registry=registry)
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            return 0
+        for name in os.listdir(path):  # gauges of pool processes that died: not "live" any more
+            pid = name.rsplit("_", 1)[-1].split(".")[0]
+            if name.startswith("gauge_live") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                multiprocess.mark_process_dead(int(pid), path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Prometheus metrics, scraped over HTTP from a real prefork worker while its tasks wait
+for, hold and time out on their locks; the numbers must match what the test ran."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from celery_zklock.testing import free_port  # noqa: E402
+from support.workers import Worker  # noqa: E402
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def metrics_worker(redis_server, zk_server):
+    port = free_port()
+    values = {"TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": zk_server.hosts,
+              "TEST_ZK_ROOT": f"/metrics-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4",
+              "TEST_ZK_METRICS_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    import tests.apps.locked as m
+
+    mod = importlib.reload(m)
+    w = Worker(values, "metricsw", concurrency=3).start(mod.app)
+    yield mod, w, port
+    w.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    importlib.reload(m)
+
+
+def test_scrape_matches_what_ran(metrics_worker):
+    mod, w, port = metrics_worker
+    key = f"m-{uuid.uuid4().hex[:6]}"
+    hold = {"task": "tests.apps.locked.hold", "key": "k:{key}"}
+    skip = {"task": "tests.apps.locked.hold_skip", "key": "k:{key}"}
+    chain = [mod.hold.delay(key, 400, i) for i in range(5)]
+    deadline = time.time() + 10
+    during = {}
+    while time.time() < deadline:  # while the chain runs: one holds, the others wait
+        during = scrape(port)
+        if value(during, "zklock_waiting", **hold) >= 2 and value(during, "zklock_holding", **hold) == 1:
+            break
+        time.sleep(0.1)
+    assert value(during, "zklock_holding", **hold) == 1 and value(during, "zklock_waiting", **hold) >= 2, during
+    skipped = [mod.hold_skip.delay(key) for _ in range(2)]  # 0.3 s timeout behind a 2 s chain
+    for r in chain:
+        r.get(timeout=30)
+    deadline = time.time() + 30
+    while any(r.state != "SKIPPED" for r in skipped) and time.time() < deadline:  # SKIPPED is no ready state
+        time.sleep(0.05)
+    assert [r.state for r in skipped] == ["SKIPPED", "SKIPPED"]
+    time.sleep(0.5)
+    after = scrape(port)
+    assert value(after, "zklock_acquired_total", **hold) == 5
+    assert value(after, "zklock_wait_seconds_count", **hold) == 5
+    assert value(after, "zklock_hold_seconds_count", **hold) == 5
+    assert value(after, "zklock_hold_seconds_sum", **hold) >= 5 * 0.4
+    assert value(after, "zklock_wait_seconds_sum", **hold) >= 0.4 * (1 + 2 + 3 + 4) * 0.9  # FIFO behind 400 ms holds
+    assert value(after, "zklock_timeouts_total", **skip, policy="skip") == 2
+    assert value(after, "zklock_waiting", **hold) == 0 and value(after, "zklock_holding", **hold) == 0
+    assert not any(key in str(labels) for (_, labels) in after)  # key patterns, never raw keys
