@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import itertools
+import os
 
 
 def overlapping(intervals, max_holders: int = 1):
@@ -29,3 +32,36 @@ def children(zk, path):
         return zk.get_children(path)
     except NoNodeError:
         return []
+
+
+@contextlib.contextmanager
+def locked_app(env: dict[str, str]):
+    """The real-worker tests' app (``tests.apps.locked``) configured by ``env``
+    (``TEST_*`` variables, as its workers see them), restored afterwards: the next test
+    module reloads it with its own."""
+    import tests.apps.locked as module
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield importlib.reload(module)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        importlib.reload(module)
+
+
+def worker_refuses(env: dict[str, str], name: str) -> str:
+    """Start a worker that must refuse to start; its log (for the reason)."""
+    from support.workers import Worker
+
+    worker = Worker(env, name, concurrency=1)
+    worker.start()
+    try:
+        assert worker.proc.wait(60) != 0, "the worker started"
+        return worker.log()
+    finally:
+        worker.stop()

@@ -4,21 +4,19 @@ every configuration mistake stops the worker with a message naming what to fix."
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import time
 import uuid
 
 import pytest
-from celery import Celery, shared_task
+from celery import Celery
 
 from celery_zklock import ConfigurationError, FairLock, ZkLockedTask, lock_configured_tasks
 from celery_zklock.client import connect, disconnect
 from celery_zklock.config import ZkSettings
 from celery_zklock.keys import key_path
 from support.workers import Worker
-from tests.lockutil import overlapping
+from tests.lockutil import locked_app, overlapping, worker_refuses
 
 TASKS = {
     "tests.apps.shared.*": {"lock_key": "plain:{key}", "lock_timeout": 30},
@@ -33,20 +31,10 @@ def configured(redis_server, zk_server):
         "TEST_ZK_ROOT": f"/bycfg-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4",
         "TEST_ZK_TASKS": json.dumps(TASKS),
     }
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    import tests.apps.locked as m
-
-    mod = importlib.reload(m)
-    w = Worker(values, "bycfg", concurrency=3).start(mod.app)
-    yield values, mod, w
-    w.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    importlib.reload(m)
+    with locked_app(values) as mod:
+        w = Worker(values, "bycfg", concurrency=3).start(mod.app)
+        yield values, mod, w
+        w.stop()
 
 
 def test_a_shared_task_is_serialized_per_key_without_a_code_change(configured):
@@ -134,10 +122,4 @@ def test_worker_with_a_bad_entry_refuses_to_start(redis_server, zk_server):
     env = {"TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": zk_server.hosts,
            "TEST_ZK_ROOT": f"/bycfg-{uuid.uuid4().hex[:8]}",
            "TEST_ZK_TASKS": json.dumps({"tests.apps.shared.plain_hld": {"lock_key": "x"}})}
-    w = Worker(env, "bycfg-bad", concurrency=1)
-    w.start()
-    try:
-        assert w.proc.wait(60) != 0
-        assert "matches no registered task. Did you mean 'tests.apps.shared.plain_hold'" in w.log()
-    finally:
-        w.stop()
+    assert "matches no registered task. Did you mean 'tests.apps.shared.plain_hold'" in worker_refuses(env, "bycfg-bad")

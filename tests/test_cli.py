@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 from celery_zklock import FairLock
 from celery_zklock.keys import key_path
 from support.workers import ROOT, Worker
+from tests.lockutil import locked_app
 
 
 def run_cli(zk_server, root, *args, redis_url=None, input=None):
@@ -59,19 +59,10 @@ def test_path_json(zk_server):
 def cli_env(redis_server, zk_server):
     values = {"TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": zk_server.hosts,
               "TEST_ZK_ROOT": f"/cli-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4"}
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    import tests.apps.locked as m
-
-    mod = importlib.reload(m)
-    w = Worker(values, "cliw", concurrency=3, extra=["-E"]).start(mod.app)
-    yield values, mod, w
-    w.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with locked_app(values) as mod:
+        w = Worker(values, "cliw", concurrency=3, extra=["-E"]).start(mod.app)
+        yield values, mod, w
+        w.stop()
 
 
 def _wait(predicate, timeout=10.0):
@@ -130,7 +121,6 @@ def test_release_deletes_exactly_the_named_node_and_logs_who(cli_env, zk_server,
 
 def test_watch_streams_lock_events_for_a_prefix(cli_env, zk_server):
     values, mod, w = cli_env
-    root = values["TEST_ZK_ROOT"]
     env = {**os.environ, "PYTHONPATH": ROOT, **values}
     watcher = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.locked", "zklock", "watch",
                                 "--prefix", "k:watched", "--json", "--limit", "4", "--timeout", "30"],

@@ -3,8 +3,6 @@ for, hold and time out on their locks; the numbers must match what the test ran.
 
 from __future__ import annotations
 
-import importlib
-import os
 import time
 import urllib.request
 import uuid
@@ -16,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from celery_zklock.testing import free_port  # noqa: E402
 from support.workers import Worker  # noqa: E402
+from tests.lockutil import locked_app  # noqa: E402
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -37,20 +36,10 @@ def metrics_worker(redis_server, zk_server):
     values = {"TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": zk_server.hosts,
               "TEST_ZK_ROOT": f"/metrics-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4",
               "TEST_ZK_METRICS_PORT": str(port)}
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    import tests.apps.locked as m
-
-    mod = importlib.reload(m)
-    w = Worker(values, "metricsw", concurrency=3).start(mod.app)
-    yield mod, w, port
-    w.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    importlib.reload(m)
+    with locked_app(values) as mod:
+        w = Worker(values, "metricsw", concurrency=3).start(mod.app)
+        yield mod, w, port
+        w.stop()
 
 
 def test_scrape_matches_what_ran(metrics_worker):

@@ -4,7 +4,6 @@ errors for each way a secure setup can be wrong."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_setti
 from celery_zklock.errors import ConfigurationError
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer
 from support.workers import Worker
-from tests.lockutil import children, overlapping
+from tests.lockutil import children, locked_app, overlapping, worker_refuses
 from tests.test_celery_workers import _wait_pid
 
 SECRET = "hunter2-not-in-logs"
@@ -144,16 +143,8 @@ def secure_env(redis_server, tls, tls_zk):
         "TEST_ZK_USE_SSL": json.dumps(tls.client_options()),
         "TEST_ZK_AUTH_SECRET": json.dumps([["digest", f"worker:{SECRET}"]]),
     }
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    import tests.apps.locked as m
-
-    yield values, importlib.reload(m)
-    for k, v in saved.items():  # later modules reload the app without TLS
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with locked_app(values) as mod:  # later modules reload the app without TLS
+        yield values, mod
 
 
 def _admin(tls, tls_zk, auth: bool) -> KazooClient:
@@ -236,13 +227,7 @@ def test_worker_loss_release_and_a_kazoo_peer_with_the_same_credentials(secure_e
 def test_worker_without_a_client_certificate_refuses_to_start(secure_env, tls):
     env, mod = secure_env
     bad = {**env, "TEST_ZK_USE_SSL": json.dumps({"ca": tls.ca})}
-    w = Worker(bad, "tls3", concurrency=1)
-    w.start()
-    try:
-        assert w.proc.wait(60) != 0
-        assert "requires a client certificate: set zklock_use_ssl['certfile']" in w.log()
-    finally:
-        w.stop()
+    assert "requires a client certificate: set zklock_use_ssl['certfile']" in worker_refuses(bad, "tls3")
 
 
 # ------------------------------------------------------------------ SASL DIGEST-MD5
@@ -282,11 +267,11 @@ def test_sasl_worker_acl_keeps_other_sasl_users_read_only(redis_server, sasl_zk)
         "TEST_ZK_SASL_OPTIONS": json.dumps(_sasl("worker", SECRET)),
         "TEST_ZK_USE_SSL": "", "TEST_ZK_AUTH_SECRET": "",  # not the TLS tests' settings
     }
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    import tests.apps.locked as m
+    with locked_app(values) as mod:
+        _sasl_worker_run(values, mod, sasl_zk)
 
-    mod = importlib.reload(m)
+
+def _sasl_worker_run(values, mod, sasl_zk):
     w = Worker(values, "sasl1", concurrency=2).start(mod.app)
     monitor = KazooClient(sasl_zk.hosts, sasl_options=_sasl("monitor", "read-only-pw"))
     monitor.start(timeout=10)
@@ -311,8 +296,3 @@ def test_sasl_worker_acl_keeps_other_sasl_users_read_only(redis_server, sasl_zk)
         monitor.stop()
         monitor.close()
         w.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
