@@ -25,7 +25,7 @@ also pushes ``joined`` and ``start`` events to ``bench:events:<tag>`` at once, f
 worker-loss scenario, which must know when a task is waiting and when it began.
 
 Configuration comes from environment variables (``BENCH_REDIS_URL``, ``BENCH_ZK_HOSTS``,
-``BENCH_ZK_ROOT``, ``BENCH_ZK_WAIT_IN``, ``BENCH_ZK_HANDOFF_SLOTS``) so the runner and the worker subprocesses agree.
+``BENCH_ZK_ROOT``, ``BENCH_ZK_WAIT_IN``, ``BENCH_ZK_HANDOFF_SLOTS``, ``BENCH_ZK_USE_SSL``) so the runner and the worker subprocesses agree.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ app.conf.update(
     zklock_root=ZK_ROOT,
     zklock_wait_in=os.environ.get("BENCH_ZK_WAIT_IN", "worker"),
     zklock_handoff_slots=int(os.environ["BENCH_ZK_HANDOFF_SLOTS"]) if os.environ.get("BENCH_ZK_HANDOFF_SLOTS") else None,
+    zklock_use_ssl=json.loads(os.environ["BENCH_ZK_USE_SSL"]) if os.environ.get("BENCH_ZK_USE_SSL") else False,
     # celery-once, as its README configures it (1 h default lock TTL)
     ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": REDIS_URL, "default_timeout": 60 * 60}},
     # celery-singleton, as its README configures it (no lock expiry by default)

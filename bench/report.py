@@ -23,6 +23,7 @@ SCENARIO_TITLES = {
     "pool_slots": "6. A hot key beside other keys: waiting in the worker's lock agent vs in the pool",
     "lock_engine": "7. Lock engine micro-benchmarks (bench/lock_bench.py)",
     "flash_sale": "8. The flash-sale demo's workload: waiting in the worker vs in the pool",
+    "tls": "9. TLS to ZooKeeper: what it costs against plaintext",
 }
 
 
@@ -177,6 +178,8 @@ TABLES = {
                    ("hot_efficiency", "hot-chain efficiency"), ("makespan_s", "makespan s"),
                    ("zk_sessions_per_worker", "ZK sessions/worker"), ("cold_p95_vs_ideal_runs", "p95/ideal, each round"),
                    ("hot_efficiency_runs", "efficiency, each round")],
+    "tls": [("acquire_release_p50_ms", "engine acquire+release p50 ms"), ("acquire_release_p99_ms", "p99 ms"),
+            ("throughput_per_s", "Celery tasks/s"), ("cpu_workers_ms_per_task", "worker CPU ms/task")],
     "flash_sale": [("orders_per_s", "orders/s"), ("orders_per_s_runs", "each round"), ("enqueue_s", "publish s"),
                    ("enqueue_to_start_p50_s", "enqueue->start p50 s"), ("enqueue_to_start_p99_s", "p99 s"),
                    ("lock_wait_p50_s", "prerun->body p50 s"), ("lock_retries", "lock retries")],
@@ -211,6 +214,10 @@ NOTES = {
                   "workers up, minus before, per worker. In the other scenarios ZkLockedTask runs with the default "
                   "(`zklock_wait_in=\"worker\"`), so its 'wait' there (prerun -> body) no longer includes the time "
                   "queued in the agent.",
+    "tls": "A TLS-only ZooKeeper (Netty `secureClientPort`, `ssl.clientAuth=need`, certificates made at run time) "
+           "beside the plaintext one, same machine, same run. Engine: uncontended `FairLock` acquire + release, one "
+           "after another (first 10% dropped). Celery: one burst of trivial locked tasks on distinct keys through 2 "
+           "workers x `prefork -c 2` waiting in the worker (one TLS session per worker, in its lock agent).",
     "flash_sale": "`python -m examples.flash_sale --orders N --json` as a subprocess on the benchmark's servers "
                   "(5 SKUs, 2 workers x `prefork -c 3`, one burst; every order is on a hot key), alternating modes; "
                   "medians. orders/s counts from the first order sent to the last one done, as the demo prints it, so "
@@ -248,6 +255,9 @@ def markdown(results: dict) -> str:
             lines += ["```text", lock_bench.format_table(data), "```"]
             continue
         lines += _table(*_rows(data["modes"] if name in ("pool_slots", "flash_sale") else data["contenders"], TABLES[name]))
+        if name == "tls":
+            lines += ["", f"TLS against plaintext: engine acquire+release p50 {data['engine_tls_vs_plain']}x, "
+                          f"Celery throughput {data['celery_tls_vs_plain']}x."]
         if name == "worker_loss":
             lines += [f"| plain Celery | n/a | | | {data['not_applicable']['plain']} |"]
         if name == "scale":

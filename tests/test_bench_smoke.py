@@ -78,6 +78,8 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
     for mode in ("worker", "pool"):
         for field in ("orders_per_s", "enqueue_to_start_p50_s", "enqueue_s"):
             assert is_number(flash[mode][field]), (mode, field, flash[mode].get(field))
+    tls = results["scenarios"]["tls"]
+    assert is_number(tls["engine_tls_vs_plain"]) and is_number(tls["celery_tls_vs_plain"])
     engine = results["scenarios"]["lock_engine"]["contenders"]
     for contender in LOCK_ENGINE:
         assert all(is_number(engine[contender][m]) for m in ("uncontended_p50_ms", "handoff_p50_ms", "throughput_per_s"))
