@@ -65,6 +65,7 @@ def test_scrape_matches_what_ran(metrics_worker):
     assert [r.state for r in skipped] == ["SKIPPED", "SKIPPED"]
     time.sleep(0.5)
     after = scrape(port)
+    print("SCRAPE", {name: v for (name, labels), v in after.items() if name.startswith("zklock_") and "bucket" not in name})
     assert value(after, "zklock_acquired_total", **hold) == 5
     assert value(after, "zklock_wait_seconds_count", **hold) == 5
     assert value(after, "zklock_hold_seconds_count", **hold) == 5
