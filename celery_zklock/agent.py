@@ -136,7 +136,7 @@ class Agent:
         elif op == "wait":
             self._wait(peer, msg)
         elif op == "cancel":
-            self._cancel(msg["id"], msg.get("why") or "finished")
+            self._cancel(msg["id"], msg.get("why") or "finished", bool(msg.get("in_pool")))
         elif op == "claim":
             self._claim(peer, msg["id"])
         elif op == "release":
@@ -319,18 +319,20 @@ class Agent:
         """Let go of every path taken: ``(was_held, outcome)`` per path (see Attempt.release)."""
         return [attempt.release() for attempt in reversed(wait.attempts)]
 
-    def _cancel(self, request_id: str, why: str = "finished") -> None:
+    def _cancel(self, request_id: str, why: str = "finished", in_pool: bool = False) -> None:
         """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
         ``finished`` by the pool without claiming (a grant nobody claimed is let go).
 
-        A request handed to the pool while next in line and still undecided is given the
-        verdict ``why`` instead: its pool process, claiming or about to, must not run it.
-        A claimed, granted request is running: its own release lets go."""
+        A request the main process handed to the pool while next in line (``in_pool``) and
+        still undecided is given the verdict ``why`` instead: its pool process, claiming or
+        about to, must not run it.  Decided, it runs (or ran) as granted: its own release
+        lets go."""
         with self.guard:
             wait = self.waits.get(request_id)
             if wait is None or (wait.claimer is not None and wait.verdict is not None):
                 return
-            in_pool = wait.next_sent and wait.verdict is None and why != "finished"
+            if in_pool and wait.verdict is not None:
+                return
         if not in_pool:
             if wait.claimer is None:
                 self._drop(wait)

@@ -15,10 +15,10 @@ Requests (``op``) and the agent's answers:
   ``unavailable`` {id, error}, after zero or more ``queued`` {id, position}.  With
   ``early``, also ``next`` {id, hold} when only holders are ahead of it (``hold``: how
   long locks on its path, or of its task, have been held on average, or null);
-* main -> agent ``cancel`` {id, why}: ``revoked`` or ``shutdown`` — stop waiting (a
-  request already handed to the pool as next in line gets that verdict instead, and
-  the main process hears ``revoked`` {id} back); ``finished`` — the pool is done with
-  it: let go of a grant nobody claimed;
+* main -> agent ``cancel`` {id, why, in_pool}: ``revoked`` or ``shutdown`` — stop waiting
+  (a request the main process already handed to the pool as next in line, ``in_pool``,
+  gets that verdict instead if still undecided, and the main process hears ``revoked``
+  {id} back); ``finished`` — the pool is done with it: let go of a grant nobody claimed;
 * agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
   agent (a retry published by a body still holding its lock, a redelivery): hand it to
   the pool as it is; it locks in-process there;

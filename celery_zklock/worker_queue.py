@@ -37,10 +37,10 @@ from celery import bootsteps
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
+from . import metrics
 from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
 from .config import ZkSettings, to_wire
 from .identity import Identity
-from . import metrics
 from .options import is_locked_task
 from .states import LOCK_WAITING
 
@@ -287,9 +287,6 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             self.counted_waiting.discard(request_id)
             metrics.record("waited", req.task)
 
-    def _forget_next(self, request_id: str) -> None:
-        self.next_up.pop(request_id, None)
-
     def _revoked_in_pool(self, request_id: str) -> None:
         """The agent gave up the node of a request revoked while next in line in the pool:
         record it as Celery records a revoked request (state, event, signal); the pool
@@ -318,14 +315,14 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         """A revoked waiting request: its node goes at once and it never reaches the pool."""
         for request_id in [i for i in self.held if i in worker_state.revoked]:
             req = self.held.pop(request_id)
-            self._forget_next(request_id)
+            self.next_up.pop(request_id, None)
             self._not_waiting(request_id, req)
             self._send({"op": "cancel", "id": request_id, "why": "revoked"})
             self.c.qos.decrement_eventually()
             req.revoked()  # acknowledges, stores REVOKED, sends the event and signal
         for request_id in [i for i in self.early if i in worker_state.revoked and i not in self.revoking]:
             self.revoking.add(request_id)  # the agent answers "revoked" unless already granted
-            self._send({"op": "cancel", "id": request_id, "why": "revoked"})
+            self._send({"op": "cancel", "id": request_id, "why": "revoked", "in_pool": True})
 
     def request_finished(self, request_id: str) -> None:
         """The pool is done with a request: free a grant it never claimed (no-op otherwise)."""
@@ -341,18 +338,17 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.timers = []
         for request_id, req in list(self.held.items()):
             self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
+            self._not_waiting(request_id, req)
             try:
                 req.reject(requeue=True)
             except Exception as exc:
                 logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
-        for request_id, req in list(self.held.items()):
-            self._not_waiting(request_id, req)
         self.held.clear()
         self.next_up.clear()
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told
             # "shutdown" and publishes it back to the broker instead of running it.
-            self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
+            self._send({"op": "cancel", "id": request_id, "why": "shutdown", "in_pool": True})
 
     shutdown = stop
 
