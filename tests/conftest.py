@@ -6,7 +6,7 @@ import pytest
 
 # Opt-in (the package registers no pytest11 entry point).  pytest accepts
 # ``pytest_plugins`` only in a top-level conftest: this file, not tests/faults/conftest.py.
-pytest_plugins = ["celery_zklock.testing"]
+pytest_plugins = ["celery_zklock.testing", "celery_zklock.contrib.pytest_celery"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""Integrations with other tools; each submodule needs that tool installed."""

@@ -1,0 +1,154 @@
+"""Container tests through pytest-celery, with celery_zklock.contrib.pytest_celery as a user
+loads it (tests/conftest.py): a ZooKeeper container, Redis broker and backend containers
+and two worker containers on one Docker network.
+
+The images come from scripts/docker-setup.sh (``make test`` runs it).  Without them, or
+without a Docker engine, the whole folder is skipped with one line saying why.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REDIS_IMAGE = "celery-zklock/redis:7"
+EXAMPLES_IMAGE = "celery-zklock-examples:local"
+
+
+def docker_problem() -> str | None:
+    """Why the docker tests cannot run here, or None."""
+    marker = os.path.join(ROOT, "build", "docker", "unavailable")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return f.read().strip()
+    try:
+        subprocess.run(["docker", "info"], check=True, capture_output=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "docker tests skipped: no Docker engine answers (`make test` runs scripts/docker-setup.sh, which starts one)"
+    from celery_zklock.contrib.pytest_celery import defaults
+
+    for image in (defaults.ZOOKEEPER_IMAGE, defaults.WORKER_IMAGE, REDIS_IMAGE, EXAMPLES_IMAGE):
+        if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
+            return f"docker tests skipped: image {image} is missing (run scripts/docker-setup.sh)"
+    return None
+
+
+_problem = docker_problem()
+if _problem:
+    pytest.skip(_problem, allow_module_level=True)
+
+from celery import Celery  # noqa: E402  (after the skip: these need pytest-celery)
+from pytest_celery import (  # noqa: E402
+    CeleryBackendCluster,
+    CeleryBrokerCluster,
+    CeleryTestSetup,
+    CeleryTestWorker,
+    CeleryWorkerCluster,
+    RedisTestBackend,
+    RedisTestBroker,
+)
+from pytest_celery.vendors.worker.defaults import DEFAULT_WORKER_CONTAINER_TIMEOUT, DEFAULT_WORKER_VOLUME  # noqa: E402
+from pytest_docker_tools import container, fxtr  # noqa: E402
+
+from celery_zklock.contrib.pytest_celery import ZkLockWorkerContainer  # noqa: E402
+
+# pytest-docker-tools takes a /.dockerenv for "the tests run in a container" and then hands
+# out container IPs with container ports, which pytest-celery's Redis turns into
+# localhost:6379: the machine's own Redis.  This sandbox has a /.dockerenv, but the engine
+# runs in the tests' own network namespace, so the published loopback ports are the right
+# addresses.
+import pytest_docker_tools.wrappers.container as _ptd_container  # noqa: E402
+
+_ptd_container.tests_inside_container = lambda: False
+
+# Sessions of 4 s (the test ZooKeeper's tickTime is 200 ms): a dead worker's lock is freed,
+# and a paused server costs the lock, within seconds.
+SESSION_TIMEOUT = 4.0
+
+
+class LockedSetup(CeleryTestSetup):
+    @classmethod
+    def update_app_config(cls, app: Celery) -> None:
+        app.conf.zklock_session_timeout = SESSION_TIMEOUT
+        app.conf.worker_prefetch_multiplier = 1
+
+
+@pytest.fixture
+def celery_setup_cls() -> type[CeleryTestSetup]:
+    return LockedSetup
+
+
+# Redis from the image scripts/docker-setup.sh builds (no registry here), on loopback.
+@pytest.fixture
+def default_redis_broker_image() -> str:
+    return REDIS_IMAGE
+
+
+@pytest.fixture
+def default_redis_backend_image() -> str:
+    return REDIS_IMAGE
+
+
+@pytest.fixture
+def default_redis_broker_ports() -> dict:
+    return {"6379/tcp": ("127.0.0.1", None)}
+
+
+@pytest.fixture
+def default_redis_backend_ports() -> dict:
+    return {"6379/tcp": ("127.0.0.1", None)}
+
+
+# Only Redis: pytest-celery would also parametrize over RabbitMQ.
+@pytest.fixture
+def celery_broker_cluster(celery_redis_broker: RedisTestBroker) -> CeleryBrokerCluster:
+    cluster = CeleryBrokerCluster(celery_redis_broker)
+    yield cluster
+    cluster.teardown()
+
+
+@pytest.fixture
+def celery_backend_cluster(celery_redis_backend: RedisTestBackend) -> CeleryBackendCluster:
+    cluster = CeleryBackendCluster(celery_redis_backend)
+    yield cluster
+    cluster.teardown()
+
+
+@pytest.fixture
+def default_worker_tasks(default_worker_tasks: set) -> set:
+    from tests.docker import tasks
+
+    return {*default_worker_tasks, tasks}
+
+
+@pytest.fixture
+def default_worker_command(default_worker_container_cls: type[ZkLockWorkerContainer]) -> list[str]:
+    return default_worker_container_cls.command("-c", "2", "-E")
+
+
+# A second worker container: same image, app and tasks, its own hostname.
+second_worker_container = container(
+    image="{default_zklock_worker_image}",
+    environment=fxtr("default_worker_env"),
+    network="{default_pytest_celery_network.name}",
+    volumes={"{default_worker_volume.name}": DEFAULT_WORKER_VOLUME},
+    wrapper_class=ZkLockWorkerContainer,
+    timeout=DEFAULT_WORKER_CONTAINER_TIMEOUT,
+    command=fxtr("default_worker_command"),
+)
+
+
+@pytest.fixture
+def second_worker(second_worker_container: ZkLockWorkerContainer, default_worker_app: Celery) -> CeleryTestWorker:
+    worker = CeleryTestWorker(second_worker_container, app=default_worker_app)
+    yield worker
+    worker.teardown()
+
+
+@pytest.fixture
+def celery_worker_cluster(celery_worker: CeleryTestWorker, second_worker: CeleryTestWorker) -> CeleryWorkerCluster:
+    cluster = CeleryWorkerCluster(celery_worker, second_worker)
+    yield cluster
+    cluster.teardown()

@@ -1,0 +1,133 @@
+"""Locked tasks across worker containers (pytest-celery's ``celery_setup``: our ZooKeeper
+node, Redis broker and backend, two worker containers with ``-c 2``)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from celery import group
+from kazoo.client import KazooClient
+
+from celery_zklock.cli import lock_report
+from celery_zklock.config import load_settings
+from celery_zklock.errors import LockLost
+from tests.docker import tasks
+from tests.docker.conftest import SESSION_TIMEOUT
+
+pytestmark = pytest.mark.docker
+
+RESULT_TIMEOUT = 120
+
+
+def test_hot_key_never_overlaps_across_containers(celery_setup):
+    """20 tasks on one key from two containers (4 pool processes): they run one at a time, in
+    both containers, and the fencing token grows with every run."""
+    queue = celery_setup.worker.worker_queue
+    runs = group(tasks.hold.s("sku-1", 0.1) for _ in range(20)).apply_async(queue=queue).get(timeout=RESULT_TIMEOUT)
+    runs.sort(key=lambda r: r["start"])
+    overlaps = [(a, b) for a, b in zip(runs, runs[1:]) if b["start"] < a["end"]]
+    assert overlaps == []
+    tokens = [r["token"] for r in runs]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    hosts = {r["host"] for r in runs}
+    assert hosts == {container_host(w) for w in celery_setup.worker_cluster}, hosts
+
+
+def container_host(worker) -> str:
+    """The worker container's hostname (what ``socket.gethostname()`` says inside it)."""
+    return worker.container.attrs["Config"]["Hostname"]
+
+
+def holders(celery_setup, celery_zookeeper, key: str) -> list[dict]:
+    """The contenders holding ``key`` now, read from ZooKeeper by the test process."""
+    client = KazooClient(hosts=celery_zookeeper.host_hosts)
+    client.start(timeout=15)
+    try:
+        report = lock_report(client, load_settings(celery_setup.app.conf).root, key=key)
+        found = []
+        for path, rows in report.items():
+            for row in rows:
+                stat = client.exists(f"{path}/{row['node']}") if row["holder"] else None
+                if stat is not None:  # its fencing token is the node's czxid
+                    found.append({**row, "token": stat.czxid})
+    finally:
+        client.stop()
+        client.close()
+    return found
+
+
+def wait_held(celery_setup, celery_zookeeper, key: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = holders(celery_setup, celery_zookeeper, key)
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"nobody took {key!r} within {timeout:.0f}s")
+
+
+def test_killed_worker_container_frees_the_lock_after_the_session_timeout(celery_setup, celery_zookeeper):
+    """SIGKILL of the whole container holding the lock: nothing in it can close the session,
+    so the lock stays held until ZooKeeper expires the session; then the next task runs on
+    the other container with a higher fencing token."""
+    queue = celery_setup.worker.worker_queue
+    tasks.hold.s("kill-1", 120).apply_async(queue=queue)
+    holder = wait_held(celery_setup, celery_zookeeper, "hot:kill-1")
+    victim = next(w for w in celery_setup.worker_cluster if container_host(w) == holder["host"])
+    survivor = next(w for w in celery_setup.worker_cluster if w is not victim)
+    killed_at = time.time()
+    victim.kill()
+    nxt = tasks.hold.s("kill-1", 0.1).apply_async(queue=queue)
+    time.sleep(SESSION_TIMEOUT / 4)
+    still = holders(celery_setup, celery_zookeeper, "hot:kill-1")
+    assert [h["host"] for h in still] == [holder["host"]], "the dead container's lock vanished before its session expired"
+    run = nxt.get(timeout=RESULT_TIMEOUT)
+    recovery = run["start"] - killed_at
+    print(f"killed container {holder['host']}: next task started {recovery:.2f}s later on {run['host']}")
+    assert run["host"] == container_host(survivor)
+    assert SESSION_TIMEOUT / 4 < recovery < SESSION_TIMEOUT + 10
+    assert run["token"] > holder["token"]
+
+
+def test_paused_zookeeper_costs_the_lock_per_policy(celery_setup, celery_zookeeper):
+    """ZooKeeper frozen past the session timeout under two running holders: the one with
+    on_lock_lost="interrupt" gets LockLost inside its body at once, the one with "fail" runs
+    its body to the end and is then reported FAILURE with LockLost.  Afterwards the key
+    is usable again."""
+    queue = celery_setup.worker.worker_queue
+    failing = tasks.hold_fail_on_lost.s("p1", 8).apply_async(queue=queue)
+    interrupted = tasks.hold_interrupt_on_lost.s("p2", 8).apply_async(queue=queue)
+    wait_held(celery_setup, celery_zookeeper, "lost:p1")
+    wait_held(celery_setup, celery_zookeeper, "lost:p2")
+    celery_zookeeper.pause()
+    try:
+        time.sleep(SESSION_TIMEOUT + 1.5)
+    finally:
+        celery_zookeeper.unpause()
+    for result in (failing, interrupted):
+        result.get(timeout=RESULT_TIMEOUT, propagate=False)
+        assert result.state == "FAILURE", result.state
+        assert isinstance(result.result, LockLost), repr(result.result)
+    assert interrupted.date_done < failing.date_done
+    celery_zookeeper.wait_serving()
+    again = tasks.hold_fail_on_lost.s("p1", 0.1).apply_async(queue=queue).get(timeout=RESULT_TIMEOUT)
+    assert again["token"] > 0
+
+
+def test_skip_policy_across_containers(celery_setup, celery_zookeeper):
+    """A task on a key held in one container, sent to the other container with a 0.5 s
+    lock timeout and on_lock_timeout="skip", ends SKIPPED without running; once the key is
+    free the same task runs there."""
+    queue = celery_setup.worker.worker_queue
+    held = tasks.hold.s("skip-1", 4).apply_async(queue=queue)
+    holder = wait_held(celery_setup, celery_zookeeper, "hot:skip-1")
+    other = next(w for w in celery_setup.worker_cluster if container_host(w) != holder["host"])
+    celery_setup.app.control.add_consumer("zklock-other", destination=[other.hostname()], reply=True)
+    skipped = tasks.hold_or_skip.s("skip-1", 0.1).apply_async(queue="zklock-other")
+    deadline = time.monotonic() + RESULT_TIMEOUT
+    while skipped.state not in ("SKIPPED", "SUCCESS", "FAILURE") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert skipped.state == "SKIPPED"
+    held.get(timeout=RESULT_TIMEOUT)
+    ran = tasks.hold_or_skip.s("skip-1", 0.1).apply_async(queue="zklock-other").get(timeout=RESULT_TIMEOUT)
+    assert ran["host"] == container_host(other)
