@@ -67,7 +67,8 @@ def parse_ports(service: dict) -> list[tuple[str, int, int]]:
         if isinstance(p, dict):
             out.append((p.get("host_ip", ""), int(p["published"]), int(p["target"])))
             continue
-        parts = str(p).split("/")[0].split(":")
+        # "${ZK1_PORT:-2181}": the default, as compose reads it with the variable unset
+        parts = re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", str(p)).split("/")[0].split(":")
         if len(parts) == 3:
             out.append((parts[0], int(parts[1]), int(parts[2])))
         elif len(parts) == 2:
