@@ -7,12 +7,18 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/bootstrap.sh
 
+# scripts/docker-setup.sh: the engine, images for tests/docker/ (or one line saying why they
+# are skipped); `stop` stops the engine only if that script started it.
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@bash scripts/docker-setup.sh; \
+	  $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  bash scripts/docker-setup.sh stop; \
 	  if [ $$rc = 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 test-all: setup
-	$(PY) -m pytest -m "" $(PYTEST_ARGS)
+	@bash scripts/docker-setup.sh; \
+	  $(PY) -m pytest -m "" $(PYTEST_ARGS); rc=$$?; \
+	  bash scripts/docker-setup.sh stop; exit $$rc
 
 demo: setup
 	$(PY) -m examples.demo

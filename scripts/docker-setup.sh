@@ -55,7 +55,6 @@ if ! docker info >/dev/null 2>&1; then
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
   docker info >/dev/null 2>&1 || unavailable "dockerd did not start (last lines of $state/dockerd.log: $(tail -2 "$state/dockerd.log" | tr '\n' ' '))"
 fi
-# A throwaway container proves the engine can run one (not just answer `docker info`).
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null 2>&1 || {
     echo ">> docker: installing debootstrap"
@@ -69,7 +68,14 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   $SUDO tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null || unavailable "docker import of the base image failed"
   $SUDO rm -rf "$rootfs"
 fi
+# A throwaway container proves the engine can run one (not just answer `docker info`).
 docker run --rm --network none "$BASE_IMAGE" true >/dev/null 2>&1 || unavailable "the engine cannot run a container (docker run $BASE_IMAGE true failed)"
+# Compose for the docker-compose.yml run: the plugin, or Debian's docker-compose.
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null 2>&1; then
+  echo ">> docker: installing Debian's docker-compose"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends docker-compose >/dev/null \
+    || echo ">> docker: docker-compose could not be installed: the compose run will be skipped" >&2
+fi
 
 # 2. Wheels for the worker image: the project as built from this tree, and its dependencies
 # at the versions of the test virtualenv.  Python 3.11 of bookworm needs async-timeout for redis.
