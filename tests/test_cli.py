@@ -75,7 +75,9 @@ def _wait(predicate, timeout=10.0):
 def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_env, zk_server):
     values, mod, w = cli_env
     key = f"sem-{uuid.uuid4().hex[:6]}"
-    running = [mod.hold_two.delay(key, 2500, f"t{i}") for i in range(3)]
+    # 5 s holds: every check below runs while the first two still hold (each CLI run is a
+    # fresh Python process, about a second on a loaded machine)
+    running = [mod.hold_two.delay(key, 5000, f"t{i}") for i in range(3)]
     root = values["TEST_ZK_ROOT"]
 
     def report():
@@ -84,6 +86,8 @@ def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_e
         return json.loads(out.stdout).get(key_path(root, f"k:{key}"), [])
 
     _wait(lambda: len(report()) == 3)
+    text = run_cli(zk_server, root, "status", f"k:{key}").stdout
+    assert text.count("HOLDS") == 2 and text.count("waits") == 1 and "task_id=" in text
     rows = report()
     assert [r["holder"] for r in rows] == [True, True, False]  # lock_max_holders=2: two hold
     assert {r["task_id"] for r in rows} == {r.id for r in running}
@@ -92,8 +96,6 @@ def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_e
     by_prefix = json.loads(run_cli(zk_server, root, "status", "--prefix", "k:sem-", "--json").stdout)
     assert key_path(root, f"k:{key}") in by_prefix
     assert json.loads(run_cli(zk_server, root, "status", "--prefix", "k:nothing-", "--json").stdout) == {}
-    text = run_cli(zk_server, root, "status", f"k:{key}").stdout
-    assert text.count("HOLDS") == 2 and text.count("waits") == 1 and "task_id=" in text
     for r in running:
         r.get(timeout=30)
 

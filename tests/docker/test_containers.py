@@ -3,6 +3,7 @@ node, Redis broker and backend, two worker containers with ``-c 2``)."""
 from __future__ import annotations
 
 import time
+from datetime import timezone
 
 import pytest
 from celery import group
@@ -31,6 +32,11 @@ def test_hot_key_never_overlaps_across_containers(celery_setup):
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     hosts = {r["host"] for r in runs}
     assert hosts == {container_host(w) for w in celery_setup.worker_cluster}, hosts
+
+
+def epoch(when) -> float:
+    """A result's ``date_done`` as a Unix time (Celery stores UTC, naive or aware)."""
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def container_host(worker) -> str:
@@ -99,6 +105,7 @@ def test_paused_zookeeper_costs_the_lock_per_policy(celery_setup, celery_zookeep
     interrupted = tasks.hold_interrupt_on_lost.s("p2", 8).apply_async(queue=queue)
     wait_held(celery_setup, celery_zookeeper, "lost:p1")
     wait_held(celery_setup, celery_zookeeper, "lost:p2")
+    paused_at = time.time()
     celery_zookeeper.pause()
     try:
         time.sleep(SESSION_TIMEOUT + 1.5)
@@ -109,6 +116,8 @@ def test_paused_zookeeper_costs_the_lock_per_policy(celery_setup, celery_zookeep
         assert result.state == "FAILURE", result.state
         assert isinstance(result.result, LockLost), repr(result.result)
     assert interrupted.date_done < failing.date_done
+    print(f"ZooKeeper paused {SESSION_TIMEOUT + 1.5:.1f}s: 'interrupt' ended {epoch(interrupted.date_done) - paused_at:.2f}s "
+          f"after the pause, 'fail' {epoch(failing.date_done) - paused_at:.2f}s after (its body's end)")
     celery_zookeeper.wait_serving()
     again = tasks.hold_fail_on_lost.s("p1", 0.1).apply_async(queue=queue).get(timeout=RESULT_TIMEOUT)
     assert again["token"] > 0
