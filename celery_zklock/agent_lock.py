@@ -140,6 +140,12 @@ class AgentLock:
     def release(self) -> bool:
         """Give the lock back; True only if the agent proved it held to the end."""
         self.link._locks.pop(self.id, None)
+        if self.lost_reason is not None:
+            # Already lost (the agent said so): there is no proof left to wait for, and
+            # while ZooKeeper is unreachable the agent's delete would keep the task's
+            # result waiting up to release_bound.  The agent still deletes the node.
+            self.link.conn.send({"op": "release", "id": self.id})
+            return False
         reply = self.link.call({"op": "release", "id": self.id}, "released", self.release_bound)
         if reply is None:
             self.lost_reason = self.lost_reason or "the worker's lock agent did not confirm the release"

@@ -2,8 +2,10 @@
 loads it (tests/conftest.py): a ZooKeeper container, Redis broker and backend containers
 and two worker containers on one Docker network.
 
-The images come from scripts/docker-setup.sh (``make test`` runs it).  Without them, or
-without a Docker engine, the whole folder is skipped with one line saying why.
+The images come from scripts/docker-setup.sh (``make test`` runs it; run it yourself after
+changing the library before running this folder alone: the worker image installs the tree
+as it was).  Without them, or without a Docker engine, the whole folder is skipped with one
+line saying why.
 """
 from __future__ import annotations
 
