@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kazoo.client import KazooClient
+from pytest_docker_tools.exceptions import ContainerFailed
 from pytest_celery.api.container import CeleryTestContainer
 
 from celery_zklock.contrib.pytest_celery import defaults
@@ -55,8 +56,17 @@ class ZooKeeperContainer(CeleryTestContainer):
 
 
 class ZooKeeperMemberContainer(ZooKeeperContainer):
-    """A server of an ensemble: ready once running, since it serves only with a quorum."""
+    """A server of an ensemble: ready once running.  It opens its client port only once a
+    quorum has formed, and the members start one after another: waiting for the port here
+    would keep the next member from starting (and the election backs off meanwhile)."""
 
     @property
     def ready_prompt(self) -> None:
         return None
+
+    def ready(self) -> bool:
+        self._container.reload()
+        if self.status == "exited":
+            raise ContainerFailed(self, f"ZooKeeper member {self.name} exited:\n{self.logs()[-2000:]}")
+        networks = self._container.attrs["NetworkSettings"]["Networks"]
+        return self.status == "running" and all(n["IPAddress"] for n in networks.values())
