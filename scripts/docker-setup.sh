@@ -79,8 +79,8 @@ fi
 
 # 2. Wheels for the worker image: the project as built from this tree, and its dependencies
 # at the versions of the test virtualenv.  Python 3.11 of bookworm needs async-timeout for redis.
-hash_of() { cat "$@" 2>/dev/null | md5sum | cut -c1-12; }
-src_key=$( (find celery_zklock -name '*.py' -o -name Dockerfile -o -name '*.sh' | sort | xargs cat; cat pyproject.toml) | md5sum | cut -c1-12)
+key_of() { md5sum | cut -c1-12; }  # a short hash of stdin: an image's or the wheels' key
+src_key=$( (find celery_zklock -name '*.py' -o -name Dockerfile -o -name '*.sh' | sort | xargs cat; cat pyproject.toml) | key_of)
 wheels="$state/wheels-$src_key"
 if [ ! -e "$wheels/.done" ]; then
   echo ">> docker: building wheels for the worker image"
@@ -109,14 +109,14 @@ images=celery_zklock/contrib/pytest_celery/images
 base_id=$(docker image inspect -f '{{.Id}}' "$BASE_IMAGE")
 zk_tag=$("$PY" -c "from celery_zklock.contrib.pytest_celery import defaults as d; print(d.ZOOKEEPER_IMAGE)")
 worker_tag=$("$PY" -c "from celery_zklock.contrib.pytest_celery import defaults as d; print(d.WORKER_IMAGE)")
-image_for zookeeper "$zk_tag" "$( (echo "$base_id"; cat $images/zookeeper/*) | md5sum | cut -c1-12)"
-image_for redis "$REDIS_IMAGE" "$( (echo "$base_id"; cat $images/redis/*) | md5sum | cut -c1-12)"
-image_for worker "$worker_tag" "$( (echo "$base_id $src_key"; cat $images/worker/Dockerfile) | md5sum | cut -c1-12)"
+image_for zookeeper "$zk_tag" "$( (echo "$base_id"; cat $images/zookeeper/*) | key_of)"
+image_for redis "$REDIS_IMAGE" "$( (echo "$base_id"; cat $images/redis/*) | key_of)"
+image_for worker "$worker_tag" "$( (echo "$base_id $src_key"; cat $images/worker/Dockerfile) | key_of)"
 
 # 4. The examples image of docker-compose.yml, on top of the worker image (its pip installs
 # from the worker's wheels).  The build context is a tar of what the Dockerfile copies: the
 # classic builder would otherwise send the whole checkout, .venv included.
-ex_key=$( (docker image inspect -f '{{.Id}}' "$worker_tag"; find examples support -name '*.py' | sort | xargs cat; cat examples/Dockerfile) | md5sum | cut -c1-12)
+ex_key=$( (docker image inspect -f '{{.Id}}' "$worker_tag"; find examples support -name '*.py' | sort | xargs cat; cat examples/Dockerfile) | key_of)
 if ! docker image inspect "celery-zklock-examples:k-$ex_key" >/dev/null 2>&1; then
   echo ">> docker: building image $EXAMPLES_IMAGE"
   tar -c --exclude=__pycache__ pyproject.toml README.md celery_zklock examples support \
