@@ -144,3 +144,16 @@ def test_skip_policy_across_containers(celery_setup, celery_zookeeper):
     held.get(timeout=RESULT_TIMEOUT)
     ran = tasks.hold_or_skip.s("skip-1", 0.1).apply_async(queue="zklock-other").get(timeout=RESULT_TIMEOUT)
     assert ran["host"] == container_host(other)
+
+
+def test_zookeeper_restart_between_tasks(celery_setup, celery_zookeeper):
+    """ZooKeeper restarted between two tasks on one key (the node helper for failover tests):
+    the workers reconnect by themselves and the next task locks with a higher token; the
+    test process finds the server again even if Docker published another host port."""
+    queue = celery_setup.worker.worker_queue
+    before = tasks.hold.s("restart-1", 0.1).apply_async(queue=queue).get(timeout=RESULT_TIMEOUT)
+    celery_zookeeper.restart()
+    assert celery_zookeeper.mode() == "standalone"
+    after = tasks.hold.s("restart-1", 0.1).apply_async(queue=queue).get(timeout=RESULT_TIMEOUT)
+    assert after["token"] > before["token"]
+    assert holders(celery_setup, celery_zookeeper, "hot:restart-1") == []
