@@ -32,7 +32,7 @@ def bring_images_up_to_date() -> None:
         return
     pidfile = os.path.join(ROOT, "build", "docker", "dockerd.pid")
     engine_was_ours = os.path.exists(pidfile)
-    subprocess.run(["bash", SETUP_SCRIPT], env={**os.environ, "PY": sys.executable}, stdout=sys.stderr, check=False)
+    subprocess.run(["bash", SETUP_SCRIPT], env={**os.environ, "PY": sys.executable}, stdout=2, check=False)
     if not engine_was_ours and os.path.exists(pidfile):
         atexit.register(subprocess.run, ["bash", SETUP_SCRIPT, "stop"], check=False)
 
