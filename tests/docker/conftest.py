@@ -3,20 +3,37 @@ loads it (tests/conftest.py): a ZooKeeper container, Redis broker and backend co
 and two worker containers on one Docker network.
 
 The images come from scripts/docker-setup.sh: ``make test`` runs it first; run by hand, this
-folder runs it itself.  Without them, or without a Docker engine, the whole folder is skipped
-with one line saying why.
+folder runs it itself before its first test.  Without them, or without a Docker engine,
+every test here is skipped with one line saying why.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import subprocess
 import sys
 
 import pytest
+import pytest_docker_tools.wrappers.container as _ptd_container
+from celery import Celery
+from pytest_celery import (
+    CeleryBackendCluster,
+    CeleryBrokerCluster,
+    CeleryTestSetup,
+    CeleryTestWorker,
+    CeleryWorkerCluster,
+    RedisTestBackend,
+    RedisTestBroker,
+)
+from pytest_celery.vendors.worker.defaults import DEFAULT_WORKER_CONTAINER_TIMEOUT, DEFAULT_WORKER_VOLUME
+from pytest_docker_tools import container, fxtr
+
+from celery_zklock.contrib.pytest_celery import ZkLockWorkerContainer, defaults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SETUP_SCRIPT = os.path.join(ROOT, "scripts", "docker-setup.sh")
+STATE_DIR = os.path.join(ROOT, "build", "docker")  # the script's pid file and "unavailable" line
 REDIS_IMAGE = "celery-zklock/redis:7"
 EXAMPLES_IMAGE = "celery-zklock-examples:local"
 
@@ -30,16 +47,16 @@ def bring_images_up_to_date() -> None:
     when the tests end, as ``make test`` does."""
     if os.environ.get("ZKLOCK_DOCKER_READY") == "1":
         return
-    pidfile = os.path.join(ROOT, "build", "docker", "dockerd.pid")
-    engine_was_ours = os.path.exists(pidfile)
+    pidfile = os.path.join(STATE_DIR, "dockerd.pid")
+    engine_started_before = os.path.exists(pidfile)
     subprocess.run(["bash", SETUP_SCRIPT], env={**os.environ, "PY": sys.executable}, stdout=2, check=False)
-    if not engine_was_ours and os.path.exists(pidfile):
+    if not engine_started_before and os.path.exists(pidfile):
         atexit.register(subprocess.run, ["bash", SETUP_SCRIPT, "stop"], check=False)
 
 
 def docker_problem() -> str | None:
     """Why the docker tests cannot run here, or None."""
-    marker = os.path.join(ROOT, "build", "docker", "unavailable")
+    marker = os.path.join(STATE_DIR, "unavailable")
     if os.path.exists(marker):
         with open(marker) as f:
             return f.read().strip()
@@ -47,41 +64,34 @@ def docker_problem() -> str | None:
         subprocess.run(["docker", "info"], check=True, capture_output=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return "docker tests skipped: no Docker engine answers (`make test` runs scripts/docker-setup.sh, which starts one)"
-    from celery_zklock.contrib.pytest_celery import defaults
-
     for image in (defaults.ZOOKEEPER_IMAGE, defaults.WORKER_IMAGE, REDIS_IMAGE, EXAMPLES_IMAGE):
         if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
             return f"docker tests skipped: image {image} is missing (run scripts/docker-setup.sh)"
     return None
 
 
-bring_images_up_to_date()
-_problem = docker_problem()
-if _problem:
-    pytest.skip(_problem, allow_module_level=True)
+@functools.cache
+def docker_problem_after_setup() -> str | None:
+    bring_images_up_to_date()
+    return docker_problem()
 
-from celery import Celery  # noqa: E402  (after the skip: these need pytest-celery)
-from pytest_celery import (  # noqa: E402
-    CeleryBackendCluster,
-    CeleryBrokerCluster,
-    CeleryTestSetup,
-    CeleryTestWorker,
-    CeleryWorkerCluster,
-    RedisTestBackend,
-    RedisTestBroker,
-)
-from pytest_celery.vendors.worker.defaults import DEFAULT_WORKER_CONTAINER_TIMEOUT, DEFAULT_WORKER_VOLUME  # noqa: E402
-from pytest_docker_tools import container, fxtr  # noqa: E402
 
-from celery_zklock.contrib.pytest_celery import ZkLockWorkerContainer  # noqa: E402
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Set-up and check before this folder's first test, not at import: a run that selects
+    none of them (``pytest -k other``) pays nothing, and ``pytest tests/docker`` on a machine
+    without Docker skips instead of failing to load this conftest.  A skip raised here is
+    reported at this line, so ``-ra`` folds all of them into one line."""
+    problem = docker_problem_after_setup()
+    if problem:
+        pytest.skip(problem)
+
 
 # pytest-docker-tools takes a /.dockerenv for "the tests run in a container" and then hands
 # out container IPs with container ports, which pytest-celery's Redis turns into
 # localhost:6379: the machine's own Redis.  This sandbox has a /.dockerenv, but the engine
 # runs in the tests' own network namespace, so the published loopback ports are the right
 # addresses.
-import pytest_docker_tools.wrappers.container as _ptd_container  # noqa: E402
-
 _ptd_container.tests_inside_container = lambda: False
 
 # Sessions of 4 s (the test ZooKeeper's tickTime is 200 ms): a dead worker's lock is freed,
