@@ -60,7 +60,14 @@ def run(report: Report, procs: Procs, window: float = 9.0, workers: int = 2, con
         pid = int(who.decode().rsplit(":", 1)[1])
         per_beat[beat_names.get(pid, f"pid {pid}")] = int(n)
     ids = [x.decode() for x in r.lrange(m.store.key("sent_ids"), 0, -1)]
-    states = Counter(m.app.AsyncResult(i).state for i in ids)
+
+    def final_states() -> Counter:
+        return Counter(m.app.AsyncResult(i).state for i in ids)
+
+    # A run is counted when its body ends; its SUCCESS is stored a moment later, after its
+    # lock is let go: wait for every state to be final before comparing.
+    wait_until(lambda: sum(final_states()[s] for s in ("SUCCESS", "SKIPPED", "FAILURE")) >= len(ids), 10)
+    states = final_states()
     tokens = [x["token"] for x in runs]
     by_worker = Counter(x["worker"].split("@")[0].split("-")[0] for x in runs)
 

@@ -7,8 +7,9 @@ grows: ``lock_retry_countdown × lock_retry_backoff ** retries``, capped at
 ``lock_retry_backoff_max`` — 0.25, 0.5, 1, 2, 2... seconds here — up to
 ``lock_max_retries`` times.  Once the reconcile ends, the next attempt runs.
 
-Recorded in Redis for the checks: every attempt (``task_prerun``, with the retry number),
-every retry with its countdown (``task_retry``: ``reason.when``), every body run.
+Recorded in Redis for the checks: every attempt's lock decision (``task_prerun``, which for a
+locked task fires when its lock is decided, wherever it waited; with the retry number), every
+retry with its countdown (``task_retry``: ``reason.when``), every body run.
 """
 
 from __future__ import annotations
