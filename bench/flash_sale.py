@@ -1,4 +1,4 @@
-"""Scenario: the flash-sale demo's workload, waiting in the worker vs waiting in the pool.
+"""Scenario: the flash-sale demo's workload, waiting in the worker vs in the pool vs no lock.
 
 Why the demo itself, run as a subprocess: it is the workload users see (``make demo``):
 1,200 ``buy`` orders on 5 SKUs fired in one burst at 2 workers x ``prefork -c 3``, every
@@ -30,7 +30,8 @@ def _one(services: Services, mode: str, orders: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = {**os.environ, "ZKLOCK_HOSTS": services.zk_hosts, "REDIS_URL": services.redis_url,
-           "ZKLOCK_WAIT_IN": mode, "PYTHONPATH": ROOT}
+           "ZKLOCK_WAIT_IN": "worker" if mode == "plain" else mode, "PYTHONPATH": ROOT,
+           "FLASH_SALE_UNLOCKED": "1" if mode == "plain" else "0"}
     try:
         proc = subprocess.run([sys.executable, "-m", "examples.flash_sale", "--orders", str(orders), "--json", out],
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -38,23 +39,26 @@ def _one(services: Services, mode: str, orders: int) -> dict:
             result = json.load(f)
     finally:
         os.unlink(out)
+    if mode == "plain":  # no lock: it oversells by design; only its speed is of interest
+        return result["figures"]["flash_sale"]
     if proc.returncode != 0 or not result["ok"]:
         raise RuntimeError(f"flash sale ({mode}) failed its checks: {result.get('failures')}\n{proc.stdout[-3000:]}")
     return result["figures"]["flash_sale"]
 
 
 def run(services: Services, orders: int = 1200, rounds: int = 2) -> dict:
-    runs: dict[str, list[dict]] = {"worker": [], "pool": []}
+    runs: dict[str, list[dict]] = {"worker": [], "pool": [], "plain": []}
     for r in range(rounds):
-        for mode in ("worker", "pool") if r % 2 == 0 else ("pool", "worker"):
+        for mode in ("worker", "pool", "plain") if r % 2 == 0 else ("plain", "pool", "worker"):
             log(f"  flash sale, waiting in the {mode}: {orders} orders, round {r + 1}/{rounds}")
             runs[mode].append(_one(services, mode, orders))
     modes = {}
     for mode, rows in runs.items():
         modes[mode] = {
-            "label": f"wait in the {mode}",
+            "label": "no lock (oversells)" if mode == "plain" else f"wait in the {mode}",
             **{k: round(statistics.median(row[k] for row in rows), 4) for k in rows[0]},
             "orders_per_s_runs": [row["orders_per_s"] for row in rows],
         }
     return {"orders": orders, "skus": 5, "rounds": rounds, "modes": modes,
-            "worker_vs_pool": round(modes["worker"]["orders_per_s"] / modes["pool"]["orders_per_s"], 2)}
+            "worker_vs_pool": round(modes["worker"]["orders_per_s"] / modes["pool"]["orders_per_s"], 2),
+            "worker_vs_plain": round(modes["worker"]["orders_per_s"] / modes["plain"]["orders_per_s"], 2)}

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import celery_scenarios, fairness, flash_sale, lock_bench, many_keys, pool_slots, report, scale, tls, worker_loss
+from . import burst, celery_scenarios, fairness, flash_sale, lock_bench, many_keys, pool_slots, report, scale, tls, worker_loss
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -101,6 +101,7 @@ def run(quick: bool, out: Path) -> dict:
                                  1 if quick else 3)
         sc["flash_sale"] = timed(results, "flash_sale", flash_sale.run, services, 300 if quick else 1200,
                                  1 if quick else 2)
+        sc["burst"] = timed(results, "burst", burst.run, services, 600 if quick else 20000)
         sc["tls"] = timed(results, "tls", tls.run, services, driver, quick)
     finally:
         log("stopping ZooKeeper and Redis")

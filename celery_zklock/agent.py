@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -29,15 +30,23 @@ from kazoo.protocol.states import KazooState
 
 from .agent_link import HANDOFF_MAX_WAIT, HEARTBEAT, Connection
 from .client import connect, disconnect
+from .cohort import Cohort
 from .config import ZkSettings, from_wire
-from .internals import LockInternals, State
+from .internals import State
 from .lock import contenders
-from .session import DELETED
+from .session import DELETED, WRITTEN, monitor_for
 
 logger = logging.getLogger("celery_zklock.agent")
 
+#: Outcomes of a release that prove the lock was held to the end.
+PROOFS = (DELETED, WRITTEN)
 
-@dataclass
+#: The agent's event thread is stuck (not merely busy) when work waits and none has been
+#: done for this long; its heartbeats then stop, and the worker restarts it.
+STUCK_AFTER = 1.0
+
+
+@dataclass(eq=False)
 class Wait:
     """One request's locks: taken in canonical order, all or nothing."""
 
@@ -50,24 +59,34 @@ class Wait:
     owner: Connection
     early: bool = False  # the main process may hand it to the pool once it is next in line
     claimer: Connection | None = None
-    attempts: list = field(default_factory=list)
+    holds: dict = field(default_factory=dict)  # path -> (cohort, slot, token), in order taken
+    current: Cohort | None = None  # the cohort whose local queue it waits in
+    expired: bool = False  # its deadline passed; a fresh node's first answer decides
     verdict: dict | None = None  # what a claim is told once decided
     shown_held: bool | None = None  # the last state pushed to the claimer
     next_sent: bool = False  # told the main process it is next in line (claimable undecided)
-    queued: bool = False  # had to queue behind another contender (its key is contended)
+    queued: bool = False  # had to wait behind another holder (its key is contended)
+    timer: list | None = None
     granted_at: float | None = None
     started: float = field(default_factory=time.monotonic)
     done: bool = False  # released or cancelled
 
 
 class Agent:
+    """Serves the worker's processes; every decision runs on one event thread (:meth:`post`)."""
+
     def __init__(self, settings: ZkSettings, path: str) -> None:
         self.settings = settings
         self.path = path
         self.client = connect(settings)
-        self.guard = threading.RLock()
-        self.waits: dict[str, Wait] = {}
+        self.monitor = monitor_for(self.client)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.progress = time.monotonic()  # when the event thread last finished an event
+        self.peers_guard = threading.Lock()
         self.peers: set[Connection] = set()
+        self.waits: dict[str, Wait] = {}
+        self.claimed: set[Wait] = set()  # granted and claimed: their states are pushed
+        self.cohorts: dict[tuple[str, int], Cohort] = {}
         self.main: Connection | None = None
         self.main_seen = False
         self.stopped = threading.Event()
@@ -77,16 +96,34 @@ class Agent:
         self.hold_by_path: dict[str, float] = {}
         self.hold_by_task: dict[str, float] = {}
 
-    # ------------------------------------------------------------------ serving
+    # ------------------------------------------------------------------ threads
+    def post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the event thread: ZooKeeper callbacks and peer messages only
+        enqueue, so no lock orders between the agent and the engine's attempts exist."""
+        self.events.put((fn, args))
+
+    def _loop(self) -> None:
+        while not self.stopped.is_set():
+            fn, args = self.events.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except Exception:  # one bad event must not take the agent down
+                logger.exception("zklock agent: %s failed", getattr(fn, "__name__", fn))
+            self.progress = time.monotonic()
+
     def serve(self) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(self.path)
         os.chmod(self.path, 0o600)
         server.listen(128)
-        print("READY", flush=True)  # the worker waits for this line before forking its pool
-        threading.Thread(target=self._heartbeat, name="zklock-agent-heartbeat", daemon=True).start()
+        for target, name in ((self._loop, "events"), (self._heartbeat, "heartbeat")):
+            threading.Thread(target=target, name=f"zklock-agent-{name}", daemon=True).start()
         threading.Thread(target=self._accept, args=(server,), name="zklock-agent-accept", daemon=True).start()
+        print("READY", flush=True)  # the worker waits for this line before forking its pool
         self.stopped.wait()
+        self.events.put((None, ()))
         server.close()
         disconnect(self.client)
 
@@ -97,7 +134,7 @@ class Agent:
             except OSError:
                 return
             peer = Connection(sock)
-            with self.guard:
+            with self.peers_guard:
                 self.peers.add(peer)
             threading.Thread(target=self._read, args=(peer,), name="zklock-agent-peer", daemon=True).start()
 
@@ -105,34 +142,39 @@ class Agent:
         while True:
             messages = peer.receive()
             if messages is None:
-                return self._gone(peer)
+                return self.post(self._gone, peer)
             for message in messages:
-                try:
-                    self._handle(peer, message)
-                except Exception:  # a bad message must not take the agent down
-                    logger.exception("zklock agent: cannot handle %r", message)
+                self.post(self._handle, peer, message)
 
     def _heartbeat(self) -> None:
-        """Ping everyone, and tell claimers when their lock stops or starts being safe."""
+        """Ping everyone while the event thread makes progress (busy is fine, stuck is not),
+        and let it push lock states to claimers and retry stalled keys."""
         while not self.stopped.wait(HEARTBEAT):
             if os.getppid() != self.parent and self.main is None and not self._claimed():
                 self.stopped.set()  # the worker died, and no process of it holds a lock
                 return
-            with self.guard:
+            if self.events.qsize() and time.monotonic() - self.progress > STUCK_AFTER:
+                continue  # stuck: silence tells the worker to restart us
+            with self.peers_guard:
                 peers = list(self.peers)
-                claimed = [w for w in self.waits.values() if w.claimer is not None and not w.done]
             for peer in peers:
                 peer.send({"op": "ping"})
-            for wait in claimed:
-                self._push_state(wait)
+            self.post(self._tick)
+
+    def _tick(self) -> None:
+        for wait in list(self.claimed):
+            self._push_state(wait)
+        for cohort in list(self.cohorts.values()):
+            if cohort.queue and not any(s.holder is not None for s in cohort.slots):
+                cohort.pump()  # a node suspended while free: granted once verified again
+            self._tidy(cohort)
 
     # ------------------------------------------------------------------ requests
     def _handle(self, peer: Connection, msg: dict) -> None:
         op = msg.get("op")
         if op == "hello":
             if msg.get("role") == "main":
-                with self.guard:
-                    self.main, self.main_seen = peer, True
+                self.main, self.main_seen = peer, True
         elif op == "wait":
             self._wait(peer, msg)
         elif op == "cancel":
@@ -154,78 +196,82 @@ class Agent:
             owner=peer,
             early=bool(msg.get("early")),
         )
-        with self.guard:
-            old = self.waits.get(wait.id)
-            if old is None or old.done:
-                self.waits[wait.id] = wait
+        old = self.waits.get(wait.id)
         if old is not None and not old.done:
             # The same task id while we still wait for, or hold, its lock: a retry the body
             # published while holding it, or a redelivery.  The running one keeps its lock;
             # this one runs in-process (its claim will say "unknown"), still protected.
             peer.send({"op": "bypass", "id": wait.id})
             return
+        self.waits[wait.id] = wait
+        if wait.deadline is not None:
+            wait.timer = self.monitor.timers.call_at(wait.deadline, self.post, self._deadline, wait)
         self._take_next(wait)
 
     def _take_next(self, wait: Wait) -> None:
-        """Take the next path (canonical order) or, with all taken, grant."""
-        with self.guard:
-            if wait.done:
-                return
-            index = len(wait.attempts)
-            if index == len(wait.paths):
-                return self._decide(wait, {"verdict": "granted", "tokens": self._tokens(wait), "nodes": self._nodes(wait)})
-
-            internals = LockInternals(
-                self.client, wait.paths[index], wait.max_holders, wait.identity,
-                on_lost=lambda: self._lost(wait),
-            )
-            last = index == len(wait.paths) - 1
-            # Watching for "next in line" costs one more look at the queue per handoff:
-            # only for requests that may be handed over early (short holds, or not known).
-            expected = self._expected_hold(wait)
-            early = wait.early and last and (expected is None or expected <= HANDOFF_MAX_WAIT)
-            attempt = internals.attempt(
-                wait.deadline, on_wait=lambda pos: self._queued(wait, pos),
-                on_next=(lambda: self._next(wait)) if early else None,
-            )
-            wait.attempts.append(attempt)
-        attempt.result.rawlink(lambda result: self._taken(wait, result))
-
-    def _taken(self, wait: Wait, result) -> None:
-        try:
-            held = result.get()
-        except Exception as exc:
-            self._release_attempts(wait)
-            return self._decide(wait, {"verdict": "unavailable", "error": str(exc)})
-        if held:
-            return self._take_next(wait)
-        # Timed out (or cancelled): free what we took, then say who holds it (off this thread).
-        failed = wait.attempts[-1].lk.path if wait.attempts else None
-        self._release_attempts(wait)
+        """Join the next path's local queue (canonical order) or, with all taken, grant."""
         if wait.done:
             return
-        self.client.handler.spawn(self._timed_out, wait, failed)
+        if len(wait.holds) == len(wait.paths):
+            self.monitor.timers.cancel(wait.timer)
+            return self._decide(wait, {"verdict": "granted", "tokens": self._tokens(wait), "nodes": self._nodes(wait)})
+        path = wait.paths[len(wait.holds)]
+        cohort = self.cohorts.get((path, wait.max_holders))
+        if cohort is None:
+            cohort = self.cohorts[(path, wait.max_holders)] = Cohort(self, path, wait.max_holders)
+        wait.current = cohort
+        cohort.join(wait)
 
-    def _timed_out(self, wait: Wait, path: str | None) -> None:
+    # The cohort's callbacks (on the event thread).
+    def on_granted(self, wait: Wait, cohort: Cohort, slot, token: int) -> None:
+        wait.holds[cohort.path] = (cohort, slot, token)
+        wait.current = None
+        self._take_next(wait)
+
+    def on_failed(self, wait: Wait, exc: BaseException) -> None:
+        wait.current = None
+        self._let_go(wait)
+        self._decide(wait, {"verdict": "unavailable", "error": str(exc)})
+
+    def on_timed_out(self, wait: Wait, path: str) -> None:
+        """Free what it took, then say who holds the key (read off this thread)."""
+        wait.current = None
+        self._let_go(wait)
+        self.client.handler.spawn(self._holders_then_decide, wait, path)
+
+    def on_queued(self, wait: Wait, position: int) -> None:
+        if not wait.queued:
+            wait.queued = True
+            wait.owner.send({"op": "queued", "id": wait.id, "position": position})
+
+    def on_next(self, wait: Wait) -> None:
+        """Every path but the last is held and only a holder is ahead of it on the last: the
+        main process may hand it to the pool now, so the release that grants it reaches a
+        pool process already claiming (no dispatch, no wait for a free slot)."""
+        if (not wait.early or wait.done or wait.verdict is not None or wait.next_sent
+                or len(wait.holds) != len(wait.paths) - 1):
+            return
+        expected = self._expected_hold(wait)
+        if expected is not None and expected > HANDOFF_MAX_WAIT:
+            return
+        wait.next_sent = True
+        wait.owner.send({"op": "next", "id": wait.id, "hold": expected})
+
+    def on_slot_lost(self, wait: Wait) -> None:
+        self._push_state(wait)
+
+    def _deadline(self, wait: Wait) -> None:
+        if wait.done or wait.verdict is not None or wait.current is None:
+            return
+        if wait.current.expire(wait):
+            self.on_timed_out(wait, wait.current.path)
+
+    def _holders_then_decide(self, wait: Wait, path: str) -> None:
         try:
-            holders = [c.identifier for c in contenders(self.client, path, wait.max_holders) if c.holder] if path else []
+            holders = [c.identifier for c in contenders(self.client, path, wait.max_holders) if c.holder]
         except Exception:
             holders = []
-        self._decide(wait, {"verdict": "timeout", "holders": holders})
-
-    def _queued(self, wait: Wait, position: int) -> None:
-        wait.queued = True
-        wait.owner.send({"op": "queued", "id": wait.id, "position": position})
-
-    def _next(self, wait: Wait) -> None:
-        """Every path but the last is held and the last has only holders ahead: the main
-        process may hand the request to the pool now, so that the release that grants it
-        reaches a pool process already claiming (no dispatch, no wait for a free slot)."""
-        with self.guard:
-            if wait.done or wait.verdict is not None or wait.next_sent:
-                return
-            wait.next_sent = True
-        wait.owner.send({"op": "next", "id": wait.id, "hold": self._expected_hold(wait)})
+        self.post(self._decide, wait, {"verdict": "timeout", "holders": holders})
 
     def _expected_hold(self, wait: Wait) -> float | None:
         held = self.hold_by_path.get(wait.paths[-1])
@@ -242,21 +288,20 @@ class Agent:
             table[key] = held if mean is None else mean + 0.3 * (held - mean)
 
     def _decide(self, wait: Wait, verdict: dict) -> None:
-        with self.guard:
-            if wait.done or wait.verdict is not None:
-                return
-            wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
-            if verdict["verdict"] == "granted":
-                wait.granted_at = time.monotonic()
-            claimer = wait.claimer
+        if wait.done or wait.verdict is not None:
+            return
+        self.monitor.timers.cancel(wait.timer)
+        wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
+        if verdict["verdict"] == "granted":
+            wait.granted_at = time.monotonic()
         answer = {"op": verdict["verdict"], "id": wait.id}  # granted/timeout/unavailable/revoked/shutdown
         if wait.queued:
             answer["queued"] = True
         if verdict["verdict"] == "unavailable":
             answer["error"] = verdict["error"]
         wait.owner.send(answer)
-        if claimer is not None:
-            claimer.send(wait.verdict)
+        if wait.claimer is not None:
+            wait.claimer.send(wait.verdict)
             if verdict["verdict"] != "granted":
                 self._forget(wait)
 
@@ -266,58 +311,67 @@ class Agent:
         A next-in-line claimer is told ``pending`` and gets the verdict the moment it is
         decided.  Other undecided requests are not claimable: the claimer would run
         in-process and could queue behind our own node."""
-        with self.guard:
-            wait = self.waits.get(request_id)
-            if (wait is None or wait.done or wait.claimer is not None
-                    or (wait.verdict is None and not wait.next_sent)):
-                peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
-                return
-            wait.claimer = peer
-            verdict = wait.verdict
-        if verdict is None:
+        wait = self.waits.get(request_id)
+        if (wait is None or wait.done or wait.claimer is not None
+                or (wait.verdict is None and not wait.next_sent)):
+            peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
+            return
+        wait.claimer = peer
+        self.claimed.add(wait)
+        if wait.verdict is None:
             peer.send({"op": "claimed", "id": request_id, "verdict": "pending"})
             return
-        peer.send(verdict)
-        if verdict["verdict"] != "granted":
+        peer.send(wait.verdict)
+        if wait.verdict["verdict"] != "granted":
             self._forget(wait)
 
     def _release(self, peer: Connection, request_id: str) -> None:
-        """Let go of a claimed request's locks; the answer says whether each delete proved
-        the lock held to the end.  Answered from the deletes' replies: no thread waits."""
-        with self.guard:
-            wait = self.waits.get(request_id)
-            if wait is None or wait.claimer is not peer or wait.done:
-                peer.send({"op": "released", "id": request_id, "proven": False, "reason": "not held through the agent"})
-                return
-            wait.done = True
-            self.waits.pop(request_id, None)
-            self._learn_hold(wait)
-        reason = next((a.lost_reason for a in wait.attempts if a.lost_reason), None)
-        outcomes = self._release_attempts(wait)
-        pending = [p for _, p in outcomes if p is not None and not isinstance(p, str)]
+        """Let go of a claimed request's locks; the answer says whether each one was proven
+        held to the end (the delete, or the local handoff's write, found our node).
+        Answered from those replies: no thread waits."""
+        wait = self.waits.get(request_id)
+        if wait is None or wait.claimer is not peer or wait.done:
+            peer.send({"op": "released", "id": request_id, "proven": False, "reason": "not held through the agent"})
+            return
+        self._learn_hold(wait)
+        reason = self._lost_reason(wait)
+        outcomes = self._let_go(wait)
+        self._forget(wait)
+        pending = [p for p in outcomes if not isinstance(p, str)]
         left = [len(pending)]
-        guard = threading.Lock()
 
         def answer() -> None:
-            proven = all(held and _outcome(p) == DELETED for held, p in outcomes)
+            proven = all(_outcome(p) in PROOFS for p in outcomes)
             why = reason or (None if proven else "lock node was already gone at release")
             peer.send({"op": "released", "id": request_id, "proven": proven, "reason": why})
 
         def one_done(_result) -> None:
-            with guard:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
+            left[0] -= 1
+            if left[0] == 0:
                 answer()
 
         if not pending:
             return answer()
         for p in pending:
-            p.rawlink(one_done)
+            p.rawlink(lambda result: self.post(one_done, result))
 
-    def _release_attempts(self, wait: Wait) -> list:
-        """Let go of every path taken: ``(was_held, outcome)`` per path (see Attempt.release)."""
-        return [attempt.release() for attempt in reversed(wait.attempts)]
+    def _let_go(self, wait: Wait) -> list:
+        """Leave the local queue and let go of every path taken (the next of ours may get
+        it at once); the release proof per path, newest first."""
+        if wait.current is not None:
+            cohort, wait.current = wait.current, None
+            cohort.leave(wait)
+            self._tidy(cohort)
+        outcomes = []
+        for cohort, _slot, _token in reversed(list(wait.holds.values())):
+            outcomes.append(cohort.release(wait))
+            self._tidy(cohort)
+        wait.holds.clear()
+        return outcomes
+
+    def _tidy(self, cohort: Cohort) -> None:
+        if cohort.idle and self.cohorts.get((cohort.path, cohort.max_holders)) is cohort:
+            del self.cohorts[(cohort.path, cohort.max_holders)]
 
     def _cancel(self, request_id: str, why: str = "finished", in_pool: bool = False) -> None:
         """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
@@ -327,86 +381,80 @@ class Agent:
         still undecided is given the verdict ``why`` instead: its pool process, claiming or
         about to, must not run it.  Decided, it runs (or ran) as granted: its own release
         lets go."""
-        with self.guard:
-            wait = self.waits.get(request_id)
-            if wait is None or (wait.claimer is not None and wait.verdict is not None):
-                return
-            if in_pool and wait.verdict is not None:
-                return
+        wait = self.waits.get(request_id)
+        if wait is None or wait.done or (wait.claimer is not None and wait.verdict is not None):
+            return
+        if in_pool and wait.verdict is not None:
+            return
         if not in_pool:
             if wait.claimer is None:
                 self._drop(wait)
             return
-        for attempt in wait.attempts:
-            attempt.cancel()
-        self._release_attempts(wait)
+        self._let_go(wait)
         self._decide(wait, {"verdict": why})
 
     def _drop(self, wait: Wait) -> None:
         """Stop waiting for, or let go of, a request nobody runs."""
         self._forget(wait)
-        for attempt in wait.attempts:
-            attempt.cancel()
-        self._release_attempts(wait)
+        self._let_go(wait)
 
     def _forget(self, wait: Wait) -> None:
-        with self.guard:
-            wait.done = True
-            if self.waits.get(wait.id) is wait:
-                del self.waits[wait.id]
+        wait.done = True
+        self.claimed.discard(wait)
+        self.monitor.timers.cancel(wait.timer)
+        if self.waits.get(wait.id) is wait:
+            del self.waits[wait.id]
 
     # ------------------------------------------------------------------ lock state
     @staticmethod
     def _tokens(wait: Wait) -> dict[str, int]:
-        return {a.lk.path: a.token for a in wait.attempts}
+        return {path: token for path, (_c, _s, token) in wait.holds.items()}
 
     @staticmethod
     def _nodes(wait: Wait) -> dict[str, str]:
-        return {a.lk.path: f"{a.lk.path}/{a.node}" for a in wait.attempts}
+        return {path: slot.node_path for path, (_c, slot, _t) in wait.holds.items()}
 
-    def _lost(self, wait: Wait) -> None:
-        self._push_state(wait)
+    @staticmethod
+    def _lost_reason(wait: Wait) -> str | None:
+        for _c, slot, _t in wait.holds.values():
+            if slot.attempt.lost_reason:
+                return slot.attempt.lost_reason
+            if slot.lost:
+                return "lock lost"
+        return None
 
     def _push_state(self, wait: Wait) -> None:
-        states = [a.state for a in wait.attempts]
-        held = bool(states) and all(s is State.HELD for s in states)
-        reason = next((a.lost_reason for a in wait.attempts if a.lost_reason), None)
+        slots = [slot for _c, slot, _t in wait.holds.values()]
+        held = bool(slots) and all(s.held for s in slots)
+        lost = any(s.lost or s.attempt.state is State.LOST for s in slots)
+        reason = self._lost_reason(wait)
         if not held and reason is None:
-            reason = "ZooKeeper connection suspended" if State.HELD_SUSPENDED in states else "not held"
-        with self.guard:
-            claimer = wait.claimer
-            if claimer is None or wait.done or wait.verdict is None or wait.verdict.get("verdict") != "granted":
-                return
-            lost = State.LOST in states
-            if wait.shown_held == held and not lost:
-                return
-            wait.shown_held = held
-        claimer.send({"op": "state", "id": wait.id, "held": held, "lost": lost, "reason": reason})
+            suspended = any(s.attempt.state is State.HELD_SUSPENDED for s in slots)
+            reason = "ZooKeeper connection suspended" if suspended else "not held"
+        if (wait.claimer is None or wait.done or wait.verdict is None or wait.verdict.get("verdict") != "granted"
+                or (wait.shown_held == held and not lost)):
+            return
+        wait.shown_held = held
+        wait.claimer.send({"op": "state", "id": wait.id, "held": held, "lost": lost, "reason": reason})
 
     # ------------------------------------------------------------------ peers leaving
     def _claimed(self) -> bool:
-        with self.guard:
-            return any(w.claimer is not None and not w.done for w in self.waits.values())
+        return bool(self.claimed)
 
     def _gone(self, peer: Connection) -> None:
         """A process closed its end (exited, or was killed): free what it held at once."""
-        with self.guard:
+        with self.peers_guard:
             self.peers.discard(peer)
-            claimed = [w for w in self.waits.values() if w.claimer is peer and not w.done]
-            unclaimed = [w for w in self.waits.values() if w.owner is peer and w.claimer is None and not w.done]
-            if peer is self.main:
-                self.main = None
-        for wait in claimed:
-            with self.guard:
-                wait.done = True
-                self.waits.pop(wait.id, None)
-            self._release_attempts(wait)
-            logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
-        for wait in unclaimed:
-            self._drop(wait)
-        with self.guard:
-            if self.main_seen and self.main is None and not self._claimed():
-                self.stopped.set()
+        if peer is self.main:
+            self.main = None
+        for wait in [w for w in self.waits.values() if not w.done]:
+            if wait.claimer is peer:
+                self._drop(wait)
+                logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
+            elif wait.owner is peer and wait.claimer is None:
+                self._drop(wait)
+        if self.main_seen and self.main is None and not self._claimed():
+            self.stopped.set()
 
 
 def _outcome(pending):

@@ -71,6 +71,9 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
         raise click.ClickException(str(no_auth_error(settings.root, "reading the lock queues"))) from None
     finally:
         disconnect(client)
+    wanted = key_path(settings.root, key) if key is not None else f"{settings.root}/{encode_key(prefix) if prefix else ''}"
+    add_local_waiters(report, {p: rows for p, rows in local_waiters(ctx.obj.app).items()
+                               if (p == wanted if key is not None else p.startswith(wanted))})
     if as_json:
         return _echo_json(report)
     if not report:
@@ -80,7 +83,37 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
         for r in rows:
             who = " ".join(f"{k}={r[k]}" for k in ("task", "task_id", "worker", "host", "pid") if r.get(k) is not None)
             what = "HOLDS" if r["holder"] else "waits"
-            click.echo(f"  {r['position']:>3} {what}  {r['for_s']:>8.1f}s  {r['node']}  {who or r['data']}")
+            where = r["node"] or "(in its worker: lock cohorting)"
+            click.echo(f"  {r['position']:>3} {what}  {r['for_s']:>8.1f}s  {where}  {who or r['data']}")
+
+
+def local_waiters(app, timeout: float = 1.0) -> dict[str, list[dict]]:
+    """{lock path: requests waiting for it inside workers}: a worker's agent queues one node
+    per key in ZooKeeper and keeps the rest of its requests for that key in memory, so
+    ZooKeeper alone does not show them; each worker answers ``zklock_waiting``."""
+    merged: dict[str, list[dict]] = {}
+    try:
+        replies = app.control.broadcast("zklock_waiting", reply=True, timeout=timeout) or []
+    except Exception as exc:  # no broker: ZooKeeper's view alone
+        logger.warning("could not ask the workers for their waiting requests: %r", exc)
+        return merged
+    for reply in replies:
+        for _worker, by_path in reply.items():
+            if isinstance(by_path, dict):
+                for path, rows in by_path.items():
+                    merged.setdefault(path, []).extend(rows)
+    return merged
+
+
+def add_local_waiters(report: dict, waiting: dict[str, list[dict]]) -> dict:
+    """Append workers' in-memory waiters to a :func:`lock_report`, after ZooKeeper's queue."""
+    for path, rows in waiting.items():
+        queue = report.setdefault(path, [])
+        for row in sorted(rows, key=lambda r: -r["for_s"]):
+            queue.append({"node": None, "position": len(queue), "holder": False, "for_s": row["for_s"],
+                          "task": row["task"], "task_id": row["task_id"], "worker": row["worker"],
+                          "host": None, "pid": row["pid"], "data": None})
+    return report
 
 
 def lock_report(client, root: str, key: str | None = None, prefix: str | None = None) -> dict:

@@ -86,6 +86,14 @@ def _slots_or_none(value: Any) -> int | None:
     return value
 
 
+def _handoffs(value: Any) -> int:
+    from .znodes import MAX_GRANTS_PER_NODE
+
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GRANTS_PER_NODE:
+        raise ValueError(f"must be an int from 1 (no local handoff while others wait) to {MAX_GRANTS_PER_NODE}")
+    return value
+
+
 def _tasks(value: Any) -> tuple:
     """{task name or fnmatch glob: {lock option: value}}; normal form: a tuple of pairs
     (the options themselves are checked at worker start, against the tasks they lock)."""
@@ -187,6 +195,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_tasks", {}, _tasks, "Lock tasks without changing their code: {task name or fnmatch glob: {lock option: value}}, applied at worker start.", wire=False),
         Setting("zklock_metrics_port", None, _metrics_port, "Serve Prometheus metrics of the worker's locks on this port (127.0.0.1) or 'host:port'; needs the [metrics] extra."),
         Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
+        Setting("zklock_cohort_handoffs", 32, _handoffs, "Waiting in the worker: while another worker (or a Curator/kazoo peer) queues for a key, how many of this worker's tasks in a row may hold it before it passes on (lock cohorting; the fairness bound)."),
+        Setting("zklock_cohort_hold", 0.5, _positive, "Waiting in the worker: while another contender queues for a key, how long (s) this worker's tasks may keep passing it among themselves before it passes on."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )
 }

@@ -28,8 +28,9 @@ Safety rules kazoo's ``Lock`` leaves to the caller and this module keeps:
   owned by our session) on reconnection; LOST when the session expires, the node is
   deleted, or the suspension outlasts a third of the session timeout (kazoo cannot learn
   of an expiry while cut off and notices the cut only after two thirds of it);
-* the fencing token is our node's ``czxid``: zxids are totally ordered, so a later holder's
-  token is larger, even if the parent was deleted and recreated.
+* the fencing token is derived from our node's ``czxid`` (:func:`~celery_zklock.znodes.fencing_token`):
+  zxids are totally ordered, so a later holder's token is larger, even if the parent was
+  deleted and recreated.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class Attempt:
         self.on_next = on_next
         self.state = State.IDLE
         self.node: str | None = None  # our child's name once created or adopted
-        self.token: int | None = None
+        self.token: int | None = None  # znodes.fencing_token of our node (its first grant)
+        self.czxid: int | None = None
         self.session: int | None = None  # the session our node belongs to
         self.lost_reason: str | None = None
         self.result = self.client.handler.async_result()  # True held / False gave up
@@ -208,8 +210,10 @@ class Attempt:
             self._resume()
 
     # ------------------------------------------------------------------ creating our node
-    def _send_create(self) -> None:
-        if self._deadline_passed:
+    def _send_create(self, same_try: bool = False) -> None:
+        # same_try: the create is being resent because the key's container had been
+        # reaped; the remake and the resend belong to the one try that timeout=0 allows.
+        if self._deadline_passed and not same_try:
             return self._give_up(False)
         if not self.client.connected:
             return self._await("create")
@@ -270,7 +274,8 @@ class Attempt:
             if self._finished:  # given up while the create was in flight
                 self.cleanup = self._delete(name, session)
                 return self._settle_cleanup()
-            self.node, self.token, self.session = name, stat.czxid, session
+            self.node, self.czxid, self.session = name, stat.czxid, session
+            self.token = znodes.fencing_token(stat.czxid)
             if listed is None and znodes.sequence_of(name) == 0:
                 return self._decide([name])
             if listed is not None:
@@ -317,7 +322,7 @@ class Attempt:
                 pass  # exists already, or a connection blip: the next create tells
             if retry:
                 return self._make_parent_then_create()
-            self._send_create()
+            self._send_create(same_try=True)
 
     def _resume(self) -> None:
         pending = self._pending
@@ -414,7 +419,8 @@ class Attempt:
                 return
             if keep is None:
                 return self._send_create()
-            self.node, self.token, self.session = keep[0], keep[1].czxid, session
+            self.node, self.czxid, self.session = keep[0], keep[1].czxid, session
+            self.token = znodes.fencing_token(self.czxid)
             self._decide(children)
 
     def _settle_cleanup(self) -> None:

@@ -80,7 +80,7 @@ class FairLock:
 
     @property
     def token(self) -> int | None:
-        """Fencing token (our node's czxid) while held, else None."""
+        """Fencing token (``znodes.fencing_token`` of our node's czxid) while held, else None."""
         a = self._attempt
         return a.token if a is not None and a.state in (State.HELD, State.HELD_SUSPENDED) else None
 

@@ -35,6 +35,7 @@ RETRYABLE = (ConnectionLoss, OperationTimeoutError)
 DELETED = "deleted"  # our delete removed the node
 GONE = "gone"  # the node was not there at our first try: someone else deleted it
 EXPIRED = "expired"  # the owning session ended: the node went with it
+WRITTEN = "written"  # our set reached the node: it was still ours (a proof, like DELETED)
 
 
 class Timers:
@@ -193,6 +194,40 @@ def guaranteed_delete(monitor: SessionMonitor, path: str, session: int | None, o
             retried[0] = True
             monitor.when_connected(send)
         except Exception as exc:  # pragma: no cover - unexpected server error
+            outcome.set_exception(exc)
+
+    send()
+    return outcome
+
+
+def guaranteed_set(monitor: SessionMonitor, path: str, data: bytes, session: int | None):
+    """Write ``data`` to ``path`` (a node of ``session``) however often the connection drops.
+
+    Why: a write goes through the leader, so its success proves the node (and so our
+    session) was alive at that moment, the way a release's delete does; the agent uses it
+    when it passes a held lock to its next task without letting go (lock cohorting), and
+    the new data names that task.  Resolves to :data:`WRITTEN`, :data:`GONE` or :data:`EXPIRED`.
+    """
+    client = monitor.client
+    outcome = client.handler.async_result()
+
+    def send() -> None:
+        if kazoo_compat.session_id(client) != session:
+            outcome.set(EXPIRED)
+            return
+        client.set_async(path, data).rawlink(reply)
+
+    def reply(result) -> None:
+        try:
+            result.get()
+            outcome.set(WRITTEN)
+        except NoNodeError:
+            outcome.set(GONE)
+        except (SessionExpiredError, ConnectionClosedError):
+            outcome.set(EXPIRED)
+        except RETRYABLE:
+            monitor.when_connected(send)
+        except Exception as exc:  # NoAuth and the like: not a proof
             outcome.set_exception(exc)
 
     send()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 import threading
 import time
 import dataclasses
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Task
+from celery.states import STARTED
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import agent_lock, by_config, config, metrics, signals, worker_loss
+from . import agent_lock, by_config, config, metrics, prerun, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockTimeout, LockUnavailable
@@ -52,6 +54,10 @@ class HeldLock:
     paths: list[str]
     tokens: dict[str, int]
     _lock: Any = field(repr=False)
+    #: Seconds this run waited for its lock (wherever it waited: the worker's agent or here).
+    wait: float = 0.0
+    #: When the lock was granted (``time.time()``): the run's real start, and prerun's time.
+    acquired_at: float = 0.0
 
     @property
     def key(self) -> str:
@@ -102,6 +108,9 @@ class ZkLockedTask(Task):
     """
 
     Request = "celery_zklock.worker_loss:LockAwareRequest"
+
+    #: The tracer's ``task_prerun`` is sent when the lock is decided (see celery_zklock.prerun).
+    _zklock_defers_prerun = True
 
     _lock_spec: KeySpec | None = None
 
@@ -159,14 +168,17 @@ class ZkLockedTask(Task):
         # Queued by the worker's lock agent before the pool got the request (prefork/solo
         # with zklock_wait_in="worker"): claim its verdict.  acks_late tasks wait here, in
         # process, where redelivered copies are recognised.
-        claimed = None if direct or self.acks_late or not req.id else agent_lock.claim(req.id, _CLAIM_TIMEOUT)
-        if claimed is not None:
-            lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
-        else:
-            lock, waited, early = self._lock_in_process(req, direct, opts, label, paths, on_lost, started)
-            if lock is None:
-                return early
-        held = HeldLock(keys, paths, _tokens_of(lock), lock)
+        try:
+            claimed = None if direct or self.acks_late or not req.id else agent_lock.claim(req.id, _CLAIM_TIMEOUT)
+            if claimed is not None:
+                lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
+            else:
+                lock, waited, early = self._lock_in_process(req, direct, opts, label, paths, on_lost, started)
+                if lock is None:
+                    return early
+        finally:
+            prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
+        held = HeldLock(keys, paths, _tokens_of(lock), lock, wait=waited, acquired_at=time.time())
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
@@ -243,6 +255,10 @@ class ZkLockedTask(Task):
                 if counted_waiting[0]:
                     metrics.record("waited", self)
             waited = time.monotonic() - started
+            prerun.fire(self)  # the lock is decided: the run (or its policy) starts now
+            if acquired and counted_waiting[0] and self.track_started and not self.ignore_result and not direct:
+                # The wait overwrote the tracer's STARTED with LOCK_WAITING: started is now.
+                self._store_started()
             if acquired and copies.finished_elsewhere():
                 lock.release()
                 logger.warning(
@@ -267,6 +283,7 @@ class ZkLockedTask(Task):
         """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
         link, verdict = claimed
         waited = float(verdict.get("waited") or 0.0)
+        prerun.fire(self)  # decided by the agent: the run (or its policy) starts now
         if verdict["verdict"] == "revoked":
             # Handed over while next in line, then revoked: the main process has recorded
             # REVOKED and deleted its node; the body never runs.
@@ -297,7 +314,14 @@ class ZkLockedTask(Task):
         self._lock_event("task-lock-lost", key=label, reason=reason)
         return LockLost(label, reason)
 
+    def _store_started(self) -> None:
+        try:
+            self.update_state(state=STARTED, meta={"pid": os.getpid(), "hostname": self.request.hostname})
+        except Exception as exc:  # monitoring only
+            logger.warning("could not store state %s for task %s: %r", STARTED, self.request.id, exc)
+
     def _timed_out(self, exc: LockTimeout, opts: ZkSettings, waited: float, direct: bool) -> Any:
+        prerun.fire(self)
         self._lock_event("task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
         if opts.on_timeout == "fail":
             logger.warning("%s; failing", exc)
@@ -312,6 +336,7 @@ class ZkLockedTask(Task):
         raise self._retry(exc, opts, f"lock timeout: {exc}")
 
     def _unavailable(self, exc: LockUnavailable, opts: ZkSettings, label: Any, direct: bool) -> Any:
+        prerun.fire(self)
         logger.error("task not run (never unprotected): %s", exc)
         self._lock_event("task-lock-unavailable", key=label, error=str(exc))
         if opts.on_unavailable == "fail" or direct:
@@ -388,3 +413,4 @@ def lock_configured_tasks(app) -> list[str]:
 
 worker_loss.before_validation.append(lock_configured_tasks)
 worker_loss.install()
+prerun.install()

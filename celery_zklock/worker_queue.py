@@ -36,6 +36,7 @@ import time
 from celery import bootsteps
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
+from celery.worker.control import inspect_command
 
 from . import metrics
 from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
@@ -48,6 +49,13 @@ logger = get_logger("celery_zklock.worker")
 
 #: Pools whose processes must not wait (a waiting task there costs a whole process).
 PROCESS_POOLS = ("prefork", "solo")
+
+#: Requests one worker holds aside for their locks beyond its prefetch window (unacknowledged;
+#: a few KB of memory each).  Why a bound: a burst of 100,000 on one key must stay in the
+#: broker, not in one worker, where a crash would leave it to the broker's visibility timeout
+#: (Redis: 1 hour).  Beyond it, held requests count against the prefetch window, and the
+#: worker takes new messages only as grants free the window.
+MAX_HELD = 5000
 
 _agent: "AgentProcess | None" = None
 _step: "WaitOutsidePool | None" = None
@@ -131,6 +139,9 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.reader = LineReader()
         self.last_ping = time.monotonic()
         self.timers: list = []
+        self.restart_delay = 0.0  # backoff of the agent's restart while ZooKeeper is unreachable
+        self.counted: set[str] = set()  # held ids that raised the prefetch window
+        self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
         self.active = _agent is not None and getattr(c, "hub", None) is not None
         self.handoff_slots = _handoff_slots(c, _agent.settings) if self.active else 0
         if self.active:
@@ -160,6 +171,8 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.c.hub.add_reader(sock.fileno(), self._readable)
 
     def _send(self, message: dict) -> None:
+        if self.sock is None:
+            return  # no agent (being restarted): nothing of ours waits in it
         try:
             self.sock.sendall(encode(message))
         except OSError:
@@ -200,12 +213,32 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.sock = None
         logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.held))
         _agent.kill()
-        _agent.start()
-        self._connect()
         # Requests in the pool next in line lost their nodes with the agent: their claims
         # now find no verdict, and they lock in-process.
+        for request_id in self.early:
+            self.paths.pop(request_id, None)
         self.early.clear()
         self.next_up.clear()
+        self._restart_agent()
+
+    def _restart_agent(self) -> None:
+        """Start the agent again; if ZooKeeper cannot be reached, the worker stays up.
+
+        Without an agent, requests go to the pool as they are, where each locks in-process
+        and, ZooKeeper being unreachable, follows ``on_lock_unavailable`` (retry or fail:
+        never unprotected); the start is retried with backoff (1 s doubling to 30 s)."""
+        try:
+            _agent.start()
+        except SystemExit as exc:
+            delay = self.restart_delay = min(30.0, self.restart_delay * 2) if self.restart_delay else 1.0
+            logger.error("%s; %d waiting request(s) follow on_lock_unavailable in the pool; trying again in %.0fs",
+                         exc, len(self.held), delay)
+            for request_id in list(self.held):
+                self._hand_over(request_id)
+            self.c.hub.call_later(delay, self._restart_agent)
+            return
+        self.restart_delay = 0.0
+        self._connect()
         for req in list(self.held.values()):
             self._submit(req)
 
@@ -223,7 +256,12 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         if self.sock is None or task.acks_late or not req.id or req.id in self.held or not is_locked_task(task):
             return self.inner(req)
         self.held[req.id] = req
-        self.c.qos.increment_eventually()  # a waiting request must not use up the prefetch window
+        if len(self.counted) < MAX_HELD:
+            # A waiting request must not use up the prefetch window (as Celery does for ETA
+            # tasks) -- up to MAX_HELD of them; beyond, each held request takes a place in
+            # the window, so the worker stops taking messages until grants free some.
+            self.counted.add(req.id)
+            self.c.qos.increment_eventually()
         if not self._submit(req):
             self._hand_over(req.id)  # bad key values and the like: the pool reports them
 
@@ -235,6 +273,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         except Exception:
             return False
         retries = (req.request_dict or {}).get("retries") or 0
+        self.paths.setdefault(req.id, (paths, time.time()))
         identity = Identity.of_this_process(task_id=req.id, retries=retries, task=task.name, worker=req.hostname,
                                             holders=task.lock_max_holders if task.lock_max_holders > 1 else None)
         self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
@@ -248,7 +287,6 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         if req is None:
             return
         self._not_waiting(request_id, req)
-        self.c.qos.decrement_eventually()
         self.inner(req)
         if first:
             _run_next(self.c, req)
@@ -277,12 +315,32 @@ class WaitOutsidePool(bootsteps.StartStopStep):
 
     def _early_done(self, request_id: str) -> None:
         self.early.pop(request_id, None)
+        self.paths.pop(request_id, None)
         self.revoking.discard(request_id)
         while self.next_up and len(self.early) < self._slots():
             waiting = next(iter(self.next_up))
             self._next_in_line(waiting, self.next_up.pop(waiting))
 
+    def waiting(self) -> dict[str, list[dict]]:
+        """{lock path: requests this worker holds aside for it, in arrival order}: with lock
+        cohorting they wait in memory, not in ZooKeeper (``celery zklock status`` asks)."""
+        out: dict[str, list[dict]] = {}
+        now = time.time()
+        for request_id, req in [*self.held.items(), *self.early.items()]:
+            paths, since = self.paths.get(request_id, ([], now))
+            for path in paths:
+                out.setdefault(path, []).append({"task_id": request_id, "task": req.task.name, "worker": req.hostname,
+                                                 "pid": os.getpid(), "for_s": round(now - since, 3)})
+        return out
+
     def _not_waiting(self, request_id: str, req) -> None:
+        """It no longer waits here: out of the prefetch accounting, the listing (unless it
+        waits on, next in line, in a pool process), the gauge."""
+        if request_id not in self.early:
+            self.paths.pop(request_id, None)
+        if request_id in self.counted:
+            self.counted.discard(request_id)
+            self.c.qos.decrement_eventually()
         if request_id in self.counted_waiting:
             self.counted_waiting.discard(request_id)
             metrics.record("waited", req.task)
@@ -318,7 +376,6 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             self.next_up.pop(request_id, None)
             self._not_waiting(request_id, req)
             self._send({"op": "cancel", "id": request_id, "why": "revoked"})
-            self.c.qos.decrement_eventually()
             req.revoked()  # acknowledges, stores REVOKED, sends the event and signal
         for request_id in [i for i in self.early if i in worker_state.revoked and i not in self.revoking]:
             self.revoking.add(request_id)  # the agent answers "revoked" unless already granted
@@ -344,6 +401,8 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             except Exception as exc:
                 logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
         self.held.clear()
+        self.counted.clear()
+        self.paths.clear()
         self.next_up.clear()
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told
@@ -411,6 +470,12 @@ def _run_next(c, req) -> None:
     job = ref() if callable(ref) else None
     if job is not None and buffer and buffer[-1] is job:
         buffer.appendleft(buffer.pop())
+
+
+@inspect_command()
+def zklock_waiting(state, **kwargs) -> dict:
+    """Remote control: the requests this worker holds aside for their locks, per lock path."""
+    return _step.waiting() if _step is not None and _step.active else {}
 
 
 def request_finished(request_id: str) -> None:

@@ -27,6 +27,31 @@ from . import kazoo_compat
 LOCK_MARKERS = ("-lock-", "__lock__")
 
 
+#: Low bits of a fencing token that number the local grants made on one node (lock
+#: cohorting: the worker's agent passes a held lock among its own tasks).  A token is
+#: ``czxid << STREAK_BITS | grant``; see :func:`fencing_token`.
+STREAK_BITS = 8
+
+#: Grants one node can carry before the agent must queue a new one (the token space).
+MAX_GRANTS_PER_NODE = 1 << STREAK_BITS
+
+
+def fencing_token(czxid: int, grant: int = 0) -> int:
+    """The fencing token of the ``grant``-th holder (0 = the first) through a node created at ``czxid``.
+
+    Why this is strictly increasing per key, with no ZooKeeper write per grant: a key's
+    lock passes between nodes in sequence order, and sequence order is creation order, so a
+    later node has a larger czxid (also after the parent was deleted and recreated: zxids
+    only grow).  A node's grants are numbered 0..MAX_GRANTS_PER_NODE-1 in the low bits, so
+    every token of a later node, ``czxid' << 8 >= (czxid + 1) << 8``, exceeds every token
+    of an earlier one.  Exact as a double (Lua, JSON) while czxid < 2^45, i.e. for the
+    first 8,192 leader epochs of an ensemble.
+    """
+    if not 0 <= grant < MAX_GRANTS_PER_NODE:
+        raise ValueError(f"grant must be in [0, {MAX_GRANTS_PER_NODE}), got {grant}")
+    return (czxid << STREAK_BITS) | grant
+
+
 def node_prefix(uuid_hex: str) -> str:
     """The name we give ``create(..., sequence=True)``; the server appends 10 digits."""
     return f"_c_{uuid_hex}-lock-"

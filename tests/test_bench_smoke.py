@@ -75,7 +75,7 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
         for field in ("cold_p95_s", "cold_p95_vs_ideal", "hot_efficiency", "zk_sessions_per_worker"):
             assert is_number(modes[mode][field]), (mode, field, modes[mode].get(field))
     flash = results["scenarios"]["flash_sale"]["modes"]
-    for mode in ("worker", "pool"):
+    for mode in ("worker", "pool", "plain"):
         for field in ("orders_per_s", "enqueue_to_start_p50_s", "enqueue_s"):
             assert is_number(flash[mode][field]), (mode, field, flash[mode].get(field))
     tls = results["scenarios"]["tls"]
@@ -85,7 +85,12 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
         assert all(is_number(engine[contender][m]) for m in ("uncontended_p50_ms", "handoff_p50_ms", "throughput_per_s"))
 
     verdicts = results["targets"]
-    assert {t["scenario"] for t in verdicts} == set(EXPECTED) | {"lock_engine", "pool_slots", "flash_sale"}
+    burst = results["scenarios"]["burst"]["modes"]
+    for mode in ("worker", "pool"):
+        assert burst[mode]["ran_exactly_once"] and burst[mode]["overlaps"] == 0, (mode, burst[mode])
+        for field in ("tasks_per_s", "children_max", "znodes_max"):
+            assert is_number(burst[mode][field]), (mode, field, burst[mode].get(field))
+    assert {t["scenario"] for t in verdicts} == set(EXPECTED) | {"lock_engine", "pool_slots", "flash_sale", "burst"}
     assert all(isinstance(t["met"], bool) for t in verdicts)
     md = (tmp_path / "latest.md").read_text()
     assert "## Targets" in md and md.count("| ") > 40

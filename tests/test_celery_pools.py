@@ -89,10 +89,11 @@ def test_whole_worker_sigkill_frees_lock_after_session_timeout(mod, env):
         pid = _wait_pid(mod, key)
         assert pid in victim.child_pids()  # the holder runs in the victim
         other.start(mod.app)
-        waiter = mod.hold.delay(key, 1, "after")
-        time.sleep(0.3)
         killed = time.time()
         victim.kill()
+        # Sent after the kill, so the survivor takes it: a request the victim had taken would
+        # wait unacknowledged in it, and Redis returns those only after its visibility timeout.
+        waiter = mod.hold.delay(key, 1, "after")
         waiter.get(timeout=30)
         started = [r["start"] for r in history(mod, "hold") if r["tag"] == "after"][0]
         # bounded by the session timeout (4 s here), with margin for detection

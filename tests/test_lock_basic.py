@@ -10,6 +10,7 @@ import pytest
 from kazoo.client import KazooClient
 
 from celery_zklock import FairLock, LockLost, MultiLock, contenders
+from celery_zklock.znodes import fencing_token
 from tests.lockutil import children
 
 
@@ -24,7 +25,7 @@ def test_acquire_release_token_and_node(zk_client, path):
     assert lock.acquire() is True
     assert lock.is_held()
     stat = zk_client.exists(lock.node)
-    assert stat is not None and lock.token == stat.czxid
+    assert stat is not None and lock.token == fencing_token(stat.czxid)
     assert stat.ephemeralOwner == zk_client.client_id[0]
     assert lock.node.rsplit("/", 1)[1].startswith("_c_") and "-lock-" in lock.node
     node = lock.node
@@ -63,6 +64,20 @@ def test_nonblocking_tries_once(zk_client, path):
     a.release()
     assert b.acquire(blocking=False)
     b.release()
+
+
+def test_try_once_remakes_a_reaped_container(zk_client, path):
+    """timeout=0 is one try, and remaking a key's reaped container is part of it
+    (it failed in CI: the container went between a release and the next try)."""
+    lock = FairLock(zk_client, path)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    deadline = time.monotonic() + 5
+    while zk_client.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert zk_client.exists(path) is None, "the test server reaps empty containers every 100 ms"
+    assert lock.acquire(blocking=False)
+    lock.release()
 
 
 def test_context_manager_and_not_reentrant(zk_client, path):

@@ -16,6 +16,7 @@ from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
 
 from celery_zklock import FairLock, LockLost
+from celery_zklock.znodes import fencing_token
 from celery_zklock.testing import ZooKeeperServer
 from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, TcpProxy, wait_for
 
@@ -530,7 +531,7 @@ def test_lost_create_reply_adopts_own_node(zk_server, zk_client, path):
             assert lock.node == f"{path}/{mine[0]}"
             stat = zk_client.exists(lock.node)
             assert stat.ephemeralOwner == session
-            assert lock.token == stat.czxid
+            assert lock.token == fencing_token(stat.czxid)
             assert lock.is_held()
             lock.release()
             assert zk_client.get_children(path) == []
@@ -600,7 +601,7 @@ def test_stale_node_with_our_prefix_from_another_session_is_replaced(zk_server, 
             mine = _children_with(zk_client, path, lock._prefix)
             assert len(mine) == 1 and f"{path}/{mine[0]}" == lock.node != stale, (mine, stale)
             stat = zk_client.exists(lock.node)
-            assert stat.ephemeralOwner == session and lock.token == stat.czxid
+            assert stat.ephemeralOwner == session and lock.token == fencing_token(stat.czxid)
             lock.release()
         finally:
             _stop(c)
@@ -625,7 +626,7 @@ def test_lost_create_reply_with_stale_twin_keeps_ours_deletes_stale(zk_server, z
             stat = zk_client.exists(lock.node)
             assert stat.ephemeralOwner == session
             assert stat.czxid == cut.reply_zxid  # the node the lost reply was about, adopted
-            assert lock.token == stat.czxid
+            assert lock.token == fencing_token(stat.czxid)
             lock.release()
         finally:
             _stop(c)
@@ -708,7 +709,7 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
         assert None not in first_parents | second_parents
         assert max(first_parents) < min(second_parents), "the parent was not re-created"
         tokens = [tok for _, tok, _, _ in holds]
-        assert all(tok == czxid for _, tok, czxid, _ in holds), holds  # token is the node's czxid
+        assert all(tok == fencing_token(czxid) for _, tok, czxid, _ in holds), holds  # token from the node's czxid
         assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
     finally:
         _stop(*clients)

@@ -92,15 +92,12 @@ def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
         time.sleep(0.3)
         waiting = mod.hold.delay(key, 10, "revoked")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        deadline = time.time() + 5
-        while len(children(zk_client, path)) < 2 and time.time() < deadline:
-            time.sleep(0.02)
-        assert len(children(zk_client, path)) == 2
+        _wait_for(lambda: waiting.state == "LOCK_WAITING", 5, "the second task waits")
+        # Lock cohorting: it waits in the agent's memory behind the holder, not in ZooKeeper.
+        assert len(children(zk_client, path)) == 1
         waiting.revoke()
-        deadline = time.time() + 2
-        while len(children(zk_client, path)) > 1 and time.time() < deadline:
-            time.sleep(0.02)
-        assert len(children(zk_client, path)) == 1, "the revoked task's node was not deleted"
+        _wait_for(lambda: waiting.state == "REVOKED", 2, "the revoked task is REVOKED while the holder runs")
+        assert not holder.ready() and len(children(zk_client, path)) == 1
         holder.get(timeout=30)
         time.sleep(0.3)
         assert waiting.state == "REVOKED"
@@ -207,11 +204,12 @@ def test_next_in_line_waits_in_one_pool_process_and_revoke_still_stops_it(mod, e
         nxt = mod.hold.delay(key, 10, "next")
         third = mod.hold.delay(key, 10, "third")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        _wait_for(lambda: len(children(zk_client, path)) == 3, 5, "three nodes queue")
         _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
         assert third.id not in _active_ids(mod, name)  # only one handoff slot: it waits in the worker
+        assert len(children(zk_client, path)) == 1  # one node of this worker's for all three
         nxt.revoke()
-        _wait_for(lambda: len(children(zk_client, path)) == 2, 2, "the revoked task's node is deleted")
+        _wait_for(lambda: nxt.state == "REVOKED", 2, "the revoked next in line is REVOKED at once")
+        assert not holder.ready()
         assert holder.get(timeout=30) is not None
         assert third.get(timeout=30) is not None
         _wait_for(lambda: nxt.state == "REVOKED", 5, "the revoked task is REVOKED")
@@ -231,8 +229,7 @@ def test_long_holds_never_park_a_pool_process(mod, env, zk_client):
         mod.hold.delay(key, 800, "warm0").get(timeout=30)  # the agent learns: long holds here
         holder = mod.hold.delay(key, 1500, "holder")
         nxt = mod.hold.delay(key, 10, "next")
-        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        _wait_for(lambda: len(children(zk_client, path)) == 2, 5, "two nodes queue")
+        _wait_for(lambda: nxt.state == "LOCK_WAITING", 5, "the next task waits")
         _wait_for(lambda: holder.id in _active_ids(mod, name), 5, "the holder runs")
         time.sleep(0.3)
         assert nxt.id not in _active_ids(mod, name)

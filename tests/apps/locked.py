@@ -39,6 +39,8 @@ if os.environ.get("TEST_ZK_METRICS_PORT"):
     app.conf.zklock_metrics_port = int(os.environ["TEST_ZK_METRICS_PORT"])
 if os.environ.get("TEST_ZK_HANDOFF_SLOTS"):
     app.conf.zklock_handoff_slots = int(os.environ["TEST_ZK_HANDOFF_SLOTS"])
+if os.environ.get("TEST_ZK_COHORT_HANDOFFS"):
+    app.conf.zklock_cohort_handoffs = int(os.environ["TEST_ZK_COHORT_HANDOFFS"])
 if os.environ.get("TEST_POOL_START_METHOD"):
     app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)
@@ -191,3 +193,44 @@ def plain_hold(key, ms=20, tag=None):
     time.sleep(ms / 1000)
     _record("plain", key, tag, start, time.time())
     return os.getpid()
+
+
+# ---- task_prerun / task_postrun around a lock wait (tests/test_prerun.py) -----------------
+from celery import signals as _signals  # noqa: E402
+
+_TIMED = ("tests.apps.locked.timed_hold", "tests.apps.locked.timed_skip", "tests.apps.locked.timed_late")
+
+
+def _note_signal(kind: str, task_id, task) -> None:
+    if task is not None and task.name in _TIMED:
+        _r.rpush("signals", json.dumps({"sig": kind, "id": task_id, "at": time.time(), "pid": os.getpid()}))
+
+
+_signals.task_prerun.connect(lambda task_id=None, task=None, **_: _note_signal("prerun", task_id, task), weak=False,
+                            dispatch_uid="tests-timed-prerun")  # once, however often reloaded
+_signals.task_postrun.connect(lambda task_id=None, task=None, **_: _note_signal("postrun", task_id, task), weak=False,
+                             dispatch_uid="tests-timed-postrun")
+
+
+def _timed_body(request_id, key, ms) -> int:
+    lk = current_lock()
+    start = time.time()
+    time.sleep(ms / 1000)
+    _r.rpush("signals", json.dumps({"sig": "body", "id": request_id, "start": start, "end": time.time(),
+                                    "wait": lk.wait, "acquired_at": lk.acquired_at}))
+    return lk.token
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, bind=True)
+def timed_hold(self, key, ms=10):
+    return _timed_body(self.request.id, key, ms)
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0.3, on_lock_timeout="skip")
+def timed_skip(key):
+    return "ran"
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, acks_late=True, bind=True)
+def timed_late(self, key, ms=10):
+    return _timed_body(self.request.id, key, ms)

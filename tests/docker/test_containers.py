@@ -10,6 +10,7 @@ from celery import group
 from kazoo.client import KazooClient
 
 from celery_zklock.cli import lock_report
+from celery_zklock.znodes import fencing_token
 from celery_zklock.config import load_settings
 from celery_zklock.errors import LockLost
 from tests.docker import tasks
@@ -54,8 +55,8 @@ def holders(celery_setup, celery_zookeeper, key: str) -> list[dict]:
         for path, rows in report.items():
             for row in rows:
                 stat = client.exists(f"{path}/{row['node']}") if row["holder"] else None
-                if stat is not None:  # its fencing token is the node's czxid
-                    found.append({**row, "token": stat.czxid})
+                if stat is not None:  # its fencing token comes from the node's czxid
+                    found.append({**row, "token": fencing_token(stat.czxid)})
     finally:
         client.stop()
         client.close()

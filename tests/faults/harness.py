@@ -24,6 +24,7 @@ from kazoo.client import KazooClient
 from kombu import pools
 from kazoo.exceptions import NoNodeError
 
+from celery_zklock.cli import local_waiters
 from celery_zklock.keys import key_path
 from celery_zklock.testing import ZooKeeperEnsemble
 from support.redis_server import RedisServer
@@ -389,11 +390,13 @@ class Scenario:
         return key_path(self.root, key)
 
     def contenders(self, key: str) -> int:
-        """Lock nodes (holders and waiters) on ``key`` right now."""
+        """Holders and waiters of ``key`` right now: its lock nodes, and the requests workers
+        hold for it in memory (lock cohorting: one node per worker per key)."""
         try:
-            return len(self.cluster.zk().get_children(self.path(key)))
+            nodes = len(self.cluster.zk().get_children(self.path(key)))
         except NoNodeError:
-            return 0
+            nodes = 0
+        return nodes + len(local_waiters(self.app).get(self.path(key), []))
 
     def wait_contenders(self, key: str, n: int, timeout: float = 30.0) -> None:
         wait_until(lambda: self.contenders(key) >= n, timeout, what=f"{n} contenders on {key!r}")

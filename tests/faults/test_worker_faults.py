@@ -50,7 +50,9 @@ def test_sigkill_of_a_whole_worker(scenario):
     """Promise: the dead worker's session expires and its lock frees after
     zklock_session_timeout; with acks_late its task is delivered again and runs once."""
     victim = scenario.worker("victim", concurrency=2, FAULTS_VISIBILITY="5")
-    held = scenario.send(A.step_late, "wk", 2000)  # shared queue: a copy must reach the survivor
+    # Long enough to outlast the survivor's start (2 s or more on a loaded machine), so the
+    # kill finds it still holding.  Shared queue: a copy must reach the survivor.
+    held = scenario.send(A.step_late, "wk", 8000)
     task_pid(scenario.store, held.id)
     survivor = scenario.worker("survivor", concurrency=2, FAULTS_VISIBILITY="5")
     waiters = [scenario.send(A.step_late, "wk", 30, queue=survivor.queue) for _ in range(3)]

@@ -1,0 +1,317 @@
+"""Lock cohorting in the worker's agent: one contender node per key, a local queue behind it.
+
+Why (Dice, Marathe and Shavit, "Lock Cohorting", PPoPP 2012): when every waiting task of a
+worker had a znode of its own, a hot key's queue in ZooKeeper grew with its backlog, and so
+did every join and every grant (each reads the key's whole children list): O(n^2) for a
+burst of n, which killed a 512 MB ZooKeeper at 20,000 tasks.  Here a worker's agent keeps at
+most ``max_holders`` nodes per key — the *global* lock, queued fairly with other workers,
+Curator and kazoo — and its own requests wait for them in memory, in arrival order — the
+*local* lock.  When one of our tasks lets go and another of ours waits, the node passes to
+it without a release and a re-queue (a *local handoff*).  So znodes, children reads and
+watches per key grow with the number of workers, not with the number of waiting tasks.
+
+Fairness to everyone else (:func:`passes_locally`): once another contender is seen in the
+key's queue, a node passes locally at most ``zklock_cohort_handoffs`` times and for at most
+``zklock_cohort_hold`` seconds; then the agent queues a new node at the back (created before
+the old one is deleted: the next holder is woken at once, and we keep our place) and the
+lock moves on.  A foreign contender therefore waits for at most that many of our holds per
+worker ahead of it, plus the hold in progress.
+
+Fencing stays exact with no write before a grant: the g-th holder through a node gets
+``fencing_token(czxid, g)`` (see :func:`celery_zklock.znodes.fencing_token` for the proof).
+Each local handoff still writes once — the node's data becomes the new holder's identity
+(so ``celery zklock status`` names it), and that write's success is the leaving holder's
+proof that the lock was ours to the end, as the delete is for the last one.
+
+Everything here runs on the agent's one event thread; ZooKeeper callbacks are posted to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .internals import Attempt, LockInternals, State
+from .session import WRITTEN, guaranteed_set
+from .znodes import MAX_GRANTS_PER_NODE, fencing_token, sequence_key
+
+
+def passes_locally(grants: int, since: float, now: float, foreign: bool, max_grants: int, max_hold: float) -> bool:
+    """May a node one of our tasks just let go of pass to our next waiting task?
+
+    ``grants``: holders the node has had; ``since``: when it was first granted; ``foreign``:
+    another contender queues for the key.  Nobody else waiting: always (until the node's
+    token space is used up).  Someone waiting: only within the streak bound.
+    """
+    if grants >= MAX_GRANTS_PER_NODE:
+        return False
+    if not foreign:
+        return True
+    return grants < max_grants and now - since < max_hold
+
+
+@dataclass(eq=False)
+class Slot:
+    """One contender node of ours for the key, and which of our requests holds through it."""
+
+    attempt: Attempt
+    holder: Any = None  # the agent's Wait holding through this node, if any
+    grants: int = 0  # holders this node has had
+    since: float | None = None  # when it was first granted
+    foreign: bool = False  # another contender queues for the key (seen while held)
+    watching: bool = False  # looking for such contenders (only once a local waiter exists)
+    lost: bool = False
+    answered: bool = False  # the create and first look at the queue have answered
+
+    @property
+    def held(self) -> bool:
+        return self.attempt.state is State.HELD and not self.lost
+
+    @property
+    def node_path(self) -> str:
+        return f"{self.attempt.lk.path}/{self.attempt.node}"
+
+
+@dataclass(eq=False)
+class Cohort:
+    """One key (path and holder count) as this agent sees it: its slots and local queue."""
+
+    host: Any  # the Agent: client, settings, post(), and the on_* callbacks below
+    path: str
+    max_holders: int
+    queue: deque = field(default_factory=deque)
+    slots: list = field(default_factory=list)
+
+    # ------------------------------------------------------------------ requests
+    def join(self, wait) -> None:
+        self.queue.append(wait)
+        self.pump()
+        if wait in self.queue and self.queue.index(wait) >= self._fresh():
+            self.host.on_queued(wait, self._position(wait))  # it waits for a holder of ours
+        self._tell_next()
+
+    def leave(self, wait) -> bool:
+        """Stop waiting (timeout, cancel, revoke, a lost peer).  True if it was queued here."""
+        try:
+            self.queue.remove(wait)
+        except ValueError:
+            return False
+        self.pump()
+        self._tell_next()
+        return True
+
+    def expire(self, wait) -> bool:
+        """The request's deadline passed.  True if it gives up now; False if it still holds
+        here, or if a node that would serve it has not had its first answer yet (a timeout
+        of 0 means "try once": that answer decides)."""
+        if wait not in self.queue:
+            return False
+        if self.queue.index(wait) < self._fresh():
+            wait.expired = True
+            return False
+        return self.leave(wait)
+
+    def release(self, wait):
+        """``wait`` lets go of its slot here.  Returns the proof: an async result resolving
+        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or a string when none can come."""
+        slot = next((s for s in self.slots if s.holder is wait), None)
+        if slot is None:
+            return "not held"
+        slot.holder = None
+        if slot.lost or slot.attempt.state is State.LOST:
+            self._drop(slot)
+            self.pump()
+            return "lost"
+        nxt = self._next_waiter()
+        if (nxt is not None and slot.held and passes_locally(
+                slot.grants, slot.since or 0.0, time.monotonic(), slot.foreign,
+                self.host.settings.cohort_handoffs, self.host.settings.cohort_hold)):
+            # The node is ours to pass on only if ZooKeeper confirms it still is: the write
+            # goes through the leader, so it succeeds only while our session and node live
+            # (and ZooKeeper is reachable at all).  The next holder is reserved meanwhile and
+            # granted on the reply: a local handoff never happens on the agent's belief alone.
+            self.queue.remove(nxt)
+            slot.holder = nxt
+            proof = guaranteed_set(slot.attempt.monitor, slot.node_path, nxt.identity, slot.attempt.session)
+            proof.rawlink(lambda result: self.host.post(self._passed, slot, nxt, result))
+            return proof
+        proof = self._drop(slot, replace=True)
+        self.pump()
+        return proof
+
+    def _passed(self, slot: Slot, wait, result) -> None:
+        """The handoff's write answered: grant the reserved waiter, or find the node gone."""
+        try:
+            written = result.get() == WRITTEN
+        except Exception:
+            written = False
+        slot.holder = None
+        left = wait.current is not self  # cancelled, revoked or its worker gone meanwhile
+        if written and slot in self.slots and slot.held and not left:
+            return self._grant(slot, wait, reserved=True)
+        if not left:
+            self.queue.appendleft(wait)  # first in line still: for the next node
+        if not written:
+            slot.lost = True
+            if slot in self.slots:
+                self._drop(slot)
+        self.pump()
+
+    # ------------------------------------------------------------------ the cohort's engine
+    def pump(self) -> None:
+        """Grant free held nodes to waiters, then keep as many nodes queued as waiters need."""
+        for slot in list(self.slots):
+            if slot.holder is None and slot.held:
+                nxt = self._next_waiter()
+                if nxt is None:
+                    self._drop(slot)
+                else:
+                    self._grant(slot, nxt)
+        busy = sum(1 for s in self.slots if s.holder is not None)
+        pending = [s for s in self.slots if s.holder is None]
+        want = max(0, min(len(self.queue), self.max_holders - busy))
+        while len(pending) < want:
+            pending.append(self._new_slot())
+        for slot in pending[want:]:
+            if slot.attempt.state not in (State.HELD, State.HELD_SUSPENDED):
+                self._drop(slot)
+        self._expire_answered()
+
+    def _position(self, wait) -> int:
+        return self.queue.index(wait) + sum(1 for s in self.slots if s.holder is not None)
+
+    def _fresh(self) -> int:
+        """Nodes of ours whose first answer is still to come: the first that many waiters
+        may be granted by it without ever queueing."""
+        return sum(1 for s in self.slots if s.holder is None and not s.answered)
+
+    def _next_waiter(self):
+        """The first in line.  One whose deadline passed is still here only because a fresh
+        node's first answer decides for it ("try once"): a grant is its answer."""
+        return self.queue[0] if self.queue else None
+
+    def _grant(self, slot: Slot, wait, reserved: bool = False) -> None:
+        if not reserved:
+            self.queue.remove(wait)
+        if slot.since is None:
+            slot.since = time.monotonic()
+            if slot.attempt.lk.identifier != wait.identity:  # created for a waiter that left
+                guaranteed_set(slot.attempt.monitor, slot.node_path, wait.identity, slot.attempt.session)
+        token = fencing_token(slot.attempt.czxid, slot.grants)
+        slot.grants += 1
+        slot.holder = wait
+        self.host.on_granted(wait, self, slot, token)
+        self._tell_next()
+
+    def _tell_next(self) -> None:
+        """The first waiter behind a holder of ours takes the node when it lets go; from now
+        on, whether anyone else queues for the key matters (the streak bound)."""
+        busy = [s for s in self.slots if s.holder is not None]
+        if self.queue and busy:
+            self.host.on_next(self.queue[0])
+            for slot in busy:
+                if not slot.watching:
+                    slot.watching = True
+                    self._watch_queue(slot)
+
+    def _new_slot(self) -> Slot:
+        # Callbacks only post to the agent's thread (this one), which runs them after this
+        # returns: the slot is complete by then.
+        slot = Slot(None)
+        post = self.host.post
+        internals = LockInternals(self.host.client, self.path, self.max_holders, self.queue[0].identity,
+                                  on_lost=lambda: post(self._slot_lost, slot))
+        slot.attempt = internals.attempt(
+            None, on_wait=lambda position: post(self._answered, slot), on_next=lambda: post(self._zk_next, slot))
+        self.slots.append(slot)
+        slot.attempt.result.rawlink(lambda result: post(self._decided, slot, result))
+        return slot
+
+    def _drop(self, slot: Slot, replace: bool = False):
+        """Let go of a node (delete it, or stop waiting).  With ``replace``, first queue a new
+        one for the waiters, so the next holder is woken by this delete and we keep a place."""
+        if slot in self.slots:
+            self.slots.remove(slot)
+        if replace and self._next_waiter() is not None:
+            self.pump()
+        slot.attempt.cancel()
+        _, outcome = slot.attempt.release()
+        return outcome if outcome is not None else "not held"
+
+    # ------------------------------------------------------------------ ZooKeeper's answers
+    def _decided(self, slot: Slot, result) -> None:
+        slot.answered = True
+        try:
+            held = result.get()
+        except Exception as exc:
+            if slot in self.slots:
+                self.slots.remove(slot)
+                for wait in list(self.queue):  # the same error would meet every one of them
+                    self.queue.remove(wait)
+                    self.host.on_failed(wait, exc)
+            return
+        if slot not in self.slots:
+            if held:
+                slot.attempt.release()  # dropped while its answer was in flight
+            return
+        if not held:
+            self.slots.remove(slot)
+        self.pump()
+
+    def _answered(self, slot: Slot) -> None:
+        """The node had to queue: its waiters learn they wait; those whose deadline passed
+        meanwhile give up now."""
+        slot.answered = True
+        for wait in list(self.queue):
+            self.host.on_queued(wait, self._position(wait))
+        self._expire_answered()
+
+    def _expire_answered(self) -> None:
+        fresh = sum(1 for s in self.slots if s.holder is None and not s.answered)
+        for index, wait in enumerate(list(self.queue)):
+            if wait.expired and index >= fresh:
+                self.queue.remove(wait)
+                self.host.on_timed_out(wait, self.path)
+
+    def _zk_next(self, slot: Slot) -> None:
+        """The node has only holders ahead of it in ZooKeeper: its first waiter is next."""
+        if slot in self.slots and slot.holder is None and self.queue:
+            self.host.on_next(self.queue[0])
+
+    def _slot_lost(self, slot: Slot) -> None:
+        slot.lost = True
+        if slot.holder is not None:
+            self.host.on_slot_lost(slot.holder)
+        elif slot in self.slots:
+            self._drop(slot)
+            self.pump()
+
+    def _watch_queue(self, slot: Slot) -> None:
+        """While a node is held and ours wait behind it, learn whether anyone else queues for
+        the key (one children read, and a child watch until someone shows up): the streak is
+        bounded only then.  A key whose tasks never wait for each other costs no read."""
+        client = self.host.client
+
+        def changed(_event) -> None:
+            self.host.post(look)
+
+        def look() -> None:
+            if slot in self.slots and slot.held and not slot.foreign:
+                client.get_children_async(self.path, watch=changed).rawlink(
+                    lambda result: self.host.post(self._seen, slot, result))
+
+        look()
+
+    def _seen(self, slot: Slot, result) -> None:
+        try:
+            children = result.get()
+        except Exception:
+            return  # connection trouble: the session monitor decides what the node is worth
+        ours = {s.attempt.node for s in self.slots}
+        slot.foreign = any(c not in ours and sequence_key(c) is not None for c in children)
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.slots

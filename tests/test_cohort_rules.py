@@ -1,0 +1,47 @@
+"""The cohort's pure rules, table-driven: when a held node passes to our next task, and the
+fencing token of each grant."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_zklock.cohort import passes_locally
+from celery_zklock.znodes import MAX_GRANTS_PER_NODE, fencing_token
+
+N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
+
+
+@pytest.mark.parametrize(
+    "grants, elapsed, foreign, passes, why",
+    [
+        (1, 0.0, False, True, "nobody else waits: keep it"),
+        (100, 60.0, False, True, "nobody else waits: no streak bound"),
+        (MAX_GRANTS_PER_NODE - 1, 0.0, False, True, "the node's last token"),
+        (MAX_GRANTS_PER_NODE, 0.0, False, False, "token space used up: queue a new node"),
+        (1, 0.0, True, True, "someone waits, streak young"),
+        (N - 1, 0.1, True, True, "someone waits, last local grant within the bound"),
+        (N, 0.1, True, False, "someone waits, N holds done: pass it on"),
+        (1, T, True, False, "someone waits, held T already: pass it on"),
+        (2, T - 0.01, True, True, "someone waits, just within T"),
+    ],
+)
+def test_passes_locally(grants, elapsed, foreign, passes, why):
+    assert passes_locally(grants, 10.0, 10.0 + elapsed, foreign, N, T) is passes, why
+
+
+@pytest.mark.parametrize("czxid_a, czxid_b", [(1, 2), (0x1_0000_0001, 0x1_0000_0002), (0x7FF_FFFF_FFFF, 0x800_0000_0000)])
+def test_every_token_of_a_later_node_exceeds_every_token_of_an_earlier_one(czxid_a, czxid_b):
+    earlier = [fencing_token(czxid_a, g) for g in range(MAX_GRANTS_PER_NODE)]
+    later = [fencing_token(czxid_b, g) for g in range(MAX_GRANTS_PER_NODE)]
+    assert earlier == sorted(set(earlier)) and max(earlier) < min(later)
+
+
+def test_tokens_stay_exact_as_doubles_for_8192_epochs():
+    czxid = (8191 << 32) | 0xFFFF_FFFF  # the last zxid of epoch 8191
+    token = fencing_token(czxid, MAX_GRANTS_PER_NODE - 1)
+    assert token < 2 ** 53 and float(token) == token
+
+
+def test_grant_outside_the_token_space_is_an_error():
+    with pytest.raises(ValueError):
+        fencing_token(5, MAX_GRANTS_PER_NODE)
