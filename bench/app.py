@@ -43,6 +43,8 @@ from celery_singleton import Singleton
 from celery_zklock import ZkLockedTask, current_lock
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:0/0")
+#: The broker: Redis unless BENCH_BROKER_URL names another (the burst also runs on RabbitMQ).
+BROKER_URL = os.environ.get("BENCH_BROKER_URL") or REDIS_URL
 ZK_HOSTS = os.environ.get("BENCH_ZK_HOSTS", "127.0.0.1:2181")
 ZK_ROOT = os.environ.get("BENCH_ZK_ROOT", "/bench-celery")
 
@@ -57,7 +59,7 @@ CONTENDERS = {
 
 app = Celery("bench")
 app.conf.update(
-    broker_url=REDIS_URL,
+    broker_url=BROKER_URL,
     result_backend=None,
     task_ignore_result=True,
     broker_connection_retry_on_startup=True,
@@ -202,6 +204,6 @@ def _on_postrun(task_id=None, task=None, args=None, kwargs=None, state=None, **_
     if not task.name.startswith("bench."):
         return
     rec = _stamps.pop(task_id, {})
-    rec.update(done=time.time(), id=task_id, pid=os.getpid(), task=task.name, state=state,
+    rec.update(done=time.time(), id=task_id, pid=os.getpid(), host=task.request.hostname, task=task.name, state=state,
                n=(args or [kwargs.get("n")])[0])
     _redis.rpush(f"bench:rec:{(kwargs or {}).get('tag', '')}", json.dumps(rec))

@@ -69,11 +69,30 @@ class _Sampler:
         self.zk.close()
 
 
-def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: int) -> dict:
+#: RabbitMQ, Celery's first-choice broker, where the machine has one (held-aside requests
+#: raise the channel's prefetch there, as ETA tasks do).
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def rabbitmq_reachable(url: str = RABBITMQ_URL) -> bool:
+    from kombu import Connection
+
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1)
+        return True
+    except Exception:
+        return False
+
+
+def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: int,
+         broker_url: str | None = None) -> dict:
     from .celery_scenarios import Driver
 
     root = f"/bench-burst-{mode}-{uuid.uuid4().hex[:6]}"
     env = {**services.env(), "BENCH_ZK_WAIT_IN": mode, "BENCH_ZK_ROOT": root}
+    if broker_url:
+        env["BENCH_BROKER_URL"] = broker_url
     driver = Driver(env)
     pool = Workers(env, count=workers, concurrency=concurrency)
     pool.start(driver.app)
@@ -93,6 +112,7 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
     rows.sort(key=lambda r: r["start"])
     overlaps = sum(1 for a, b in zip(rows, rows[1:]) if b["start"] < a["end"])
     tokens = [r["token"] for r in rows]
+    share = _worker_share(rows)
     once = len({r["id"] for r in rows}) == len(rows) == tasks and set(ids) == {r["id"] for r in rows}
     return {
         "mode": mode,
@@ -110,16 +130,39 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
         "zookeeper_rss_mib_max": round(max(sampler.rss_kib, default=0) / 1024, 1),
         "workers": workers,
         "concurrency": concurrency,
+        **share,
     }
 
 
-def run(services: Services, tasks: int = 20000, workers: int = 2, concurrency: int = 3) -> dict:
+def _worker_share(rows: list[dict]) -> dict:
+    """Fairness across workers: each worker's share of the grants while every worker still
+    had tasks of the burst to run (until the first worker's last start), and the longest
+    run of consecutive grants to one worker (cohorting bounds it by zklock_cohort_handoffs
+    + 1 while another worker waits)."""
+    hosts = sorted({r.get("host") or str(r["pid"]) for r in rows})
+    if len(hosts) < 2:
+        return {"grant_share_min": None, "grant_share_max": None, "longest_streak": None}
+    host = [r.get("host") or str(r["pid"]) for r in rows]
+    last = {h: max(i for i, x in enumerate(host) if x == h) for h in hosts}
+    both = host[: min(last.values()) + 1]
+    shares = [both.count(h) / len(both) for h in hosts]
+    longest = run = 1
+    for a, b in zip(both, both[1:]):
+        run = run + 1 if a == b else 1
+        longest = max(longest, run)
+    return {"grant_share_min": round(min(shares), 3), "grant_share_max": round(max(shares), 3),
+            "grants_while_all_waited": len(both), "longest_streak": longest}
+
+
+def run(services: Services, tasks: int = 20000, workers: int = 2, concurrency: int = 3,
+        broker_url: str | None = None) -> dict:
     modes = {}
+    broker = "RabbitMQ" if broker_url and broker_url.startswith("amqp") else "Redis"
     for mode in ("worker", "pool"):
-        log(f"  burst of {tasks} tasks on one key, waiting in the {mode}")
-        modes[mode] = _one(services, mode, tasks, workers, concurrency)
+        log(f"  burst of {tasks} tasks on one key ({broker} broker), waiting in the {mode}")
+        modes[mode] = _one(services, mode, tasks, workers, concurrency, broker_url)
         log(f"    {json.dumps(modes[mode])}")
-    return {"tasks": tasks, "modes": modes,
+    return {"tasks": tasks, "broker": broker, "modes": modes,
             "worker_vs_pool": round(modes["worker"]["tasks_per_s"] / modes["pool"]["tasks_per_s"], 2)}
 
 
@@ -128,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=20000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--broker", default=None, help=f"broker URL (default: the bench's Redis; e.g. {RABBITMQ_URL})")
     args = parser.parse_args(argv)
     services = Services().start()
     try:
-        result = run(services, args.tasks, args.workers, args.concurrency)
+        result = run(services, args.tasks, args.workers, args.concurrency, args.broker)
     finally:
         services.close()
     print(json.dumps(result, indent=2))

@@ -63,6 +63,10 @@ class Driver:
         self.redis = redis.Redis.from_url(env["BENCH_REDIS_URL"])
         self.contenders = list(bench_app.CONTENDERS)
         self.label = bench_app.CONTENDERS
+        # Publish to the broker the workers of this driver use (the app is imported once,
+        # with the first driver's broker).
+        broker = env.get("BENCH_BROKER_URL")
+        self.connection = self.app.connection_for_write(broker) if broker else None
 
     @staticmethod
     def new_tag(what: str) -> str:
@@ -73,7 +77,8 @@ class Driver:
         """Send one task; its id, or None if the contender refused it (duplicate key)."""
         task_id = uuid.uuid4().hex
         result = self.mod.task(contender, kind).apply_async(
-            args=(n,), kwargs={"ms": ms_, "tag": tag, "announce": announce}, task_id=task_id)
+            args=(n,), kwargs={"ms": ms_, "tag": tag, "announce": announce}, task_id=task_id,
+            connection=self.connection)
         return task_id if getattr(result, "id", None) == task_id else None
 
     def records(self, tag: str, expected: int, timeout: float) -> list[dict]:

@@ -26,12 +26,12 @@ from .infra import Services, log
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _one(services: Services, mode: str, orders: int) -> dict:
+def _one(services: Services, mode: str, orders: int, broker_url: str | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = {**os.environ, "ZKLOCK_HOSTS": services.zk_hosts, "REDIS_URL": services.redis_url,
            "ZKLOCK_WAIT_IN": "worker" if mode == "plain" else mode, "PYTHONPATH": ROOT,
-           "FLASH_SALE_UNLOCKED": "1" if mode == "plain" else "0"}
+           "FLASH_SALE_UNLOCKED": "1" if mode == "plain" else "0", "BROKER_URL": broker_url or ""}
     try:
         proc = subprocess.run([sys.executable, "-m", "examples.flash_sale", "--orders", str(orders), "--json", out],
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -46,12 +46,12 @@ def _one(services: Services, mode: str, orders: int) -> dict:
     return result["figures"]["flash_sale"]
 
 
-def run(services: Services, orders: int = 1200, rounds: int = 2) -> dict:
+def run(services: Services, orders: int = 1200, rounds: int = 2, broker_url: str | None = None) -> dict:
     runs: dict[str, list[dict]] = {"worker": [], "pool": [], "plain": []}
     for r in range(rounds):
         for mode in ("worker", "pool", "plain") if r % 2 == 0 else ("plain", "pool", "worker"):
             log(f"  flash sale, waiting in the {mode}: {orders} orders, round {r + 1}/{rounds}")
-            runs[mode].append(_one(services, mode, orders))
+            runs[mode].append(_one(services, mode, orders, broker_url))
     modes = {}
     for mode, rows in runs.items():
         modes[mode] = {
@@ -60,5 +60,6 @@ def run(services: Services, orders: int = 1200, rounds: int = 2) -> dict:
             "orders_per_s_runs": [row["orders_per_s"] for row in rows],
         }
     return {"orders": orders, "skus": 5, "rounds": rounds, "modes": modes,
+            "broker": "RabbitMQ" if broker_url and broker_url.startswith("amqp") else "Redis",
             "worker_vs_pool": round(modes["worker"]["orders_per_s"] / modes["pool"]["orders_per_s"], 2),
             "worker_vs_plain": round(modes["worker"]["orders_per_s"] / modes["plain"]["orders_per_s"], 2)}

@@ -25,7 +25,12 @@ SCENARIO_TITLES = {
     "flash_sale": "8. The flash-sale demo's workload: waiting in the worker vs in the pool",
     "tls": "9. TLS to ZooKeeper: what it costs against plaintext",
     "burst": "10. A burst on one key (lock cohorting): waiting in the worker vs in the pool",
+    "flash_sale_rabbitmq": "11. The flash-sale workload on RabbitMQ",
+    "burst_rabbitmq": "12. The burst on one key on RabbitMQ",
 }
+
+#: Scenarios run a second time on RabbitMQ: same tables, notes and targets as the first.
+SAME_AS = {"flash_sale_rabbitmq": "flash_sale", "burst_rabbitmq": "burst"}
 
 
 # ------------------------------------------------------------------ verdicts
@@ -56,6 +61,16 @@ def targets(results: dict) -> list[dict]:
                            f"{h['fifo_inversions']} of {h['ran']} tasks (clock-based: {h['clock_inversions']})"))
         out.append(_target("hot_key", "ZkLockedTask", "mutual exclusion: zero overlapping runs", h["overlaps"] == 0,
                            str(h["overlaps"])))
+    if "hot_key" in sc:
+        h = sc["hot_key"]["contenders"]["zklock"]
+        out.append(_target("hot_key", "ZkLockedTask (lock cohorting)", "ideal / makespan >= 0.95 (issue 24)",
+                           (h["efficiency"] or 0) >= 0.95, f"{h['efficiency']:.3f}"))
+    if "overhead" in sc:
+        zk = sc["overhead"]["contenders"]["zklock"]
+        out.append(_target("overhead", "ZkLockedTask (lock cohorting)",
+                           "distinct keys: >= 0.55x plain and <= 2.5 ZooKeeper requests per task (issue 24)",
+                           zk["throughput_vs_plain"] >= 0.55 and zk["zk_requests_per_task"] <= 2.5,
+                           f"{zk['throughput_vs_plain']:.2f}x; {zk['zk_requests_per_task']} requests/task"))
     if "fairness" in sc:
         f = sc["fairness"]["contenders"][next(iter(sc["fairness"]["contenders"]))]
         out.append(_target("fairness", f["label"], "0% consecutive holds by the same process",
@@ -113,37 +128,48 @@ def targets(results: dict) -> list[dict]:
                            zk["throughput_vs_plain"] >= 0.41,
                            f"{zk['throughput_vs_plain']:.2f}x; {zk['cpu_workers_ms_per_task']} ms worker CPU and "
                            f"{zk['zk_requests_per_task']} ZooKeeper requests per task"))
-    if "flash_sale" in sc:
-        f = sc["flash_sale"]
+    for fs_name in ("flash_sale", "flash_sale_rabbitmq"):
+        if fs_name not in sc:
+            continue
+        f = sc[fs_name]
         w, p, u = f["modes"]["worker"], f["modes"]["pool"], f["modes"].get("plain")
-        out.append(_target("flash_sale", "ZkLockedTask (wait in the worker)", "orders/s >= 2x waiting in the pool",
+        out.append(_target(fs_name, "ZkLockedTask (wait in the worker)", "orders/s >= 2x waiting in the pool",
                            w["orders_per_s"] >= 2 * p["orders_per_s"],
                            f"{f['worker_vs_pool']}x ({w['orders_per_s']:.0f} vs {p['orders_per_s']:.0f} orders/s)"))
         if u is not None:
-            out.append(_target("flash_sale", "ZkLockedTask (wait in the worker)",
+            out.append(_target(fs_name, "ZkLockedTask (wait in the worker)",
                                "orders/s >= 0.6x the same body with no lock (oversells)",
                                w["orders_per_s"] >= 0.6 * u["orders_per_s"],
                                f"{f['worker_vs_plain']}x ({w['orders_per_s']:.0f} vs {u['orders_per_s']:.0f} orders/s)"))
-        out.append(_target("flash_sale", "ZkLockedTask (wait in the worker)",
+        out.append(_target(fs_name, "ZkLockedTask (wait in the worker)",
                            "enqueue->start p50 <= 0.5 s after publishing ends",
                            w["enqueue_to_start_p50_s"] - w["enqueue_s"] <= 0.5,
                            f"{w['enqueue_to_start_p50_s']:.2f} s from enqueue (in the pool {p['enqueue_to_start_p50_s']:.2f} s; "
                            f"publishing the burst took {w['enqueue_s']:.2f} s)"))
-    if "burst" in sc:
-        b = sc["burst"]
+    for b_name in ("burst", "burst_rabbitmq"):
+        if b_name not in sc:
+            continue
+        b = sc[b_name]
         w, p = b["modes"]["worker"], b["modes"]["pool"]
         safe = w["ran_exactly_once"] and w["overlaps"] == 0 and w["tokens_strictly_increasing"]
-        out.append(_target("burst", "ZkLockedTask (wait in the worker)",
+        out.append(_target(b_name, "ZkLockedTask (wait in the worker)",
                            f"{b['tasks']} tasks on one key: all exactly once, 0 overlaps, tokens strictly increasing",
                            safe, f"once: {w['ran_exactly_once']}, overlaps {w['overlaps']}, "
                                  f"tokens increasing: {w['tokens_strictly_increasing']}"))
-        out.append(_target("burst", "ZkLockedTask (wait in the worker)", "children under the key <= 2 per worker",
+        out.append(_target(b_name, "ZkLockedTask (wait in the worker)", "children under the key <= 2 per worker",
                            w["children_max"] <= 2 * w["workers"],
                            f"max {w['children_max']} in {w['children_samples']} samples, {w['workers']} workers "
                            f"(znodes max {w['znodes_max']}, ZooKeeper RSS max {w['zookeeper_rss_mib_max']} MiB)"))
-        out.append(_target("burst", "ZkLockedTask (wait in the worker)", "throughput >= 2x waiting in the pool",
+        out.append(_target(b_name, "ZkLockedTask (wait in the worker)", "throughput >= 2x waiting in the pool",
                            w["tasks_per_s"] >= 2 * p["tasks_per_s"],
                            f"{b['worker_vs_pool']}x ({w['tasks_per_s']:.0f} vs {p['tasks_per_s']:.0f} tasks/s)"))
+        if w.get("grant_share_min") is not None:
+            out.append(_target(b_name, "ZkLockedTask (wait in the worker)",
+                               "fairness across workers: each gets 40-60% of the grants while all wait",
+                               0.4 <= w["grant_share_min"] and w["grant_share_max"] <= 0.6,
+                               f"{w['grant_share_min']:.0%} / {w['grant_share_max']:.0%} of "
+                               f"{w['grants_while_all_waited']} grants; longest run on one worker "
+                               f"{w['longest_streak']} (bound: zklock_cohort_handoffs + 1)"))
     if "lock_engine" in sc:
         for t in sc["lock_engine"].get("targets", []):
             out.append(_target("lock_engine", t["contender"], t["target"], t["met"], t["value"]))
@@ -207,7 +233,8 @@ TABLES = {
                    ("lock_wait_p50_s", "prerun->body p50 s"), ("lock_retries", "lock retries")],
     "burst": [("tasks_per_s", "tasks/s"), ("total_s", "total s"), ("publish_s", "publish s"),
               ("ran_exactly_once", "all once"), ("overlaps", "overlaps"), ("tokens_strictly_increasing", "tokens up"),
-              ("children_max", "children max"), ("znodes_max", "znodes max"), ("zookeeper_rss_mib_max", "ZK RSS MiB")],
+              ("children_max", "children max"), ("znodes_max", "znodes max"), ("zookeeper_rss_mib_max", "ZK RSS MiB"),
+              ("grant_share_min", "min worker share"), ("longest_streak", "longest run on one worker")],
     "scale": [("keys", "keys"), ("throughput_per_s", "tasks/s"), ("znodes_before", "znodes before"),
               ("znodes_after", "after"), ("znodes_left", "left"), ("child_rss_mib", "child RSS MiB"),
               ("child_rss_growth_mib", "child RSS growth MiB"), ("parent_rss_mib", "parent RSS MiB")],
@@ -282,7 +309,8 @@ def markdown(results: dict) -> str:
         if name == "lock_engine":
             lines += ["```text", lock_bench.format_table(data), "```"]
             continue
-        lines += _table(*_rows(data["modes"] if name in ("pool_slots", "flash_sale", "burst") else data["contenders"], TABLES[name]))
+        same = SAME_AS.get(name, name)
+        lines += _table(*_rows(data["modes"] if same in ("pool_slots", "flash_sale", "burst") else data["contenders"], TABLES[same]))
         if name == "tls":
             lines += ["", f"TLS against plaintext: engine acquire+release p50 {data['engine_tls_vs_plain']}x, "
                           f"Celery throughput {data['celery_tls_vs_plain']}x."]
@@ -301,7 +329,7 @@ def markdown(results: dict) -> str:
                           f"avg {z['fsync_avg_ms']:.1f} ms, max {z['fsync_max_ms']:.0f} ms; {z['updates']} writes, "
                           f"latency avg {z['update_latency_avg_ms']:.1f} ms, p99 {z['update_latency_p99_ms']:.0f} ms, "
                           f"max {z['update_latency_max_ms']:.0f} ms (server clock, 1 ms resolution)."]
-        lines += ["", NOTES[name]]
+        lines += ["", NOTES[same] + (" Broker: RabbitMQ (127.0.0.1:5672)." if same != name else "")]
     lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     return "\n".join(lines)
 

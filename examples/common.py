@@ -4,6 +4,8 @@ Redis client for the example's own data under a key prefix.
 Environment (the same names in ``make demo``, the tests and ``docker-compose.yml``):
 
 * ``REDIS_URL`` (``redis://127.0.0.1:6379/0``): broker, result backend and example data;
+* ``BROKER_URL`` (empty): another broker (``amqp://guest:guest@127.0.0.1:5672//`` for
+  RabbitMQ); Redis stays the result backend and the data store;
 * ``ZKLOCK_HOSTS`` (``127.0.0.1:2181``): the ZooKeeper connect string (``zklock_hosts``);
 * ``ZKLOCK_ROOT`` (``/celery-zklock``): the znode under which lock keys live;
 * ``ZKLOCK_DEMO_PREFIX`` (empty): a prefix for every Redis key (broker queues, results,
@@ -38,7 +40,7 @@ def make_app(name: str) -> Celery:
     url = redis_url()
     app = Celery(name)
     app.conf.update(
-        broker_url=url,
+        broker_url=os.environ.get("BROKER_URL") or url,
         result_backend=url,
         task_default_queue=name,
         zklock_hosts=os.environ.get("ZKLOCK_HOSTS") or DEFAULT_ZK_HOSTS,
