@@ -26,6 +26,7 @@ _EXPORTS = {
     "LockTimeout": "errors",
     "LockLost": "errors",
     "LockUnavailable": "errors",
+    "LockReentered": "errors",
     "encode_key": "keys",
     "ZkLockedTask": "task",
     "HeldLock": "task",
@@ -53,7 +54,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .errors import ConfigurationError, LockLost, LockTimeout, LockUnavailable, ZkLockError
+    from .errors import ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
     from .keys import encode_key
     from .lock import Contender, FairLock, MultiLock, contenders
     from .states import LOCK_WAITING, SKIPPED

@@ -187,6 +187,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_retry_backoff", 2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant).", "lock_retry_backoff"),
         Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s).", "lock_retry_backoff_max"),
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
+        Setting("zklock_reentrant", True, _bool, "A locked call (direct, apply(), eager) inside a running locked task, on keys that task holds, runs at once under its hold; False = such a call raises LockReentered.", "lock_reentrant"),
         Setting("zklock_release_on_worker_loss", True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker)."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
         Setting("zklock_use_ssl", False, check_use_ssl, "TLS to ZooKeeper: True (system CAs) or a dict of kazoo's TLS options (ca, certfile, keyfile, keyfile_password, verify_certs, check_hostname), like broker_use_ssl."),

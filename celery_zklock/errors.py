@@ -49,5 +49,22 @@ class LockLost(ZkLockError):
         return f"lock {self.key!r} lost: {self.reason}"
 
 
+class LockReentered(ZkLockError, RuntimeError):
+    """A re-entry where re-entry is turned off (``FairLock(reentrant=False)``, the task
+    option ``lock_reentrant=False``): raised at once, never after waiting for itself.
+
+    ``key`` is the lock key (or path) and ``holder`` says who in this thread holds it.
+    """
+
+    def __init__(self, key: object = None, holder: str | None = None) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(key, holder)
+
+    def __str__(self) -> str:
+        return (f"lock {self.key!r} is already held in this thread by {self.holder or 'its caller'}, and re-entry "
+                "is turned off (lock_reentrant=False / FairLock(reentrant=False)): waiting would wait for itself")
+
+
 class LockUnavailable(ZkLockError):
     """ZooKeeper could not be reached, so the task was not run (never run unprotected)."""

@@ -9,6 +9,7 @@ wait on many keys at once (one thread, thousands of locks) uses
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -16,7 +17,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from . import kazoo_compat, znodes
-from .errors import LockLost
+from .errors import LockLost, LockReentered
 from .identity import Identity
 from .internals import LockInternals, State
 from .session import DELETED, EXPIRED, GONE
@@ -38,9 +39,13 @@ _LOST_AT_RELEASE = {
 class FairLock:
     """A fair, fenced, loss-aware ZooKeeper mutex (or N-holder semaphore) on ``path``.
 
-    Use one ``FairLock`` per acquisition site; it is not re-entrant and one instance must
-    not be acquired by two threads at once (create one per thread — they may all share one
-    started :class:`~kazoo.client.KazooClient`).
+    Re-entrant as Curator's ``InterProcessMutex``: the thread (or greenlet) that holds it
+    may acquire it again, at once, and each acquire needs its release; the lock frees on
+    the last one.  ``reentrant=False`` makes such a re-entry raise :class:`LockReentered`
+    instead.  Another thread is not the owner: its acquire waits, as anyone else's would
+    (one instance carries one hold, so it first waits for the owner to let go; create
+    one ``FairLock`` per thread for each to queue in ZooKeeper at once — they may all share
+    one started :class:`~kazoo.client.KazooClient`).
 
     ``on_lost(lock)`` is called, outside kazoo's connection thread, when a held lock is
     lost: session expired, our node deleted, or not verifiable after a reconnection.
@@ -59,9 +64,14 @@ class FairLock:
         on_lost: LostCallback | None = None,
         on_wait: Callable[["FairLock", int], None] | None = None,
         suspended_grace: float | None = None,
+        reentrant: bool = True,
     ) -> None:
         self.on_lost = on_lost
         self.on_wait = on_wait
+        self.reentrant = reentrant
+        self._owner: int | None = None  # thread/greenlet ident of the acquirer, from acquire to last release
+        self._entries = 0  # the owner's acquires beyond the first, each owed a release
+        self._free = threading.Condition()
         self._internals = LockInternals(
             client, path, max_holders, identifier, on_lost=self._lost if on_lost else None, suspended_grace=suspended_grace
         )
@@ -142,12 +152,55 @@ class FairLock:
             timeout = 0
         if kazoo_compat.is_stopped(self.client):
             raise ValueError("the KazooClient is not started (or was stopped): call client.start() before acquiring")
-        if self.state in (State.CREATING, State.WAITING, State.HELD, State.HELD_SUSPENDED):
-            raise RuntimeError(f"FairLock on {self.path} is already {self.state.value}; it is not re-entrant")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()  # the greenlet's under gevent/eventlet monkey-patching
+        if self._owner == me:
+            if self._entries == 0 and self.state in (State.IDLE, State.LOST):
+                self._let_go_of_ownership()  # its hold ended, lost, without a release: a new one
+            else:
+                return self._reenter()
+        if not self._take_ownership(me, deadline):
+            return False
+        try:
+            acquired = self._acquire(deadline)
+        except BaseException:
+            self._let_go_of_ownership()
+            raise
+        if not acquired:
+            self._let_go_of_ownership()
+        return acquired
+
+    def _reenter(self) -> bool:
+        """The owner acquires again (Curator's re-entry): count it, or refuse at once."""
+        if self.state in (State.CREATING, State.WAITING):  # from an on_wait callback
+            raise RuntimeError(f"FairLock on {self.path} is already {self.state.value} in this thread")
+        if not self.reentrant:
+            raise LockReentered(self.path, f"this FairLock (token {self.token}, node {self.node})")
+        if self.state not in (State.HELD, State.HELD_SUSPENDED):  # lost under an outer hold: say so now
+            raise LockLost(self.path, self.lost_reason or "not held")
+        self._entries += 1
+        return True
+
+    def _take_ownership(self, me: int, deadline: float | None) -> bool:
+        """Another thread's hold on this instance ends first (bounded by the deadline)."""
+        with self._free:
+            while self._owner is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._free.wait(left)
+            self._owner = me
+            return True
+
+    def _let_go_of_ownership(self) -> None:
+        with self._free:
+            self._owner, self._entries = None, 0
+            self._free.notify()
+
+    def _acquire(self, deadline: float | None) -> bool:
         if self._cancelled:
             self._cancelled = False
             return False
-        deadline = None if timeout is None else time.monotonic() + timeout
         handler = self.client.handler
         wake = handler.event_object()
         position: list[int] = []
@@ -206,9 +259,14 @@ class FairLock:
         the end); False if there was nothing to release (never acquired, already released,
         already lost) or, with ``wait=True``, if the node turned out to be gone.
         """
+        if self._entries > 0:  # a re-entry's release: the outermost hold goes on
+            self._entries -= 1
+            return self.is_held()
         attempt = self._attempt
         if attempt is None:
             return False
+        if self._owner is not None:
+            self._let_go_of_ownership()
         was_held, pending = attempt.release()
         if not was_held or not wait:
             return was_held
@@ -285,12 +343,14 @@ class MultiLock:
         identifier: str | bytes | None = None,
         on_lost: Callable[[FairLock], None] | None = None,
         on_wait: Callable[[FairLock, int], None] | None = None,
+        reentrant: bool = True,
     ) -> None:
         unique = sorted({znodes.validate_path(p) for p in paths})
         if not unique:
             raise ValueError("MultiLock needs at least one path")
         self.locks = [
-            FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost, on_wait=on_wait)
+            FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost, on_wait=on_wait,
+                     reentrant=reentrant)
             for p in unique
         ]
         self.failed: FairLock | None = None

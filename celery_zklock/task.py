@@ -27,7 +27,7 @@ from celery.utils.log import get_task_logger
 from . import agent_lock, by_config, config, metrics, prerun, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
-from .errors import LockLost, LockTimeout, LockUnavailable
+from .errors import LockLost, LockReentered, LockTimeout, LockUnavailable
 from .identity import Identity
 from .keys import KeySpec, compile_key, key_path
 from .lock import FairLock, MultiLock
@@ -58,6 +58,9 @@ class HeldLock:
     wait: float = 0.0
     #: When the lock was granted (``time.time()``): the run's real start, and prerun's time.
     acquired_at: float = 0.0
+    #: The task (name, id) whose run took this hold: a re-entered call runs under it.
+    task: str = ""
+    task_id: str | None = None
 
     @property
     def key(self) -> str:
@@ -87,6 +90,24 @@ def current_lock() -> HeldLock:
     if held is None:
         raise RuntimeError("current_lock() called outside a running ZkLockedTask")
     return held
+
+
+class _UnderOuter:
+    """A nested call's hold: the outer's keys (never released here) and the ones it took."""
+
+    def __init__(self, outer, taken) -> None:
+        self.outer, self.taken = outer, taken
+
+    @property
+    def locks(self) -> list:
+        return [*self.outer.locks, *self.taken.locks]
+
+    def is_held(self) -> bool:
+        return self.outer.is_held() and self.taken.is_held()
+
+    def release(self) -> bool:
+        """Release what this call took (its proof); the outer's keys are the outer's to prove."""
+        return self.taken.release()
 
 
 def _tokens_of(lock) -> dict[str, int]:
@@ -158,6 +179,44 @@ class ZkLockedTask(Task):
         keys = self.lock_keys(args, kwargs)
         paths = [key_path(opts.root, k) for k in keys]
         label = keys[0] if len(keys) == 1 else keys
+        outer = _current.get()
+        if outer is not None and not set(paths).isdisjoint(outer.paths):
+            return self._reentered(outer, args, kwargs, direct, opts, keys, paths, label)
+        return self._locked_call(args, kwargs, req, direct, opts, keys, paths, label)
+
+    def _reentered(self, outer: HeldLock, args, kwargs, direct: bool, opts: ZkSettings, keys, paths, label) -> Any:
+        """A locked call inside a locked body of this thread, on keys that body holds
+        (Curator's re-entry, at task level): it runs at once under the outer hold, which
+        it never releases; only keys the outer does not hold are taken (and released) here."""
+        held_paths = [p for p in paths if p in outer.paths]
+        missing = [p for p in paths if p not in outer.paths]
+        if not opts.reentrant:
+            prerun.fire(self)
+            holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
+            self._lock_event("task-lock-reentered", key=label, holder=holder, refused=True)
+            raise LockReentered(label, holder)
+        if missing:
+            # The rest are taken in process, as a nested call always waits (see the README
+            # on deadlocks: the canonical order no longer spans the whole set).
+            sub_keys = [k for k, p in zip(keys, paths) if p in missing]
+            inner_label = sub_keys[0] if len(sub_keys) == 1 else sub_keys
+            return self._locked_call(args, kwargs, self.request, direct, opts, keys, paths, label,
+                                     take=missing, inner_label=inner_label, outer=outer)
+        prerun.fire(self)
+        held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
+                        acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id)
+        logger.debug("re-entered lock %s under %s[%s] (token %s)", label, outer.task, outer.task_id, held.token)
+        self._lock_event("task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
+        ctx_token = _current.set(held)
+        try:
+            return super().__call__(*args, **kwargs) if direct else self.run(*args, **kwargs)
+        finally:
+            _current.reset(ctx_token)
+
+    def _locked_call(self, args, kwargs, req, direct: bool, opts: ZkSettings, keys, paths, label,
+                     take: list[str] | None = None, inner_label: Any = None, outer: HeldLock | None = None) -> Any:
+        """Take the lock (all of ``paths``, or only ``take`` under an ``outer`` hold), run the
+        body, release with the proof."""
 
         run_state = RunState(threading.get_ident())
 
@@ -169,16 +228,23 @@ class ZkLockedTask(Task):
         # with zklock_wait_in="worker"): claim its verdict.  acks_late tasks wait here, in
         # process, where redelivered copies are recognised.
         try:
-            claimed = None if direct or self.acks_late or not req.id else agent_lock.claim(req.id, _CLAIM_TIMEOUT)
+            nested = outer is not None
+            claimed = (None if direct or nested or self.acks_late or not req.id
+                       else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
             if claimed is not None:
                 lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
             else:
-                lock, waited, early = self._lock_in_process(req, direct, opts, label, paths, on_lost, started)
+                lock, waited, early = self._lock_in_process(req, direct, opts, inner_label if nested else label,
+                                                            take if nested else paths, on_lost, started)
                 if lock is None:
                     return early
         finally:
             prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
-        held = HeldLock(keys, paths, _tokens_of(lock), lock, wait=waited, acquired_at=time.time())
+        tokens = _tokens_of(lock)
+        if outer is not None:  # keys the outer holds keep its tokens; the lock is both
+            tokens = {**{p: outer.tokens[p] for p in paths if p in outer.tokens}, **tokens}
+            lock = _UnderOuter(outer._lock, lock)
+        held = HeldLock(keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name, task_id=req.id)
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)

@@ -80,13 +80,77 @@ def test_try_once_remakes_a_reaped_container(zk_client, path):
     lock.release()
 
 
-def test_context_manager_and_not_reentrant(zk_client, path):
-    with FairLock(zk_client, path) as lock:
+def test_reentrant_as_curator_counts_and_frees_on_the_last_release(zk_client, zk_server, path):
+    """The owner re-acquires at once (no new node); each acquire needs its release; an inner
+    release never frees the key while the outermost hold goes on."""
+    peer_client = KazooClient(hosts=zk_server.hosts)
+    peer_client.start()
+    try:
+        peer = FairLock(peer_client, path)
+        with FairLock(zk_client, path) as lock:
+            token, node = lock.token, lock.node
+            assert lock.acquire(timeout=0) is True  # would be False if it queued behind itself
+            with lock:  # three deep
+                assert lock.token == token and lock.node == node
+                assert len(children(zk_client, path)) == 1
+            assert lock.release() is True  # the re-entry's release: still held
+            assert lock.is_held() and lock.node == node
+            assert peer.acquire(timeout=0) is False
+        assert not lock.is_held()
+        assert children(zk_client, path) == []
+        assert peer.acquire(timeout=0) is True
+        peer.release()
+    finally:
+        peer_client.stop()
+        peer_client.close()
+
+
+def test_reentry_turned_off_raises_at_once(zk_client, path):
+    from celery_zklock import LockReentered
+
+    with FairLock(zk_client, path, reentrant=False) as lock:
+        t0 = time.monotonic()
+        with pytest.raises(LockReentered, match="re-entry is turned off"):
+            lock.acquire(timeout=5)
+        assert time.monotonic() - t0 < 1.0
         assert lock.is_held()
-        with pytest.raises(RuntimeError, match="not re-entrant"):
-            lock.acquire()
-    assert not lock.is_held()
+    with MultiLock(zk_client, [path + "-a", path + "-b"], reentrant=False) as multi:
+        with pytest.raises(LockReentered):
+            multi.acquire(timeout=5)
+        assert multi.is_held()
     assert children(zk_client, path) == []
+
+
+def test_another_thread_is_not_the_owner(zk_client, path):
+    """Another thread's acquire of the same instance waits like anyone else's: it gives up
+    at its timeout while the owner holds, and gets the lock once the owner lets go."""
+    lock = FairLock(zk_client, path)
+    lock.acquire()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=0.3)))
+    t.start()
+    t.join()
+    assert got == [False] and lock.is_held()
+    t = threading.Thread(target=lambda: (got.append(lock.acquire(timeout=10)), got.append(lock.token), lock.release()))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()  # still waiting for the owner
+    first = lock.token
+    lock.release()
+    t.join(10)
+    assert got[1:] == [True, got[2]] and got[2] > first
+    assert children(zk_client, path) == []
+
+
+def test_multilock_reentry_counts_per_path(zk_client, path):
+    paths = [path + "-a", path + "-b"]
+    multi = MultiLock(zk_client, paths)
+    assert multi.acquire(timeout=5)
+    tokens = dict(multi.tokens)
+    assert multi.acquire(timeout=0)
+    assert multi.release() is True and multi.is_held() and multi.tokens == tokens
+    assert multi.release() is True and not multi.is_held()
+    assert all(children(zk_client, p) == [] for p in paths)
 
 
 def test_cancel_wakes_a_blocked_acquire(zk_client, path):

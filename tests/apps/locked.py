@@ -234,3 +234,112 @@ def timed_skip(key):
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, acks_late=True, bind=True)
 def timed_late(self, key, ms=10):
     return _timed_body(self.request.id, key, ms)
+
+
+# ---- calling locked tasks from locked tasks (tests/test_reentrant.py) ----------------------
+import threading as _threading  # noqa: E402
+
+
+def _call(task, how: str, *args):
+    """Call ``task`` the way a refactored body would: directly, eagerly, or (not the owner)
+    from another thread of the same process."""
+    if how == "direct":
+        return task(*args)
+    if how == "apply":
+        return task.apply(args=args).get(disable_sync_subtasks=False)
+    if how == "thread":
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["value"] = task(*args)
+            except Exception as exc:  # LockTimeout: it queued behind its own caller
+                box["error"] = f"{type(exc).__name__}: {exc}"
+
+        t = _threading.Thread(target=run)
+        t.start()
+        t.join()
+        return box
+    raise ValueError(how)
+
+
+def _peer_gets(path: str) -> bool:
+    """Can another FairLock (same process, another node) take ``path`` right now?"""
+    from celery_zklock import FairLock
+    from celery_zklock.client import get_client
+
+    peer = FairLock(get_client(re_outer.lock_options()), path)
+    got = peer.acquire(timeout=0)
+    if got:
+        peer.release()
+    return got
+
+
+def _seen() -> dict:
+    lk = current_lock()
+    return {"token": lk.token, "tokens": sorted(lk.tokens.values()), "held": lk.is_held(), "task_id": lk.task_id}
+
+
+@app.task(base=ZkLockedTask, lock_key="acct:{k}", lock_timeout=3, on_lock_timeout="fail")
+def re_leaf(k):
+    return _seen()
+
+
+@app.task(base=ZkLockedTask, lock_key="acct:{k}", lock_timeout=3, on_lock_timeout="fail")
+def re_mid(k, how):
+    return {**_seen(), "inner": _call(re_leaf, how, k)}
+
+
+@app.task(base=ZkLockedTask, lock_key="acct:{k}", lock_timeout=3, on_lock_timeout="fail", lock_reentrant=False)
+def re_strict(k):
+    return "ran"
+
+
+@app.task(base=ZkLockedTask, lock_key=["acct:{a}", "acct:{b}"], lock_timeout=3, on_lock_timeout="fail")
+def re_pair(a, b):
+    return _seen()
+
+
+def _outer_body(k, how="direct", inner="leaf", other=None):
+    """Calls a locked task on its own key (and, for ``pair``, one more key ``other``)."""
+    start = time.monotonic()
+    if inner == "leaf":
+        got = _call(re_leaf, how, k)
+    elif inner == "mid":
+        got = _call(re_mid, how, k, how)
+    elif inner == "strict":
+        try:
+            got = _call(re_strict, how, k)
+        except Exception as exc:
+            got = {"error": f"{type(exc).__name__}: {exc}"}
+    elif inner == "pair":
+        got = _call(re_pair, how, k, other)
+    else:
+        raise ValueError(inner)
+    took = time.monotonic() - start
+    lk = current_lock()
+    after = {"held": lk.is_held(), "peer_gets_own_key": _peer_gets(lk.path)}
+    if other is not None:  # the superset's extra key was released by the inner call
+        from celery_zklock.keys import key_path
+
+        after["peer_gets_other_key"] = _peer_gets(key_path(re_outer.lock_options().root, f"acct:{other}"))
+    return {**_seen(), "inner": got, "took": took, "after": after}
+
+
+@app.task(base=ZkLockedTask, lock_key="acct:{k}", lock_timeout=3, on_lock_timeout="fail")
+def re_outer(k, how="direct", inner="leaf", other=None):
+    return _outer_body(k, how, inner, other)
+
+
+@app.task(base=ZkLockedTask, lock_key="acct:{k}", lock_timeout=3, on_lock_timeout="fail", acks_late=True)
+def re_outer_late(k, how="direct", inner="leaf", other=None):
+    return _outer_body(k, how, inner, other)
+
+
+@app.task(base=ZkLockedTask, lock_key=["acct:{a}", "acct:{b}"], lock_timeout=3, on_lock_timeout="fail")
+def re_pair_outer(a, b, how="direct"):
+    """Holds two keys and calls a task that needs one of them (a subset)."""
+    start = time.monotonic()
+    got = _call(re_leaf, how, a)
+    return {**_seen(), "inner": got, "took": time.monotonic() - start,
+            "after": {"held": current_lock().is_held(), "peer_gets_own_key": _peer_gets(current_lock().path)}}
