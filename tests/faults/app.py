@@ -33,6 +33,7 @@ def configure(env: dict[str, str]) -> None:
     broker = env.get("FAULTS_BROKER", "redis://127.0.0.1:1/0")
     app.conf.update(
         broker_url=broker,
+        task_default_queue=env.get("FAULTS_QUEUE", "celery"),
         result_backend=env.get("FAULTS_BACKEND") or broker.rsplit("/", 1)[0] + "/1",
         zklock_hosts=env.get("FAULTS_ZK_HOSTS", "127.0.0.1:1"),
         zklock_root=env.get("FAULTS_ZK_ROOT", "/faults"),

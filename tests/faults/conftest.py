@@ -4,6 +4,7 @@ test, after which the ensemble is healed — so no test depends on another's fau
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -21,7 +22,9 @@ def cluster():
 @pytest.fixture
 def scenario(cluster, request):
     cluster.heal()
-    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower()).strip("-")[:24]
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower()).strip("-")
+    if len(name) > 24:  # parametrized runs must not share a name (their workers' queues)
+        name = f"{name[:19]}-{hashlib.sha1(name.encode()).hexdigest()[:4]}"
     s = Scenario(cluster, name)
     yield s
     s.close()

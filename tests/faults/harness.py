@@ -85,6 +85,10 @@ class Cluster:
             "FAULTS_ZK_HOSTS": self.ensemble.hosts,
             "FAULTS_ZK_ROOT": root,
             "FAULTS_SESSION": str(SESSION),
+            # The scenario's shared queue (not "celery"): a short visibility timeout restores
+            # every old unacknowledged message to its queue, and an earlier scenario's (its
+            # worker was killed) must not run in this one.
+            "FAULTS_QUEUE": root.strip("/"),
         }
         values.update(overrides)
         return values
@@ -138,11 +142,11 @@ class Cluster:
 
 
 class FaultWorker(Worker):
-    """A ``celery worker`` of the faults app consuming its own queue (plus the shared one)."""
+    """A ``celery worker`` of the faults app consuming its own queue (plus the scenario's shared one)."""
 
     def __init__(self, env: dict, name: str, concurrency: int = 2, queues: str | None = None) -> None:
         super().__init__(env, name, concurrency=concurrency, app="tests.faults.app",
-                         extra=["-Q", queues or f"celery,{name}"])
+                         extra=["-Q", queues or f"{env.get('FAULTS_QUEUE', 'celery')},{name}"])
         self.queue = name  # send here to reach this worker and no other
 
     def signal_group(self, sig: int) -> None:
