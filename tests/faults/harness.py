@@ -115,6 +115,18 @@ class Cluster:
         self.ensemble.wait_quorum(60)
         wait_until(lambda: self.zk().connected, 30, what="the observer client to reconnect")
 
+    def kill_leader(self) -> tuple[float, float]:
+        """SIGKILL the ensemble's leader, wait for the others to elect a new one, then
+        restart the old leader (it rejoins as a follower).  Returns (wall time of the
+        kill, seconds until the remaining members had a quorum again)."""
+        leader = self.ensemble.leader()
+        killed = time.time()
+        leader.kill()
+        self.ensemble.wait_quorum()
+        elected = time.time() - killed
+        leader.start()
+        return killed, elected
+
     def healthy(self) -> bool:
         modes = [m.mode() for m in self.ensemble.members]
         return modes.count("leader") == 1 and modes.count("follower") == 2

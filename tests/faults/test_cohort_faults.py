@@ -87,13 +87,7 @@ def test_leader_failover_mid_streak(scenario):
     scenario.worker("b", concurrency=3)
     sent = [scenario.send(A.step, KEY, 40) for _ in range(60)]
     _mid_streak(scenario, sent)
-    ens = scenario.cluster.ensemble
-    leader = ens.leader()
-    killed = time.time()
-    leader.kill()
-    ens.wait_quorum()
-    elected = time.time() - killed
-    leader.start()
+    _killed, elected = scenario.cluster.kill_leader()
     report = scenario.verify(allowed={"LockLost"})
     record("cohort-leader-killed", new_leader_s=round(elected, 3), **report.figures)
     assert scenario.cluster.healthy()

@@ -49,12 +49,15 @@ def test_sigkill_of_a_prefork_child_holding_a_lock(scenario):
 def test_sigkill_of_a_whole_worker(scenario):
     """Promise: the dead worker's session expires and its lock frees after
     zklock_session_timeout; with acks_late its task is delivered again and runs once."""
-    victim = scenario.worker("victim", concurrency=2, FAULTS_VISIBILITY="5")
+    # The visibility timeout brings the killed worker's message back; it must exceed every
+    # body here, or the survivor also restores the copy it is running (8 s > 5 s did: the
+    # copies queued again and again, and their nodes were left at the end).
+    victim = scenario.worker("victim", concurrency=2, FAULTS_VISIBILITY="12")
     # Long enough to outlast the survivor's start (2 s or more on a loaded machine), so the
     # kill finds it still holding.  Shared queue: a copy must reach the survivor.
-    held = scenario.send(A.step_late, "wk", 8000)
+    held = scenario.send(A.step_late, "wk", 6000)
     task_pid(scenario.store, held.id)
-    survivor = scenario.worker("survivor", concurrency=2, FAULTS_VISIBILITY="5")
+    survivor = scenario.worker("survivor", concurrency=2, FAULTS_VISIBILITY="12")
     waiters = [scenario.send(A.step_late, "wk", 30, queue=survivor.queue) for _ in range(3)]
     scenario.wait_contenders("wk", 3)
     killed = time.time()

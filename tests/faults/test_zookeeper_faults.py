@@ -45,13 +45,7 @@ def test_leader_killed_and_restarted_while_tasks_hold_and_wait(scenario):
         scenario.worker(name, concurrency=2)
     _workload(scenario, 40, 2, 150)
     _wait_busy(scenario, 2)
-    ens = scenario.cluster.ensemble
-    leader = ens.leader()
-    killed = time.time()
-    leader.kill()
-    ens.wait_quorum()
-    elected = time.time() - killed
-    leader.start()
+    killed, elected = scenario.cluster.kill_leader()
     report = scenario.verify(allowed={"LockLost"})
     record("leader-killed", new_leader_s=round(elected, 3), first_begin_after_kill_s=_first_begin_after(scenario, killed),
            **report.figures)
