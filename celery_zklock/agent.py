@@ -301,7 +301,7 @@ class Agent:
             answer["error"] = verdict["error"]
         wait.owner.send(answer)
         if wait.claimer is not None:
-            wait.claimer.send(wait.verdict)
+            self._send_verdict(wait)
             if verdict["verdict"] != "granted":
                 self._forget(wait)
 
@@ -321,7 +321,7 @@ class Agent:
         if wait.verdict is None:
             peer.send({"op": "claimed", "id": request_id, "verdict": "pending"})
             return
-        peer.send(wait.verdict)
+        self._send_verdict(wait)
         if wait.verdict["verdict"] != "granted":
             self._forget(wait)
 
@@ -423,7 +423,8 @@ class Agent:
                 return "lock lost"
         return None
 
-    def _push_state(self, wait: Wait) -> None:
+    def _state(self, wait: Wait) -> dict:
+        """Whether the request's locks are safe to hold right now, as a claimer is told."""
         slots = [slot for _c, slot, _t in wait.holds.values()]
         held = bool(slots) and all(s.held for s in slots)
         lost = any(s.lost or s.attempt.state is State.LOST for s in slots)
@@ -431,11 +432,28 @@ class Agent:
         if not held and reason is None:
             suspended = any(s.attempt.state is State.HELD_SUSPENDED for s in slots)
             reason = "ZooKeeper connection suspended" if suspended else "not held"
-        if (wait.claimer is None or wait.done or wait.verdict is None or wait.verdict.get("verdict") != "granted"
-                or (wait.shown_held == held and not lost)):
+        return {"held": held, "lost": lost, "reason": reason}
+
+    def _push_state(self, wait: Wait) -> None:
+        if (wait.claimer is None or wait.done or wait.verdict is None
+                or wait.verdict.get("verdict") != "granted"):
             return
-        wait.shown_held = held
-        wait.claimer.send({"op": "state", "id": wait.id, "held": held, "lost": lost, "reason": reason})
+        state = self._state(wait)
+        if wait.shown_held == state["held"] and not state["lost"]:
+            return
+        wait.shown_held = state["held"]
+        wait.claimer.send({"op": "state", "id": wait.id, **state})
+
+    def _send_verdict(self, wait: Wait) -> None:
+        """Tell the claimer its verdict; a grant carries the locks' state *now*: a request
+        granted before ZooKeeper became unreachable may be claimed only later (no free pool
+        process until then), and its body must not start on the old grant alone."""
+        message = wait.verdict
+        if message["verdict"] == "granted":
+            state = self._state(wait)
+            wait.shown_held = state["held"]
+            message = {**message, **state}
+        wait.claimer.send(message)
 
     # ------------------------------------------------------------------ peers leaving
     def _claimed(self) -> bool:

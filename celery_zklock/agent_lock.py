@@ -30,6 +30,8 @@ class AgentLink:
         self.last_heard = time.monotonic()
         self._replies: dict[tuple[str, str], queue.SimpleQueue] = {}
         self._locks: dict[str, "AgentLock"] = {}
+        # A state pushed between the claim's reply and the lock's registration: kept for it.
+        self._early: dict[str, dict] = {}
         self._guard = threading.Lock()
         self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
         threading.Thread(target=self._read, name="zklock-agent-link", daemon=True).start()
@@ -73,7 +75,12 @@ class AgentLink:
             for msg in messages:
                 op = msg.get("op")
                 if op == "state":
-                    lock = self._locks.get(msg["id"])
+                    with self._guard:
+                        lock = self._locks.get(msg["id"])
+                        if lock is None:
+                            if len(self._early) > 1000:
+                                self._early.clear()
+                            self._early[msg["id"]] = msg
                     if lock is not None:
                         lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
                     continue
@@ -112,7 +119,7 @@ class AgentLock:
     """The lock a pool process holds through the agent: what ``current_lock()`` wraps."""
 
     def __init__(self, link: AgentLink, request_id: str, tokens: dict[str, int],
-                 grace: float, release_bound: float, on_lost=None) -> None:
+                 grace: float, release_bound: float, on_lost=None, state: dict | None = None) -> None:
         self.link = link
         self.id = request_id
         self.tokens = tokens
@@ -121,7 +128,12 @@ class AgentLock:
         self.on_lost = on_lost
         self.lost_reason: str | None = None
         self._held = True
-        link._locks[request_id] = self
+        self._settled = threading.Event()  # set whenever the agent says held, or lost
+        with link._guard:
+            link._locks[request_id] = self
+            early = link._early.pop(request_id, None)
+        state = early or state or {"held": True}
+        self._update(bool(state.get("held", True)), bool(state.get("lost")), state.get("reason"))
 
     @property
     def locks(self) -> list["AgentLock"]:
@@ -136,6 +148,18 @@ class AgentLock:
             self.lost_reason = reason or "lock lost"
             if self.on_lost is not None:
                 self.on_lost(self)
+        self.suspended_reason = None if (held or lost) else (reason or "not held")
+        if held or lost:
+            self._settled.set()
+        else:
+            self._settled.clear()
+
+    def confirmed(self, timeout: float) -> bool:
+        """Wait until the agent says the lock is safe to hold (True), or lost, or ``timeout``
+        passes (False).  Why: a body must not start while ZooKeeper cannot confirm its lock
+        — a grant made before the connection dropped says nothing about now."""
+        self._settled.wait(timeout)
+        return self._held and self.lost_reason is None and self.link.alive
 
     def release(self) -> bool:
         """Give the lock back; True only if the agent proved it held to the end."""

@@ -369,8 +369,20 @@ class ZkLockedTask(Task):
                               opts, label, False)
         lock = agent_lock.AgentLock(
             link, self.request.id, verdict["tokens"], grace=opts.session_timeout / 3.0,
-            release_bound=opts.session_timeout + 1.0, on_lost=on_lost,
+            release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,
         )
+        if lock.suspended_reason is not None or lock.lost_reason is not None:
+            # Granted, but the lock is not safe to hold now (the connection dropped between
+            # the grant and this claim, or the lock is already lost): the body waits until
+            # the agent's session is confirmed again, or the lock is declared lost; it never
+            # runs on hope, and a lock lost before the body started is not a LockLost run.
+            logger.warning("lock %s not confirmed at start (%s): waiting for ZooKeeper", label,
+                           lock.lost_reason or lock.suspended_reason)
+            if not lock.confirmed(opts.session_timeout + 1.0):
+                why = lock.lost_reason or lock.suspended_reason or "not confirmed"
+                lock.release()
+                self._unavailable(LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
+                                  opts, label, False)
         return lock, waited
 
     # -------------------------------------------------------------- outcomes

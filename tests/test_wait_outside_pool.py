@@ -16,6 +16,7 @@ from celery_zklock import LockLost
 from celery_zklock.testing import four_letter_word
 from support.workers import Worker
 from tests.lockutil import children, overlapping
+from tests.tcpproxy import TcpProxy
 from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
 
 
@@ -127,6 +128,33 @@ def test_warm_shutdown_returns_waiting_tasks_to_the_broker(mod, env, zk_client):
         assert sorted(tags) == ["holder", "w0", "w1", "w2"]
     finally:
         w2.stop()
+
+
+def test_a_grant_claimed_while_zookeeper_is_unreachable_waits_for_it(mod, env, zk_client):
+    """The agent grants a request, but no pool process is free to run it until after the
+    connection to ZooKeeper has dropped: the body must wait until the agent's session is
+    confirmed again (here: the network comes back within the session), never start on the
+    old grant alone.  It used to start at once (zookeeper_down_mid_run, tests/faults)."""
+    proxy = TcpProxy.to(env["TEST_ZK_HOSTS"])
+    w = Worker({**env, "TEST_ZK_HOSTS": proxy.hosts, "TEST_ZK_SESSION": "8"}, "susp", concurrency=1).start(mod.app)
+    try:
+        tag = uuid.uuid4().hex[:6]
+        busy = mod.plain_hold.delay(f"busy-{tag}", 1500, "busy")  # unlocked: takes the only pool process
+        time.sleep(0.5)  # it reaches the pool process
+        later = mod.hold.delay(f"later-{tag}", 10, "later")  # uncontended: granted at once
+        path = f"{env['TEST_ZK_ROOT']}/k:later-{tag}"
+        _wait_for(lambda: children(zk_client, path), 10, "the agent to take the later task's lock")
+        proxy.hold()  # the agent's connection drops; reconnections are parked
+        time.sleep(2.5)  # the busy task ends meanwhile: the later one is claimed while suspended
+        healed = time.time()
+        proxy.release_held()
+        assert later.get(timeout=30) is not None
+        busy.get(timeout=30)
+        (row,) = [r for r in history(mod, "hold") if r["tag"] == "later"]
+        assert row["start"] >= healed, f"the body started {healed - row['start']:.2f}s before ZooKeeper was back"
+    finally:
+        w.stop()
+        proxy.close()
 
 
 def test_killed_agent_is_restarted_and_running_task_follows_on_lock_lost(mod, env):
