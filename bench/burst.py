@@ -155,15 +155,16 @@ def _worker_share(rows: list[dict]) -> dict:
 
 
 def run(services: Services, tasks: int = 20000, workers: int = 2, concurrency: int = 3,
-        broker_url: str | None = None) -> dict:
+        broker_url: str | None = None, modes_run: tuple[str, ...] = ("worker", "pool")) -> dict:
     modes = {}
     broker = "RabbitMQ" if broker_url and broker_url.startswith("amqp") else "Redis"
-    for mode in ("worker", "pool"):
+    for mode in modes_run:
         log(f"  burst of {tasks} tasks on one key ({broker} broker), waiting in the {mode}")
         modes[mode] = _one(services, mode, tasks, workers, concurrency, broker_url)
         log(f"    {json.dumps(modes[mode])}")
-    return {"tasks": tasks, "broker": broker, "modes": modes,
-            "worker_vs_pool": round(modes["worker"]["tasks_per_s"] / modes["pool"]["tasks_per_s"], 2)}
+    ratio = (round(modes["worker"]["tasks_per_s"] / modes["pool"]["tasks_per_s"], 2)
+             if {"worker", "pool"} <= set(modes) else None)
+    return {"tasks": tasks, "broker": broker, "modes": modes, "worker_vs_pool": ratio}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,10 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--broker", default=None, help=f"broker URL (default: the bench's Redis; e.g. {RABBITMQ_URL})")
+    parser.add_argument("--modes", default="worker,pool",
+                        help="where tasks wait, comma-separated (default worker,pool: both, and their ratio)")
     args = parser.parse_args(argv)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or set(modes) - {"worker", "pool"}:
+        parser.error(f"--modes takes worker and/or pool, got {args.modes!r}")
     services = Services().start()
     try:
-        result = run(services, args.tasks, args.workers, args.concurrency, args.broker)
+        result = run(services, args.tasks, args.workers, args.concurrency, args.broker, modes)
     finally:
         services.close()
     print(json.dumps(result, indent=2))
