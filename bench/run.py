@@ -37,11 +37,11 @@ LOCK_BENCH_SMOKE = lock_bench.Settings(
 )
 
 
-def timed(results: dict, name: str, fn, *args):
+def timed(results: dict, name: str, fn, *args, **kwargs):
     """Run one scenario, log its start and duration, store its result under ``name``."""
     log(f"scenario {name}: start")
     t0 = time.monotonic()
-    value = fn(*args)
+    value = fn(*args, **kwargs)
     elapsed = round(time.monotonic() - t0, 1)
     results["durations_s"][name] = elapsed
     log(f"scenario {name}: done in {elapsed:.1f}s")
