@@ -95,7 +95,7 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
         env["BENCH_BROKER_URL"] = broker_url
     driver = Driver(env)
     pool = Workers(env, count=workers, concurrency=concurrency)
-    pool.start(driver.app)
+    pool.start(driver.app, connection=driver.connection)  # the ping goes to the workers' broker
     try:
         tag = driver.new_tag("burst")
         key = f"burst-{tag}"

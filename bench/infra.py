@@ -195,11 +195,11 @@ class Workers:
         self.concurrency = concurrency
         self.items = []
 
-    def start(self, app, timeout: float = 90.0) -> "Workers":
+    def start(self, app, timeout: float = 90.0, connection=None) -> "Workers":
         from support.workers import wait_ready
 
         self.items = [self.procs.worker("bench.app", f"bench{i}", self.concurrency) for i in range(self.count)]
-        wait_ready(app, self.items, timeout)
+        wait_ready(app, self.items, timeout, connection)
         return self
 
     def pids(self) -> dict[int, list[int]]:

@@ -236,11 +236,12 @@ class Procs:
         self.stop_all()
 
 
-def wait_ready(app, workers: list[Proc], timeout: float = 60.0) -> None:
+def wait_ready(app, workers: list[Proc], timeout: float = 60.0, connection=None) -> None:
     """Block until every worker answers a broadcast ping (its consumer is running).
 
     Raises RuntimeError (with the log tail) when one exits first, TimeoutError after
-    ``timeout``, KeyboardInterrupt once :data:`support.console.STOP` is set.
+    ``timeout``, KeyboardInterrupt once :data:`support.console.STOP` is set.  ``connection``:
+    the broker the workers consume from, when it is not ``app``'s own.
     """
     host = os.uname().nodename
     pending = {f"{w.name}@{host}": w for w in workers}
@@ -250,7 +251,7 @@ def wait_ready(app, workers: list[Proc], timeout: float = 60.0) -> None:
         for w in pending.values():
             if not w.alive():
                 raise RuntimeError(f"{w.name} exited with {w.proc.returncode}:\n{w.log_tail()}")
-        for reply in app.control.ping(destination=list(pending), timeout=0.5) or []:
+        for reply in app.control.ping(destination=list(pending), timeout=0.5, connection=connection) or []:
             for name in reply:
                 pending.pop(name, None)
     if pending:
