@@ -167,6 +167,15 @@ def run(services: Services, tasks: int = 20000, workers: int = 2, concurrency: i
     return {"tasks": tasks, "broker": broker, "modes": modes, "worker_vs_pool": ratio}
 
 
+def run_elsewhere(tasks: int, broker_url: str) -> dict:
+    """:func:`run` in a new ``python -m bench.burst`` process (its own services and imports)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "bench.burst", "--tasks", str(tasks), "--broker", broker_url],
+                         check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out[out.index("{"):])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.burst", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=20000)
