@@ -199,7 +199,13 @@ class Workers:
         from support.workers import wait_ready
 
         self.items = [self.procs.worker("bench.app", f"bench{i}", self.concurrency) for i in range(self.count)]
-        wait_ready(app, self.items, timeout, connection)
+        try:
+            wait_ready(app, self.items, timeout, connection)
+        except BaseException:
+            # Never leave them behind: workers of a failed start kept consuming the shared
+            # RabbitMQ queue and took the next run's burst (it then never finished).
+            self.procs.stop_all(timeout=5)
+            raise
         return self
 
     def pids(self) -> dict[int, list[int]]:
