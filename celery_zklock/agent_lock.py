@@ -161,6 +161,12 @@ class AgentLock:
         self._settled.wait(timeout)
         return self._held and self.lost_reason is None and self.link.alive
 
+    def abandon(self) -> None:
+        """Give back a lock whose body never ran: no proof is owed, so none is waited for
+        (waiting could stall the pool process another session timeout)."""
+        self.link._locks.pop(self.id, None)
+        self.link.conn.send({"op": "release", "id": self.id})
+
     def release(self) -> bool:
         """Give the lock back; True only if the agent proved it held to the end."""
         self.link._locks.pop(self.id, None)
@@ -168,7 +174,7 @@ class AgentLock:
             # Already lost (the agent said so): there is no proof left to wait for, and
             # while ZooKeeper is unreachable the agent's delete would keep the task's
             # result waiting up to release_bound.  The agent still deletes the node.
-            self.link.conn.send({"op": "release", "id": self.id})
+            self.abandon()
             return False
         reply = self.link.call({"op": "release", "id": self.id}, "released", self.release_bound)
         if reply is None:

@@ -380,7 +380,7 @@ class ZkLockedTask(Task):
                            lock.lost_reason or lock.suspended_reason)
             if not lock.confirmed(opts.session_timeout + 1.0):
                 why = lock.lost_reason or lock.suspended_reason or "not confirmed"
-                lock.release()
+                lock.abandon()
                 self._unavailable(LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
                                   opts, label, False)
         return lock, waited
