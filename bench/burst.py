@@ -90,7 +90,8 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
     from .celery_scenarios import Driver
 
     root = f"/bench-burst-{mode}-{uuid.uuid4().hex[:6]}"
-    env = {**services.env(), "BENCH_ZK_WAIT_IN": mode, "BENCH_ZK_ROOT": root}
+    contender = "plain" if mode == "plain" else "zklock"
+    env = {**services.env(), "BENCH_ZK_WAIT_IN": "worker" if mode == "plain" else mode, "BENCH_ZK_ROOT": root}
     if broker_url:
         env["BENCH_BROKER_URL"] = broker_url
     driver = Driver(env)
@@ -103,7 +104,7 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
 
         with _Sampler(services, key_path(root, f"k:{key}")) as sampler:
             t0 = time.time()
-            ids = [driver.publish("zklock", key, tag) for _ in range(tasks)]
+            ids = [driver.publish(contender, key, tag) for _ in range(tasks)]
             published = time.time() - t0
             rows = driver.records(tag, tasks, timeout=max(600.0, tasks / 20))
         ended = max(r["done"] for r in rows)
@@ -111,12 +112,12 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
         pool.stop()
     rows.sort(key=lambda r: r["start"])
     overlaps = sum(1 for a, b in zip(rows, rows[1:]) if b["start"] < a["end"])
-    tokens = [r["token"] for r in rows]
+    tokens = [r["token"] or 0 for r in rows]
     share = _worker_share(rows)
     once = len({r["id"] for r in rows}) == len(rows) == tasks and set(ids) == {r["id"] for r in rows}
     return {
         "mode": mode,
-        "label": "wait in the worker (lock cohorting)" if mode == "worker" else "wait in the pool",
+        "label": LABELS[mode],
         "tasks": tasks,
         "ran_exactly_once": once,
         "overlaps": overlaps,
@@ -132,6 +133,10 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
         "concurrency": concurrency,
         **share,
     }
+
+
+LABELS = {"worker": "wait in the worker (lock cohorting)", "pool": "wait in the pool",
+          "plain": "plain Celery, no lock (overlaps: the unsafe ceiling)"}
 
 
 def _worker_share(rows: list[dict]) -> dict:
@@ -162,9 +167,11 @@ def run(services: Services, tasks: int = 20000, workers: int = 2, concurrency: i
         log(f"  burst of {tasks} tasks on one key ({broker} broker), waiting in the {mode}")
         modes[mode] = _one(services, mode, tasks, workers, concurrency, broker_url)
         log(f"    {json.dumps(modes[mode])}")
-    ratio = (round(modes["worker"]["tasks_per_s"] / modes["pool"]["tasks_per_s"], 2)
-             if {"worker", "pool"} <= set(modes) else None)
-    return {"tasks": tasks, "broker": broker, "modes": modes, "worker_vs_pool": ratio}
+    def ratio(a: str, b: str):
+        return round(modes[a]["tasks_per_s"] / modes[b]["tasks_per_s"], 2) if {a, b} <= set(modes) else None
+
+    return {"tasks": tasks, "broker": broker, "modes": modes, "worker_vs_pool": ratio("worker", "pool"),
+            "worker_vs_plain": ratio("worker", "plain")}
 
 
 def run_elsewhere(tasks: int, broker_url: str) -> dict:
@@ -183,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--broker", default=None, help=f"broker URL (default: the bench's Redis; e.g. {RABBITMQ_URL})")
     parser.add_argument("--modes", default="worker,pool",
-                        help="where tasks wait, comma-separated (default worker,pool: both, and their ratio)")
+                        help="where tasks wait, comma-separated: worker, pool, plain (no lock; the ceiling). "
+                             "Default worker,pool: both, and their ratio")
     args = parser.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    if not modes or set(modes) - {"worker", "pool"}:
-        parser.error(f"--modes takes worker and/or pool, got {args.modes!r}")
+    if not modes or set(modes) - set(LABELS):
+        parser.error(f"--modes takes {', '.join(LABELS)} (comma-separated), got {args.modes!r}")
     services = Services().start()
     try:
         result = run(services, args.tasks, args.workers, args.concurrency, args.broker, modes)

@@ -34,12 +34,12 @@ from .cohort import Cohort
 from .config import ZkSettings, from_wire
 from .internals import State
 from .lock import contenders
-from .session import DELETED, WRITTEN, monitor_for
+from .session import DELETED, LEASED, WRITTEN, monitor_for
 
 logger = logging.getLogger("celery_zklock.agent")
 
 #: Outcomes of a release that prove the lock was held to the end.
-PROOFS = (DELETED, WRITTEN)
+PROOFS = (DELETED, WRITTEN, LEASED)
 
 #: The agent's event thread is stuck (not merely busy) when work waits and none has been
 #: done for this long; its heartbeats then stop, and the worker restarts it.

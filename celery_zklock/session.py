@@ -36,6 +36,10 @@ DELETED = "deleted"  # our delete removed the node
 GONE = "gone"  # the node was not there at our first try: someone else deleted it
 EXPIRED = "expired"  # the owning session ended: the node went with it
 WRITTEN = "written"  # our set reached the node: it was still ours (a proof, like DELETED)
+#: A lease, not a reply: a set sent moments ago reached the node, and ZooKeeper cannot have
+#: expired our session since (it waits the session timeout after it last heard from us), so
+#: the node was still ours (a proof, like DELETED; see celery_zklock.cohort).
+LEASED = "leased"
 
 
 class Timers:

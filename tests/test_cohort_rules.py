@@ -1,11 +1,11 @@
-"""The cohort's pure rules, table-driven: when a held node passes to our next task, and the
-fencing token of each grant."""
+"""The cohort's pure rules, table-driven: when a held node passes to our next task, when a
+handoff may skip ZooKeeper's round trip (the lease), and the fencing token of each grant."""
 
 from __future__ import annotations
 
 import pytest
 
-from celery_zklock.cohort import passes_locally
+from celery_zklock.cohort import FRESH_MAX, fresh, passes_locally
 from celery_zklock.znodes import MAX_GRANTS_PER_NODE, fencing_token
 
 N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
@@ -27,6 +27,24 @@ N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
 )
 def test_passes_locally(grants, elapsed, foreign, passes, why):
     assert passes_locally(grants, 10.0, 10.0 + elapsed, foreign, N, T) is passes, why
+
+
+@pytest.mark.parametrize(
+    "confirmed, age, session_timeout, young, why",
+    [
+        (None, 0.0, 10.0, False, "no write has succeeded yet: wait for one"),
+        (5.0, 0.0, 10.0, True, "sent just now and answered"),
+        (5.0, FRESH_MAX - 0.001, 10.0, True, "just within the lease"),
+        (5.0, FRESH_MAX + 0.001, 10.0, False, "the lease has aged out: wait for the write"),
+        (5.0, 30.0, 10.0, False, "long ago (a partition stops the replies)"),
+        (5.0, 0.03, 0.2, False, "a tiny session timeout shortens the lease to a tenth of it"),
+        (5.0, 0.01, 0.2, True, "within a tenth of a tiny session timeout"),
+        (5.0, -0.001, 10.0, False, "a proof from the future: never trusted"),
+    ],
+)
+def test_fresh(confirmed, age, session_timeout, young, why):
+    now = (confirmed or 0.0) + age
+    assert fresh(confirmed, now, session_timeout) is young, why
 
 
 @pytest.mark.parametrize("czxid_a, czxid_b", [(1, 2), (0x1_0000_0001, 0x1_0000_0002), (0x7FF_FFFF_FFFF, 0x800_0000_0000)])
