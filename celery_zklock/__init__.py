@@ -27,6 +27,7 @@ _EXPORTS = {
     "LockLost": "errors",
     "LockUnavailable": "errors",
     "LockReentered": "errors",
+    "AlreadyQueued": "errors",
     "encode_key": "keys",
     "ZkLockedTask": "task",
     "HeldLock": "task",
@@ -54,7 +55,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .errors import ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
+    from .errors import AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
     from .keys import encode_key
     from .lock import Contender, FairLock, MultiLock, contenders
     from .states import LOCK_WAITING, SKIPPED

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from kazoo.protocol.states import KazooState
 
+from . import guards
 from .agent_link import HANDOFF_MAX_WAIT, HEARTBEAT, Connection
 from .client import connect, disconnect
 from .cohort import Cohort
@@ -58,6 +59,7 @@ class Wait:
     identity: bytes
     owner: Connection
     early: bool = False  # the main process may hand it to the pool once it is next in line
+    guard: dict | None = None  # its enqueue guard (lock_enqueue): ended or moved when decided
     claimer: Connection | None = None
     holds: dict = field(default_factory=dict)  # path -> (cohort, slot, token), in order taken
     current: Cohort | None = None  # the cohort whose local queue it waits in
@@ -95,6 +97,7 @@ class Agent:
         # how long a request next in line would idle in a pool process if handed over.
         self.hold_by_path: dict[str, float] = {}
         self.hold_by_task: dict[str, float] = {}
+        self.guard_jobs: queue.SimpleQueue | None = None
 
     # ------------------------------------------------------------------ threads
     def post(self, fn, *args) -> None:
@@ -183,6 +186,8 @@ class Agent:
             self._claim(peer, msg["id"])
         elif op == "release":
             self._release(peer, msg["id"])
+        elif op == "unguard":
+            self._guard_op(guards.release, msg["paths"], msg["id"], int(msg.get("retries") or 0))
 
     def _wait(self, peer: Connection, msg: dict) -> None:
         timeout = msg.get("timeout")
@@ -195,6 +200,7 @@ class Agent:
             identity=str(msg.get("identity") or "").encode(),
             owner=peer,
             early=bool(msg.get("early")),
+            guard=guards.guarded(msg.get("guard") and {guards.HEADER: msg.get("guard")}),
         )
         old = self.waits.get(wait.id)
         if old is not None and not old.done:
@@ -294,6 +300,7 @@ class Agent:
         wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
         if verdict["verdict"] == "granted":
             wait.granted_at = time.monotonic()
+        self._guard_decided(wait, verdict["verdict"])
         answer = {"op": verdict["verdict"], "id": wait.id}  # granted/timeout/unavailable/revoked/shutdown
         if wait.queued:
             answer["queued"] = True
@@ -304,6 +311,45 @@ class Agent:
             self._send_verdict(wait)
             if verdict["verdict"] != "granted":
                 self._forget(wait)
+
+    # ------------------------------------------------------------------ enqueue guards
+    def _guard_op(self, fn, *args) -> None:
+        """A guard's blocking ZooKeeper calls, off the event thread and in order on one
+        thread of their own (a task's end must not overtake its start)."""
+        if self.guard_jobs is None:
+            self.guard_jobs = queue.SimpleQueue()
+            threading.Thread(target=self._guard_loop, name="zklock-agent-guards", daemon=True).start()
+        self.guard_jobs.put((fn, args))
+
+    def _guard_loop(self) -> None:
+        while True:
+            fn, args = self.guard_jobs.get()
+            try:
+                fn(self.client, *args)
+            except Exception as exc:  # the message's expires still bounds the guard
+                logger.warning("zklock agent: enqueue guard of %s not updated (%r)", args[1], exc)
+
+    def _guard_decided(self, wait: Wait, verdict: str) -> None:
+        """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
+        node of our session (``finish``); not to run, it ends.  ``shutdown`` leaves it: the
+        message goes back to the broker, still queued."""
+        guard = wait.guard
+        if guard is None or verdict == "shutdown":
+            return
+        retries = int(guard.get("retries") or 0)
+        if verdict == "granted":
+            self._guard_op(guards.start, guard["paths"], wait.id, retries, guard["until"])
+            if guard["until"] != "finish":
+                wait.guard = None
+        else:
+            wait.guard = None
+            self._guard_op(guards.release, guard["paths"], wait.id, retries)
+
+    def _guard_finished(self, wait: Wait) -> None:
+        """A granted request ran (or its process died): its running guard goes."""
+        guard, wait.guard = wait.guard, None
+        if guard is not None and wait.verdict is not None and wait.verdict.get("verdict") == "granted":
+            self._guard_op(guards.release, guard["paths"], wait.id, int(guard.get("retries") or 0))
 
     def _claim(self, peer: Connection, request_id: str) -> None:
         """Hand a decided request, or one next in line, to the pool process that runs it.
@@ -334,6 +380,7 @@ class Agent:
             peer.send({"op": "released", "id": request_id, "proven": False, "reason": "not held through the agent"})
             return
         self._learn_hold(wait)
+        self._guard_finished(wait)
         reason = self._lost_reason(wait)
         outcomes = self._let_go(wait)
         self._forget(wait)
@@ -386,6 +433,8 @@ class Agent:
             return
         if in_pool and wait.verdict is not None:
             return
+        if why == "revoked":
+            self._guard_decided(wait, "revoked")
         if not in_pool:
             if wait.claimer is None:
                 self._drop(wait)
@@ -467,6 +516,7 @@ class Agent:
             self.main = None
         for wait in [w for w in self.waits.values() if not w.done]:
             if wait.claimer is peer:
+                self._guard_finished(wait)
                 self._drop(wait)
                 logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
             elif wait.owner is peer and wait.claimer is None:

@@ -20,7 +20,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 
 # Celery imports this module for every `celery` command (the celery.commands entry point),
 # so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
-from . import task  # noqa: F401
+from . import guards, task  # noqa: F401
 from .client import connect, disconnect
 from .config import load_settings
 from .errors import LockUnavailable
@@ -67,6 +67,7 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
     client = _client(settings)
     try:
         report = lock_report(client, settings.root, key, prefix)
+        guards_found = guard_report(client, settings.root, key, prefix)
     except NoAuthError:
         raise click.ClickException(str(no_auth_error(settings.root, "reading the lock queues"))) from None
     finally:
@@ -75,9 +76,13 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
     add_local_waiters(report, {p: rows for p, rows in local_waiters(ctx.obj.app).items()
                                if (p == wanted if key is not None else p.startswith(wanted))})
     if as_json:
-        return _echo_json(report)
+        return _echo_json({**report, **guards_found})
     if not report:
         click.echo("no locks held or waited for")
+    for path, rows in guards_found.items():
+        g = rows[0]
+        click.echo(f"{path}\n    enqueue guard ({g['guard']})  {g['for_s']:>8.1f}s  task={g['task']} task_id={g['task_id']}"
+                   f"  expires in {g['expires_in_s']:.0f}s")
     for path, rows in report.items():
         click.echo(path)
         for r in rows:
@@ -114,6 +119,33 @@ def add_local_waiters(report: dict, waiting: dict[str, list[dict]]) -> dict:
                           "task": row["task"], "task_id": row["task_id"], "worker": row["worker"],
                           "host": None, "pid": row["pid"], "data": None})
     return report
+
+
+def guard_report(client, root: str, key: str | None = None, prefix: str | None = None) -> dict:
+    """{guard path: [guard]}: the enqueue guards (``lock_enqueue``) in place, each ``queued``
+    (a persistent node: its message waits in the broker) or ``running`` (an ephemeral node of
+    the session running it, ``lock_enqueue_until="finish"``), with its age and expiry."""
+    base = guards.folder(root)
+    try:
+        names = [f"{t}/{k}" for t in sorted(client.get_children(base)) for k in sorted(client.get_children(f"{base}/{t}"))
+                 if (key is None or k == encode_key(key)) and (not prefix or k.startswith(encode_key(prefix)))]
+    except NoNodeError:
+        return {}
+    now = time.time()
+    found = {}
+    for name in names:
+        try:
+            raw, stat = client.get(f"{base}/{name}")
+        except NoNodeError:
+            continue
+        g = guards.Guard.loads(raw)
+        found[f"{base}/{name}"] = [{
+            "node": name, "position": 0, "holder": False, "guard": "running" if stat.ephemeralOwner else "queued",
+            "for_s": round(now - stat.ctime / 1000.0, 3), "task": g.task if g else None,
+            "task_id": g.id if g else None, "expires_in_s": round(g.expires_at - now, 3) if g else 0.0,
+            "until": g.until if g else None, "data": None if g else raw.decode("utf-8", "replace"),
+        }]
+    return found
 
 
 def lock_report(client, root: str, key: str | None = None, prefix: str | None = None) -> dict:

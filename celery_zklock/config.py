@@ -21,6 +21,8 @@ TIMEOUT_POLICIES = ("retry", "skip", "fail")
 LOST_POLICIES = ("fail", "interrupt")
 UNAVAILABLE_POLICIES = ("retry", "fail")
 WAIT_PLACES = ("worker", "pool")
+ENQUEUE_MODES = ("dedupe", "reject")
+ENQUEUE_UNTIL = ("start", "finish")
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)(:\d{1,5})?$")
 
@@ -132,6 +134,14 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return check
 
 
+def _enqueue_mode(value: Any) -> str | None:
+    if value is None or value is False:
+        return None
+    if value not in ENQUEUE_MODES:
+        raise ValueError(f"must be None (no enqueue-time check), {', '.join(map(repr, ENQUEUE_MODES))}")
+    return value
+
+
 def _auth(value: Any) -> tuple[tuple[str, str], ...] | None:
     if value is None:
         return None
@@ -198,6 +208,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
         Setting("zklock_cohort_handoffs", 32, _handoffs, "Waiting in the worker: while another worker (or a Curator/kazoo peer) queues for a key, how many of this worker's tasks in a row may hold it before it passes on (lock cohorting; the fairness bound)."),
         Setting("zklock_cohort_hold", 0.5, _positive, "Waiting in the worker: while another contender queues for a key, how long (s) this worker's tasks may keep passing it among themselves before it passes on."),
+        Setting("zklock_enqueue", None, _enqueue_mode, "Enqueue-time singletons: None (no check at publish), 'dedupe' (a publish while a task of the same key is queued returns that task's AsyncResult and sends nothing) or 'reject' (raises AlreadyQueued).", "lock_enqueue"),
+        Setting("zklock_enqueue_until", "start", _choice(ENQUEUE_UNTIL), "How long a guarded task keeps its key from new publishes: 'start' (while queued; work arriving during a run is queued once) or 'finish' (queued or running: at most one in flight).", "lock_enqueue_until"),
+        Setting("zklock_enqueue_expires", 3600.0, _positive, "Guarded publishes without their own expires are sent with this one (s): a guard whose message the broker lost ends then, and the worker discards the message past it."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )
 }

@@ -68,3 +68,18 @@ class LockReentered(ZkLockError, RuntimeError):
 
 class LockUnavailable(ZkLockError):
     """ZooKeeper could not be reached, so the task was not run (never run unprotected)."""
+
+
+class AlreadyQueued(ZkLockError):
+    """A publish refused by ``lock_enqueue="reject"``: a task of the same key is queued
+    (or, with ``lock_enqueue_until="finish"``, running).  ``key`` and ``task_id`` (the one in
+    the way) say which; ``AsyncResult(task_id)`` follows it."""
+
+    def __init__(self, key: str, task_id: str, task: str = "") -> None:
+        self.key = key
+        self.task_id = task_id
+        self.task = task
+        super().__init__(f"{task or 'a task'} with lock key {key!r} is already queued as {task_id}")
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.task_id, self.task))

@@ -69,6 +69,8 @@ def start(settings) -> None:
         "timeout": prometheus_client.Counter("zklock_timeouts", "Lock waits that timed out", (*labels, "policy")),
         "lost": prometheus_client.Counter("zklock_lost", "Locks lost while held", (*labels, "reason")),
         "unavailable": prometheus_client.Counter("zklock_unavailable", "Tasks not run: ZooKeeper unreachable", labels),
+        "deduped": prometheus_client.Counter("zklock_enqueue_deduped", "Publishes deduped into a queued task (lock_enqueue)", labels),
+        "rejected": prometheus_client.Counter("zklock_enqueue_rejected", "Publishes refused with AlreadyQueued (lock_enqueue)", labels),
         "waiting": prometheus_client.Gauge("zklock_waiting", "Tasks waiting for their lock", labels, multiprocess_mode="livesum"),
         "holding": prometheus_client.Gauge("zklock_holding", "Tasks holding their lock", labels, multiprocess_mode="livesum"),
     }
@@ -98,8 +100,8 @@ def record(event: str, task, **fields: Any) -> None:
             m["timeout"].labels(*labels, str(fields.get("policy"))).inc()
         elif event == "lost":
             m["lost"].labels(*labels, _reason(fields.get("reason"))).inc()
-        elif event == "unavailable":
-            m["unavailable"].labels(*labels).inc()
+        elif event in ("unavailable", "deduped", "rejected"):
+            m[event].labels(*labels).inc()
         elif event in ("waiting", "waited"):
             m["waiting"].labels(*labels).inc(1 if event == "waiting" else -1)
     except Exception:  # monitoring must never break a task

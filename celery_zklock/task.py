@@ -24,7 +24,7 @@ from celery.states import STARTED
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import agent_lock, by_config, config, metrics, prerun, signals, worker_loss
+from . import agent_lock, by_config, config, enqueue, metrics, prerun, signals, worker_loss
 from .client import get_client
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockReentered, LockTimeout, LockUnavailable
@@ -171,6 +171,19 @@ class ZkLockedTask(Task):
         settings = settings or load_settings(self.app.conf)
         return [key_path(settings.root, k) for k in self.lock_keys(args, kwargs)]
 
+    # -------------------------------------------------------------- publishing
+    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
+                    shadow=None, **options):
+        """Celery's, under an enqueue guard when ``lock_enqueue`` is set (:mod:`celery_zklock.enqueue`)."""
+        opts = self.lock_options()
+        if not opts.enqueue:
+            return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+
+        def plain(a, k, task_id=None, **o):
+            return super(ZkLockedTask, self).apply_async(a, k, task_id, producer, link, link_error, shadow, **o)
+
+        return enqueue.publish(self, plain, args, kwargs, task_id, options, opts)
+
     # -------------------------------------------------------------- the wrapper
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request
@@ -231,13 +244,25 @@ class ZkLockedTask(Task):
             nested = outer is not None
             claimed = (None if direct or nested or self.acks_late or not req.id
                        else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
+            # Its enqueue guard (lock_enqueue) ends or moves where its lock is decided: in the
+            # agent for a claimed request, here for one that locks in process.
+            guarded = claimed is None and not nested and not direct
             if claimed is not None:
                 lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
             else:
-                lock, waited, early = self._lock_in_process(req, direct, opts, inner_label if nested else label,
-                                                            take if nested else paths, on_lost, started)
+                try:
+                    lock, waited, early = self._lock_in_process(req, direct, opts, inner_label if nested else label,
+                                                                take if nested else paths, on_lost, started)
+                except BaseException:
+                    if guarded:
+                        enqueue.finished(self, req, opts)  # ends unrun (a retry took its guard over)
+                    raise
                 if lock is None:
+                    if guarded:
+                        enqueue.finished(self, req, opts)
                     return early
+                if guarded:
+                    enqueue.started(self, req, opts)
         finally:
             prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
         tokens = _tokens_of(lock)
@@ -268,6 +293,8 @@ class ZkLockedTask(Task):
                 # FairLock.release): a process frozen or cut off past its session timeout
                 # learns here that someone else may have run meanwhile.
                 proven = lock.release()
+                if guarded:
+                    enqueue.finished(self, req, opts)
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
                 self._lock_event("task-lock-released", key=label, token=held.token, proven=proven,
                                  held=round(time.monotonic() - acquired_at, 6))

@@ -38,7 +38,7 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
-from . import metrics
+from . import guards, metrics
 from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
 from .config import ZkSettings, to_wire
 from .identity import Identity
@@ -278,7 +278,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
                                             holders=task.lock_max_holders if task.lock_max_holders > 1 else None)
         self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
                     "timeout": opts.timeout, "identity": str(identity), "task": task.name,
-                    "early": self._slots() > 0})
+                    "early": self._slots() > 0, "guard": guards.guarded(req)})
         return True
 
     def _hand_over(self, request_id: str, first: bool = False) -> None:
@@ -426,6 +426,16 @@ def hand_over_early(expected_wait: float | None, early: int, slots: int,
     if slots <= 0 or expected_wait is None or expected_wait > max_wait:
         return "no"
     return "now" if early < slots else "later"
+
+
+def unguard(job: dict) -> bool:
+    """Ask the lock agent to end the enqueue guard of a request this worker discarded unrun
+    (revoked, expired); False when no agent can (then a helper process does)."""
+    step = _step
+    if step is None or step.sock is None:
+        return False
+    step._send({"op": "unguard", **job})
+    return True
 
 
 def _handoff_slots(c, settings: ZkSettings) -> int:

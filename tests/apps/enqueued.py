@@ -1,0 +1,68 @@
+"""Celery app for the enqueue-time singleton tests (``lock_enqueue``), configured from the
+environment like tests.apps.locked so workers and the test process agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_zklock import ZkLockedTask
+
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+app = Celery("enqueued")
+app.conf.update(
+    broker_url=REDIS_URL,
+    result_backend=REDIS_URL.rsplit("/", 1)[0] + "/1",
+    zklock_hosts=os.environ.get("TEST_ZK_HOSTS", "127.0.0.1:2181"),
+    zklock_root=os.environ.get("TEST_ZK_ROOT", "/celery-zklock"),
+    zklock_session_timeout=float(os.environ.get("TEST_ZK_SESSION", "4")),
+    zklock_connect_timeout=3.0,
+    zklock_retry_countdown=0.2,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+)
+if os.environ.get("TEST_ZK_WAIT_IN"):
+    app.conf.zklock_wait_in = os.environ["TEST_ZK_WAIT_IN"]
+_r = redis.Redis.from_url(REDIS_URL)
+
+
+def _record(kind: str, key: str, ms: float) -> None:
+    from celery import current_task
+
+    start = time.time()
+    _r.rpush("enq:runs", json.dumps({"kind": kind, "key": key, "id": current_task.request.id, "start": start,
+                                     "pid": os.getpid()}))
+    time.sleep(ms / 1000.0)
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe")
+def refresh(user, ms=0):
+    _record("refresh", str(user), ms)
+    return user
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="reject")
+def rejecting(user, ms=0):
+    _record("rejecting", str(user), ms)
+    return user
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_enqueue_until="finish")
+def in_flight(user, ms=0):
+    _record("in_flight", str(user), ms)
+    return user
+
+
+@app.task(bind=True, base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="reject", lock_enqueue_until="finish",
+          max_retries=3)
+def retrying(self, user, ms=0):
+    _record("retrying", str(user), ms)
+    if self.request.retries < 2:
+        raise self.retry(countdown=0.1)
+    return self.request.retries

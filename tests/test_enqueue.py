@@ -1,0 +1,276 @@
+"""Enqueue-time singletons (``lock_enqueue``) with a real ZooKeeper, Redis and ``celery worker``s.
+
+Each test uses keys of its own; a task that holds the key's *execution* lock keeps the next
+one queued (its guard in place) for as long as the test needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import os
+import time
+import uuid
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from celery_zklock import AlreadyQueued, guards
+from support.workers import Worker
+
+
+@pytest.fixture(scope="module")
+def env(redis_server, zk_server):
+    values = {
+        "TEST_REDIS_URL": redis_server.url,
+        "TEST_ZK_HOSTS": zk_server.hosts,
+        "TEST_ZK_ROOT": f"/celery-zklock-enq-{uuid.uuid4().hex[:8]}",
+        "TEST_ZK_SESSION": "4",
+    }
+    os.environ.update(values)
+    yield values
+
+
+@pytest.fixture(scope="module")
+def mod(env):
+    import tests.apps.enqueued as m
+
+    return importlib.reload(m)
+
+
+@pytest.fixture(scope="module")
+def zk(env):
+    client = KazooClient(hosts=env["TEST_ZK_HOSTS"])
+    client.start(timeout=20)
+    yield client
+    client.stop()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def worker(mod, env):
+    w = Worker(env, "enq1", app="tests.apps.enqueued", concurrency=3)
+    w.start(mod.app)
+    yield w
+    w.stop()
+
+
+def _key() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _guard(zk, mod, task, key):
+    path = guards.guard_path(mod.app.conf.zklock_root, task.name, f"user:{key}")
+    try:
+        raw, stat = zk.get(path)
+    except NoNodeError:
+        return None
+    return guards.Guard.loads(raw), stat
+
+
+def _runs(mod, key=None):
+    rows = [json.loads(x) for x in mod._r.lrange("enq:runs", 0, -1)]
+    return [r for r in rows if key is None or r["key"] == key]
+
+
+def _until(cond, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dedupe_while_queued_returns_the_queued_task(worker, mod, zk):
+    """While one runs (holding the key's lock) and one is queued behind it, every further
+    publish returns the queued one's AsyncResult and sends nothing; the guard ends at its start."""
+    key = _key()
+    first = mod.refresh.delay(key, 1500)
+    _until(lambda: _runs(mod, key), what="the first to start")
+    queued = mod.refresh.delay(key, 0)
+    dupes = [mod.refresh.delay(key, 0) for _ in range(20)]
+    assert {d.id for d in dupes} == {queued.id} != {first.id}
+    guard, stat = _guard(zk, mod, mod.refresh, key)
+    assert guard.id == queued.id and stat.ephemeralOwner == 0  # a queued guard outlives its publisher
+    assert first.get(timeout=20) == key and queued.get(timeout=20) == key
+    assert sorted(r["id"] for r in _runs(mod, key)) == sorted([first.id, queued.id])
+    _until(lambda: _guard(zk, mod, mod.refresh, key) is None, 5, "the guard to end at the start")
+    again = mod.refresh.delay(key, 0)
+    assert again.id not in (first.id, queued.id) and again.get(timeout=20) == key
+
+
+def test_reject_raises_already_queued_with_the_queued_task(worker, mod):
+    key = _key()
+    mod.refresh.delay(key, 1500)  # holds the execution lock of user:<key>
+    _until(lambda: _runs(mod, key), what="the holder to start")
+    queued = mod.rejecting.delay(key, 0)
+    with pytest.raises(AlreadyQueued) as refused:
+        mod.rejecting.delay(key, 0)
+    assert refused.value.task_id == queued.id and refused.value.key == f"user:{key}"
+    assert queued.get(timeout=20) == key
+    assert mod.rejecting.delay(key, 0).get(timeout=20) == key  # free again once it started
+
+
+def test_until_finish_guards_the_running_task_and_ends_with_it(worker, mod, zk):
+    key = _key()
+    running = mod.in_flight.delay(key, 1200)
+    _until(lambda: _runs(mod, key), what="it to start")
+    guard, stat = _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
+                         5, "the guard to become the running session's")
+    assert guard.id == running.id
+    assert mod.in_flight.delay(key, 0).id == running.id  # deduped while it runs
+    assert running.get(timeout=20) == key
+    _until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
+    after = mod.in_flight.delay(key, 0)
+    assert after.id != running.id and after.get(timeout=20) == key
+
+
+def test_a_retry_is_never_refused_by_its_own_guard(worker, mod, zk):
+    key = _key()
+    result = mod.retrying.delay(key, 0)
+    assert result.get(timeout=30) == 2
+    assert [r["id"] for r in _runs(mod, key)] == [result.id] * 3
+    _until(lambda: _guard(zk, mod, mod.retrying, key) is None, 5, "the guard to end after the last try")
+
+
+def test_revoking_a_queued_task_ends_its_guard(worker, mod, zk):
+    key = _key()
+    mod.refresh.delay(key, 2500)
+    _until(lambda: _runs(mod, key), what="the holder to start")
+    queued = mod.refresh.delay(key, 0)
+    assert _guard(zk, mod, mod.refresh, key)[0].id == queued.id
+    mod.app.control.revoke(queued.id)
+    _until(lambda: _guard(zk, mod, mod.refresh, key) is None, 5, "the revoked task's guard to end")
+    fresh = mod.refresh.delay(key, 0)
+    assert fresh.id != queued.id and fresh.get(timeout=20) == key
+    assert queued.id not in [r["id"] for r in _runs(mod, key)]
+
+
+def test_a_guard_whose_message_is_lost_ends_at_its_expires(worker, mod, zk):
+    """The broker lost the message (here: a queue no worker reads).  Its guard names the
+    message's expires; once past, the next publish deletes it and is queued."""
+    key = _key()
+    lost = mod.refresh.apply_async((key, 0), queue=f"nobody-{key}", expires=1.0)
+    assert mod.refresh.delay(key, 0).id == lost.id  # still guarded
+    time.sleep(1.1)
+    taken = mod.refresh.delay(key, 0)
+    assert taken.id != lost.id and taken.get(timeout=20) == key
+
+
+def test_sigkill_of_the_running_worker_frees_a_finish_guard_within_the_session(mod, env, zk):
+    """celery-once and celery-singleton refuse the key for their TTL (1 h) after this; the
+    running guard is an ephemeral node of the worker's session: gone within its timeout."""
+    w = Worker(env, "enq-victim", app="tests.apps.enqueued", concurrency=1)
+    w.start(mod.app)
+    try:
+        key = _key()
+        running = mod.in_flight.delay(key, 30_000)
+        _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner, 10,
+               "the running guard")
+        w.kill()
+        killed = time.monotonic()
+        free = _until(lambda: (r := mod.in_flight.apply_async((key, 0), queue="nobody")) and r.id != running.id and r,
+                      10, "the key to accept a new publish")
+        assert time.monotonic() - killed <= 4.0 + 2.0  # session timeout 4 s (+ tick rounding)
+        assert free.id != running.id
+    finally:
+        w.stop()
+
+
+def _storm(args) -> list:
+    root, hosts, redis_url, keys, n, seed = args
+    os.environ.update({"TEST_ZK_ROOT": root, "TEST_ZK_HOSTS": hosts, "TEST_REDIS_URL": redis_url})
+    import random
+
+    import tests.apps.enqueued as m
+
+    rnd = random.Random(seed)
+    taken = []
+    for _ in range(n):
+        key = rnd.choice(keys)
+        before = time.time()
+        r = m.refresh.delay(key, 2)
+        taken.append((key, r.id, before, time.time()))
+    return taken
+
+
+def test_a_publish_storm_queues_at_most_one_per_key(worker, mod, env):
+    """10,000 publishes from 8 processes on 10 keys: ZooKeeper's create decides, so each key
+    has at most one queued task at any moment and every queued task runs once."""
+    keys = [f"s{i}-{_key()}" for i in range(10)]
+    jobs = [(env["TEST_ZK_ROOT"], env["TEST_ZK_HOSTS"], env["TEST_REDIS_URL"], keys, 1250, i) for i in range(8)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(8) as pool:
+        results = [row for part in pool.map(_storm, jobs) for row in part]
+    assert len(results) == 10_000
+    published = {}  # id -> (key, earliest publish that returned it)
+    for key, task_id, before, after in results:
+        published.setdefault(task_id, (key, before, after))
+    _until(lambda: len({r["id"] for r in _runs(mod) if r["key"] in keys}) >= len(published), 120,
+           "every queued task to run")
+    runs = [r for r in _runs(mod) if r["key"] in keys]
+    assert sorted(r["id"] for r in runs) == sorted(published)  # each queued task ran exactly once
+    start = {r["id"]: r["start"] for r in runs}
+    for key in keys:
+        # Publishes that queued a new task, by when they began: each queued one had started
+        # before the next was published (a guard ends at the lock grant, a round trip before
+        # its body's first line: 0.2 s of slack for the loaded machine).
+        mine = sorted((before, after, i) for i, (k, before, after) in published.items() if k == key)
+        for (_b1, _a1, first), (b2, a2, second) in zip(mine, mine[1:]):
+            assert start[first] <= a2 + 0.2, (key, first, second)
+    assert len(published) < 10_000 / 5  # deduping did happen
+
+
+def test_waiting_in_the_pool_the_pool_process_ends_and_moves_guards(mod, env, zk):
+    """With zklock_wait_in="pool" no agent exists: the pool process that locks in process
+    ends a ``start`` guard at its grant and holds a ``finish`` guard in its own session."""
+    w = Worker({**env, "TEST_ZK_WAIT_IN": "pool"}, "enq-pool", app="tests.apps.enqueued", concurrency=2)
+    w.start(mod.app)
+    try:
+        key = _key()
+        running = mod.in_flight.delay(key, 1000)
+        guard, stat = _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
+                             10, "the running guard in the pool process's session")
+        assert guard.id == running.id and mod.in_flight.delay(key, 0).id == running.id
+        assert running.get(timeout=20) == key
+        _until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
+
+        other = _key()
+        holder = mod.refresh.delay(other, 1000)
+        _until(lambda: _runs(mod, other), what="the holder to start")
+        queued = mod.refresh.delay(other, 0)
+        assert mod.refresh.delay(other, 0).id == queued.id
+        assert holder.get(timeout=20) == other and queued.get(timeout=20) == other
+        _until(lambda: _guard(zk, mod, mod.refresh, other) is None, 5, "the guard to end at its start")
+    finally:
+        w.stop()
+
+
+def test_eager_calls_are_guarded_for_their_run(env, zk):
+    """task_always_eager: the publish takes the guard, the run ends it (a nested publish of
+    the same key during a ``finish`` run is deduped into the running one)."""
+    from celery import Celery
+
+    from celery_zklock import ZkLockedTask
+
+    app = Celery("eager-enq", set_as_current=False)
+    app.conf.update(task_always_eager=True, zklock_hosts=env["TEST_ZK_HOSTS"], zklock_root=env["TEST_ZK_ROOT"],
+                    zklock_session_timeout=4.0)
+    seen = []
+
+    @app.task(bind=True, base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_enqueue_until="finish")
+    def nested(self, user, depth=0):
+        if depth == 0:
+            seen.append(nested.delay(user, 1).id)  # the same key while this run is in flight
+        return self.request.id
+
+    key = _key()
+    outer = nested.delay(key)
+    assert seen == [outer.id] and outer.get() == outer.id
+    path = guards.guard_path(env["TEST_ZK_ROOT"], nested.name, f"user:{key}")
+    assert zk.exists(path) is None
+    assert nested.delay(key).id != outer.id
