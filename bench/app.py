@@ -182,6 +182,14 @@ for _c in CONTENDERS:
     for _kind in ("trivial", "hold"):
         TASKS[(_c, _kind)] = _register(_c, _kind)
 
+#: Enqueue-time singletons (scenario 12 only): ours with celery-once's semantics, at most
+#: one queued or running per key, next to the peers that lock at enqueue.
+ENQUEUE = {"dedupe": 'ZkLockedTask lock_enqueue="dedupe"'}
+_BASES["dedupe"] = (ZkLockedTask, {"lock_key": "k:{n}", "lock_timeout": 300, "lock_enqueue": "dedupe",
+                                   "lock_enqueue_until": "finish"})
+for _kind in ("trivial", "hold"):
+    TASKS[("dedupe", _kind)] = _register("dedupe", _kind)
+
 
 def task(contender: str, kind: str = "trivial") -> Task:
     return TASKS[(contender, kind)]

@@ -27,6 +27,7 @@ SCENARIO_TITLES = {
     "burst": "10. A burst on one key (lock cohorting): waiting in the worker vs in the pool",
     "flash_sale_rabbitmq": "11. The flash-sale workload on RabbitMQ",
     "burst_rabbitmq": "12. The burst on one key on RabbitMQ",
+    "enqueue": "13. Enqueue-time singletons (lock_enqueue) beside celery-once and celery-singleton",
 }
 
 #: Scenarios run a second time on RabbitMQ: same tables, notes and targets as the first.
@@ -86,6 +87,17 @@ def targets(results: dict) -> list[dict]:
         value = "still blocked" if w["still_blocked"] else f"{w['recovery_s'] * 1000:.0f} ms (worst of {len(w['samples_s'])})"
         out.append(_target("worker_loss", "ZkLockedTask", "next same-key task starts < 1 s after SIGKILL",
                            (not w["still_blocked"]) and w["recovery_s"] < 1.0, value))
+    if "enqueue" in sc:
+        e = sc["enqueue"]
+        st = e["storm"]["dedupe"]
+        out.append(_target("enqueue", 'ZkLockedTask lock_enqueue="dedupe"',
+                           f"no duplicate queued in a storm ({st['publishes']} publishes, 10 keys)",
+                           st["duplicates_queued"] == 0, f"{st['duplicates_queued']} duplicates, max {st['queued_per_key_max']} per key"))
+        rec = e["after_sigkill"]["dedupe"]
+        out.append(_target("enqueue", 'ZkLockedTask lock_enqueue="dedupe"',
+                           "the key accepts a publish < 1 s after SIGKILL of the running process",
+                           (not rec["still_blocked"]) and rec["recovery_s"] < 1.0,
+                           "still blocked" if rec["still_blocked"] else f"{rec['recovery_s'] * 1000:.0f} ms"))
     if "scale" in sc:
         s = sc["scale"]
         wt = s["one_key_waiters"]
@@ -309,6 +321,9 @@ def markdown(results: dict) -> str:
         if name == "lock_engine":
             lines += ["```text", lock_bench.format_table(data), "```"]
             continue
+        if name == "enqueue":
+            lines += _enqueue_tables(data)
+            continue
         same = SAME_AS.get(name, name)
         lines += _table(*_rows(data["modes"] if same in ("pool_slots", "flash_sale", "burst") else data["contenders"], TABLES[same]))
         if name == "tls":
@@ -332,6 +347,22 @@ def markdown(results: dict) -> str:
         lines += ["", NOTES[same] + (" Broker: RabbitMQ (127.0.0.1:5672)." if same != name else "")]
     lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     return "\n".join(lines)
+
+
+def _enqueue_tables(e: dict) -> list[str]:
+    labels, cost = e["labels"], e["publish_cost"]
+    rows = [[labels[c], v["distinct"]["p50_ms"], v["distinct"]["p99_ms"], v["distinct"]["vs_plain_p50"],
+             v["same"]["p50_ms"], v["same"]["queued"]] for c, v in cost.items()]
+    out = _table(["contender", "publish p50 (ms), new key", "p99", "x plain", "publish p50 (ms), key queued", "queued of the same-key calls"], rows)
+    out += ["", *_table(["contender", "publishes", "publishes/s", "queued (10 keys)", "duplicates queued"],
+                        [[labels[c], v["publishes"], v["publishes_per_s"], v["queued_total"], v["duplicates_queued"]]
+                         for c, v in e["storm"].items()])]
+    out += ["", *_table(["contender", "key accepts a publish after SIGKILL (s)", "still blocked", "how"],
+                        [[labels[c], v["recovery_s"], v["still_blocked"], v["how"]] for c, v in e["after_sigkill"].items()])]
+    out += ["", f"Publish cost: one call at a time from the runner to a queue no worker reads. Storm: 8 processes, "
+                f"nothing consumes. SIGKILL: of the pool process running the key's task (cap {e['cap_s']:.0f} s; the "
+                "peers' locks have a 1 h TTL). Ours dedupes until finish here, celery-once's semantics."]
+    return out
 
 
 def _version(text: str | None) -> str:

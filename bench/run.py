@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import burst, celery_scenarios, fairness, flash_sale, lock_bench, many_keys, pool_slots, report, scale, tls, worker_loss
+from . import burst, celery_scenarios, enqueue, fairness, flash_sale, lock_bench, many_keys, pool_slots, report, scale, tls, worker_loss
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -89,6 +89,7 @@ def run(quick: bool, out: Path) -> dict:
                          sizes.scale_keys)
             sc["scale"] = {"contenders": keys, "one_key_waiters": waiters, "many_keys": many}
             sc["worker_loss"] = timed(results, "worker_loss", worker_loss.worker_loss, driver, workers, sizes)
+            sc["enqueue"] = timed(results, "enqueue", enqueue.run, driver, workers, services.env(), quick)
         except BaseException:
             log(f"worker logs kept in {workers.procs.logdir}")
             raise

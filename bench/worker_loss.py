@@ -44,7 +44,13 @@ class Events:
                     return ev
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                # A look without waiting still reads what has arrived (timeout=0 used to
+                # return before reading anything: a recovered key was never seen).
+                got = self.d.redis.lpop(self.key)
+                if got is None:
+                    return None
+                self.seen.append(json.loads(got))
+                continue
             got = self.d.redis.blpop([self.key], timeout=max(0.01, min(left, 0.05)))
             if got is not None:
                 self.seen.append(json.loads(got[1]))

@@ -74,6 +74,13 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
     for mode in ("worker", "pool"):
         for field in ("cold_p95_s", "cold_p95_vs_ideal", "hot_efficiency", "zk_sessions_per_worker"):
             assert is_number(modes[mode][field]), (mode, field, modes[mode].get(field))
+    enq = results["scenarios"]["enqueue"]
+    for contender in ("plain", "dedupe", "once", "singleton"):
+        for shape in ("distinct", "same"):
+            assert is_number(enq["publish_cost"][contender][shape]["p50_ms"]), (contender, shape)
+    for contender in ("dedupe", "once", "singleton"):
+        assert is_number(enq["storm"][contender]["duplicates_queued"]), contender
+        assert isinstance(enq["after_sigkill"][contender]["still_blocked"], bool), contender
     flash = results["scenarios"]["flash_sale"]["modes"]
     for mode in ("worker", "pool", "plain"):
         for field in ("orders_per_s", "enqueue_to_start_p50_s", "enqueue_s"):
