@@ -60,6 +60,7 @@ class Wait:
     owner: Connection
     early: bool = False  # the main process may hand it to the pool once it is next in line
     guard: dict | None = None  # its enqueue guard (lock_enqueue): ended or moved when decided
+    guard_moved: bool = False  # the guard's start is done (or under way) for its grant
     claimer: Connection | None = None
     holds: dict = field(default_factory=dict)  # path -> (cohort, slot, token), in order taken
     current: Cohort | None = None  # the cohort whose local queue it waits in
@@ -297,6 +298,14 @@ class Agent:
         if wait.done or wait.verdict is not None:
             return
         self.monitor.timers.cancel(wait.timer)
+        if verdict["verdict"] == "granted" and wait.guard is not None and not wait.guard_moved:
+            # Its enqueue guard ends (or becomes ours) before its body can start: a publish
+            # after the start is then never deduped into a run that began without it.
+            wait.guard_moved = True
+            guard = wait.guard
+            self._guard_op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"],
+                           after=lambda: self._decide(wait, verdict))
+            return
         wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
         if verdict["verdict"] == "granted":
             wait.granted_at = time.monotonic()
@@ -313,21 +322,24 @@ class Agent:
                 self._forget(wait)
 
     # ------------------------------------------------------------------ enqueue guards
-    def _guard_op(self, fn, *args) -> None:
+    def _guard_op(self, fn, *args, after=None) -> None:
         """A guard's blocking ZooKeeper calls, off the event thread and in order on one
-        thread of their own (a task's end must not overtake its start)."""
+        thread of their own (a task's end must not overtake its start); ``after`` then runs
+        on the event thread, whatever the outcome."""
         if self.guard_jobs is None:
             self.guard_jobs = queue.SimpleQueue()
             threading.Thread(target=self._guard_loop, name="zklock-agent-guards", daemon=True).start()
-        self.guard_jobs.put((fn, args))
+        self.guard_jobs.put((fn, args, after))
 
     def _guard_loop(self) -> None:
         while True:
-            fn, args = self.guard_jobs.get()
+            fn, args, after = self.guard_jobs.get()
             try:
                 fn(self.client, *args)
             except Exception as exc:  # the message's expires still bounds the guard
                 logger.warning("zklock agent: enqueue guard of %s not updated (%r)", args[1], exc)
+            if after is not None:
+                self.post(after)
 
     def _guard_decided(self, wait: Wait, verdict: str) -> None:
         """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
@@ -337,8 +349,7 @@ class Agent:
         if guard is None or verdict == "shutdown":
             return
         retries = int(guard.get("retries") or 0)
-        if verdict == "granted":
-            self._guard_op(guards.start, guard["paths"], wait.id, retries, guard["until"])
+        if verdict == "granted":  # moved by _decide already
             if guard["until"] != "finish":
                 wait.guard = None
         else:

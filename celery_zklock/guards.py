@@ -124,6 +124,19 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20) -> Taken:
     (only the version we read) and the create tried again; our own is taken over."""
     data = guard.dumps()
     acl = kazoo_compat.acl_for(client, paths[0])
+    # A read first: a storm of duplicates (the case this exists for) is answered without a
+    # write through the leader and its fsync.  ``sync`` first, so the read is not older than
+    # a guard's deletion at its task's start (a follower may lag): a publish after the start
+    # is never deduped into it.  The create below decides between racing publishers.
+    client.sync(paths[0])
+    for path in paths:
+        try:
+            raw, _stat = client.get(path)
+        except NoNodeError:
+            continue
+        found = Guard.loads(raw)
+        if verdict(found, guard.id, time.time()) == HELD:
+            return Taken(HELD, path, found)
     for _ in range(attempts):
         txn = client.transaction()
         for path in paths:

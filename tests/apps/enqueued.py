@@ -10,7 +10,7 @@ import time
 import redis
 from celery import Celery
 
-from celery_zklock import ZkLockedTask
+from celery_zklock import ZkLockedTask, current_lock
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -36,8 +36,9 @@ def _record(kind: str, key: str, ms: float) -> None:
     from celery import current_task
 
     start = time.time()
+    granted = current_lock().acquired_at  # after its enqueue guard ended (lock_enqueue_until="start")
     _r.rpush("enq:runs", json.dumps({"kind": kind, "key": key, "id": current_task.request.id, "start": start,
-                                     "pid": os.getpid()}))
+                                     "granted": granted, "pid": os.getpid()}))
     time.sleep(ms / 1000.0)
 
 
