@@ -1,7 +1,7 @@
 """Scenario: one process waits on 1,000 keys at once, with a bounded number of threads.
 
 Why: the worker-side lock agent (waiting outside the pool) must queue for thousands of
-keys from one process.  The event-driven engine (:class:`celery_zklock.internals.LockInternals`)
+keys from one process.  The event-driven engine (:class:`celery_zklock.engine.internals.LockInternals`)
 advances on ZooKeeper callbacks only, so the number of threads must not grow with the
 number of waiters.  This scenario proves it on a real ZooKeeper:
 
@@ -27,7 +27,7 @@ import uuid
 
 from kazoo.client import KazooClient
 
-from celery_zklock.internals import LockInternals, State
+from celery_zklock.engine.internals import LockInternals, State
 
 from .stats import summary
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import time
 
-from celery_zklock.client import connect, disconnect
+from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.config import ZkSettings, check_setting
-from celery_zklock.lock import FairLock
+from celery_zklock.engine.lock import FairLock
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer
 
 from .infra import CostMeter, Services, Workers, log

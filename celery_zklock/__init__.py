@@ -1,11 +1,13 @@
 """celery-zklock: fair ZooKeeper locks for Celery tasks.
 
-The lock protocol lives in :mod:`celery_zklock.lock`, znode naming in
-:mod:`celery_zklock.znodes`, the Celery glue in :mod:`celery_zklock.task`, settings in
-:mod:`celery_zklock.config`, test servers in :mod:`celery_zklock.testing`.
+Layers (see the README's Architecture): the lock protocol in :mod:`celery_zklock.engine`
+(the blocking API in :mod:`celery_zklock.engine.lock`), what runs in a worker in
+:mod:`celery_zklock.worker`, the Celery glue at the top (:mod:`celery_zklock.task`,
+:mod:`celery_zklock.enqueue`), settings in :mod:`celery_zklock.config`, test servers in
+:mod:`celery_zklock.testing`.
 
 Names are imported on first use (PEP 562): the worker-loss reaper
-(:mod:`celery_zklock.reaper`) runs in a fresh interpreter on the critical path of a lock
+(:mod:`celery_zklock.worker.reaper`) runs in a fresh interpreter on the critical path of a lock
 handoff and must not pay for importing Celery.
 """
 
@@ -17,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "FairLock": "lock",
-    "MultiLock": "lock",
-    "Contender": "lock",
-    "contenders": "lock",
+    "FairLock": "engine.lock",
+    "MultiLock": "engine.lock",
+    "Contender": "engine.lock",
+    "contenders": "engine.lock",
     "ZkLockError": "errors",
     "ConfigurationError": "errors",
     "LockTimeout": "errors",
@@ -57,6 +59,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .errors import AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
     from .keys import encode_key
-    from .lock import Contender, FairLock, MultiLock, contenders
+    from .engine.lock import Contender, FairLock, MultiLock, contenders
     from .states import LOCK_WAITING, SKIPPED
     from .task import HeldLock, ZkLockedTask, current_lock, lock_configured_tasks, lock_path

@@ -20,14 +20,15 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 
 # Celery imports this module for every `celery` command (the celery.commands entry point),
 # so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
-from . import guards, task  # noqa: F401
-from .client import connect, disconnect
+from . import task  # noqa: F401
 from .config import load_settings
+from .engine import guards
+from .engine.client import connect, disconnect
+from .engine.identity import Identity
+from .engine.lock import contenders
+from .engine.znodes import no_auth_error
 from .errors import LockUnavailable
-from .identity import Identity
 from .keys import encode_key, key_path
-from .lock import contenders
-from .znodes import no_auth_error
 
 logger = logging.getLogger("celery_zklock.cli")
 

@@ -40,14 +40,14 @@ def _hosts(value: Any) -> str:
             if not 0 < port < 65536:
                 raise ValueError(f"port {port} out of range in {hp!r}")
     if chroot:
-        from .znodes import validate_path
+        from .engine.znodes import validate_path
 
         validate_path("/" + chroot)
     return value
 
 
 def _root(value: Any) -> str:
-    from .znodes import validate_path
+    from .engine.znodes import validate_path
 
     return validate_path(value)
 
@@ -89,7 +89,7 @@ def _slots_or_none(value: Any) -> int | None:
 
 
 def _handoffs(value: Any) -> int:
-    from .znodes import MAX_GRANTS_PER_NODE
+    from .engine.znodes import MAX_GRANTS_PER_NODE
 
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GRANTS_PER_NODE:
         raise ValueError(f"must be an int from 1 (no local handoff while others wait) to {MAX_GRANTS_PER_NODE}")

@@ -3,7 +3,7 @@
 Why at ``apply_async``: ``delay()``, signatures, beat and ``Task.retry`` all publish through
 it, and it is the one place that can both refuse (``reject``) and return another task's
 ``AsyncResult`` without sending anything (``dedupe``).  The guard protocol itself lives in
-:mod:`celery_zklock.guards`; ending a guard at a task's start, finish, revocation or expiry
+:mod:`celery_zklock.engine.guards`; ending a guard at a task's start, finish, revocation or expiry
 happens where the task's lock is decided (the worker's lock agent, or the pool process
 that waits in process), and in the worker's main process for requests discarded unrun.
 """
@@ -21,8 +21,10 @@ from typing import Any
 from celery import signals as celery_signals
 from celery.utils.log import get_logger
 
-from . import config, guards, metrics
-from .client import get_client
+from . import config, metrics
+
+from .engine import guards
+from .engine.client import get_client
 from .errors import AlreadyQueued, LockUnavailable
 
 logger = get_logger("celery_zklock.enqueue")
@@ -139,12 +141,12 @@ def _discarded(sender=None, request=None, **_kw) -> None:
     """``task_revoked`` in the worker's main process (revoked, or expired): its guard ends.
 
     The main process does no ZooKeeper I/O (it forks the pool): the lock agent does it, or,
-    waiting in the pool, a short-lived ``python -m celery_zklock.guards`` helper."""
+    waiting in the pool, a short-lived ``python -m celery_zklock.engine.guards`` helper."""
     header = guards.guarded(request) if request is not None else None
     if header is None:
         return
     job = {"paths": header["paths"], "id": request.id, "retries": int(header.get("retries") or 0)}
-    from . import worker_queue
+    from .worker import worker_queue
 
     if worker_queue.unguard(job):
         return
@@ -154,7 +156,7 @@ def _discarded(sender=None, request=None, **_kw) -> None:
         return
     try:
         wire = config.to_wire(config.cached_settings(app))
-        helper = subprocess.Popen([sys.executable, "-m", "celery_zklock.guards"], stdin=subprocess.PIPE,
+        helper = subprocess.Popen([sys.executable, "-m", "celery_zklock.engine.guards"], stdin=subprocess.PIPE,
                                   start_new_session=True, env=os.environ.copy())
         helper.stdin.write((json.dumps({**job, "settings": wire}) + "\n").encode())
         helper.stdin.close()

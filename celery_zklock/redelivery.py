@@ -7,7 +7,7 @@ copy's timeout policy over the original's state.  So a copy keeps its place behi
 original (the two never run at once), waits for it without a deadline, and once the
 original is done runs only if the original left no final state.
 
-A copy is recognised by its node's :class:`~celery_zklock.identity.Identity`: the same
+A copy is recognised by its node's :class:`~celery_zklock.engine.identity.Identity`: the same
 task id *and* attempt (``retries``).  A retry published by the body while it still holds
 the lock has the same task id but is the next attempt: new work, not a copy.
 """
@@ -20,8 +20,8 @@ from celery import states
 from celery.backends.base import DisabledBackend
 from celery.utils.log import get_task_logger
 
-from . import znodes
-from .identity import Identity
+from .engine import znodes
+from .engine.identity import Identity
 
 logger = get_task_logger("celery_zklock")
 

@@ -24,17 +24,19 @@ from celery.states import STARTED
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import agent_lock, by_config, config, enqueue, metrics, prerun, signals, worker_loss
-from .client import get_client
+from .worker import agent_lock, worker_loss
+
+from . import by_config, config, enqueue, metrics, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
+from .engine.client import get_client
+from .engine.identity import Identity
+from .engine.lock import FairLock, MultiLock
 from .errors import LockLost, LockReentered, LockTimeout, LockUnavailable
-from .identity import Identity
-from .keys import KeySpec, compile_key, key_path
-from .lock import FairLock, MultiLock
 from .interrupts import RunState
+from .keys import KeySpec, compile_key, key_path
+from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
 from .redelivery import Redelivery
 from .states import LOCK_WAITING, SKIPPED
-from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
 
 logger = get_task_logger("celery_zklock")
 
@@ -128,7 +130,7 @@ class ZkLockedTask(Task):
     ``zklock_*`` settings.  The option attributes are set from that declaration below.
     """
 
-    Request = "celery_zklock.worker_loss:LockAwareRequest"
+    Request = "celery_zklock.worker.worker_loss:LockAwareRequest"
 
     #: The tracer's ``task_prerun`` is sent when the lock is decided (see celery_zklock.prerun).
     _zklock_defers_prerun = True

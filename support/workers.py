@@ -139,11 +139,11 @@ class Proc:
         return children_of(self.pid)
 
     def agent_pid(self) -> int | None:
-        """The pid of this worker's lock agent (``celery_zklock.agent``), if it runs one."""
+        """The pid of this worker's lock agent (``celery_zklock.worker.agent``), if it runs one."""
         for pid in self.child_pids():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"celery_zklock.agent" in f.read():
+                    if b"celery_zklock.worker.agent" in f.read():
                         return pid
             except OSError:
                 continue

@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 
 from celery_zklock import ConfigurationError, FairLock, ZkLockedTask, lock_configured_tasks
-from celery_zklock.client import connect, disconnect
+from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.config import ZkSettings
 from celery_zklock.keys import key_path
 from support.workers import Worker

@@ -17,7 +17,8 @@ import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from celery_zklock import AlreadyQueued, guards
+from celery_zklock import AlreadyQueued
+from celery_zklock.engine import guards
 from support.workers import Worker
 
 

@@ -17,7 +17,7 @@ from kazoo.recipe.lock import Lock
 from kazoo.security import Permissions
 
 from celery_zklock import LockUnavailable
-from celery_zklock.client import connect, disconnect
+from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_settings
 from celery_zklock.errors import ConfigurationError
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer

@@ -8,25 +8,49 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "celery_zklock"
 
 
+def _module(path: pathlib.Path) -> str:
+    """``engine/lock.py`` -> ``engine.lock``; ``task.py`` -> ``task``; a package's __init__ -> its name."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "__init__"
+
+
+def _modules() -> list[pathlib.Path]:
+    return [p for p in PACKAGE.rglob("*.py") if "contrib" not in p.relative_to(PACKAGE).parts]
+
+
 def _imports() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (at any depth, deferred imports included)."""
+    """Module (dotted, below the package) -> the package modules it imports, at any depth
+    (deferred imports included); ``from . import a`` names the modules a."""
+    names = {_module(p) for p in _modules()}
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
-        name = path.stem
+    for path in _modules():
+        name = _module(path)
+        package = name.rsplit(".", 1)[0] if path.stem != "__init__" and "." in name else ("" if path.stem != "__init__" else name)
         deps = graph.setdefault(name, set())
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join([*base, *([node.module] if node.module else [])])
                 if node.module:
-                    deps.add(node.module.split(".")[0])
-                else:
-                    deps.update(alias.name for alias in node.names)
+                    deps.add(target)
+                for alias in node.names:
+                    if (f"{target}.{alias.name}" if target else alias.name) in names:
+                        deps.add(f"{target}.{alias.name}" if target else alias.name)
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("celery_zklock."):
-                deps.add(node.module.split(".")[1])
+                target = node.module.split(".", 1)[1]
+                deps.add(target)
+                deps.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in names)
             elif isinstance(node, ast.Import):
-                deps.update(a.name.split(".")[1] for a in node.names if a.name.startswith("celery_zklock."))
-    graph.pop("__init__", None)  # lazy re-exports of everything, imported by nothing inside
+                deps.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("celery_zklock."))
+        deps &= names
+        deps.discard(name)
+    for pkg in ("__init__", "engine", "worker"):
+        graph.pop(pkg, None)  # lazy re-exports / empty packages
     for deps in graph.values():
-        deps.discard("__init__")
+        deps -= {"__init__", "engine", "worker"}
     return graph
 
 
@@ -59,20 +83,54 @@ def test_cycle_finder_itself():
 
 def test_no_import_cycles_in_the_package():
     graph = _imports()
-    assert {"task", "lock", "internals", "driver", "session", "worker_loss"} <= set(graph)
+    assert {"task", "engine.lock", "engine.internals", "engine.driver", "engine.session", "worker.worker_loss",
+            "worker.agent"} <= set(graph)
     assert _cycle(graph) is None
+
+
+#: The layers, lowest first; a module may import its own layer and those below, never above.
+#: * base: errors, settings and what every layer shares;
+#: * engine: the lock protocol on ZooKeeper (no Celery): znodes, sessions, the blocking API;
+#: * worker: what runs in a worker's main process, its lock agent and a pool process's link;
+#: * glue: the Celery task class, publishing, the CLI and the test plugin.
+BASE = {"errors", "config", "security", "states", "signals", "keys", "options", "metrics"}
+GLUE = {"task", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery", "testing"}
+
+
+def _layer(module: str) -> int:
+    if module in BASE:
+        return 0
+    if module.startswith("engine."):
+        return 1
+    if module.startswith("worker."):
+        return 2
+    assert module in GLUE, f"{module}: put it in a layer (tests/test_structure.py)"
+    return 3
+
+
+def test_every_module_has_a_layer_and_imports_flow_down():
+    """glue -> worker -> engine -> base: the engine never reaches into the worker or the
+    Celery glue, the worker never into the glue.  (config's path check borrows the engine's
+    znode rules: a deferred import of engine.znodes, the one way up from base.)"""
+    graph = _imports()
+    up = [(m, d) for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)]
+    assert up == [("config", "engine.znodes")], up
+
+
+def test_the_layers_are_subpackages():
+    assert {m for m in _imports() if _layer(m) == 1} >= {"engine.lock", "engine.internals", "engine.client"}
+    assert {m for m in _imports() if _layer(m) == 2} >= {"worker.agent", "worker.cohort", "worker.worker_queue"}
 
 
 def test_imports_flow_from_task_to_client():
     """task -> key -> path -> lock -> client: the engine never reaches up into Celery glue."""
     graph = _imports()
-    glue = {"task", "worker_loss", "cli", "options", "signals", "redelivery", "interrupts"}
-    for engine in ("lock", "internals", "driver", "session", "znodes", "kazoo_compat", "identity", "keys"):
-        assert not graph.get(engine, set()) & glue, (engine, graph.get(engine))
+    for engine in [m for m in graph if m.startswith("engine.")] + ["keys"]:
+        assert not {d for d in graph[engine] if _layer(d) >= 2}, (engine, graph[engine])
 
 
 def test_package_ships_no_test_or_dev_tools():
-    for path in PACKAGE.glob("*.py"):
+    for path in _modules():  # contrib/pytest_celery is the opt-in vendor of pytest-celery
         tree = ast.parse(path.read_text())
         imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

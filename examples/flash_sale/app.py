@@ -53,7 +53,7 @@ def observations_key() -> str:
 
 # KEYS[1] stock, KEYS[2] highest token accepted (the fence), KEYS[3] accepted orders (list),
 # KEYS[4] stats (hash).  ARGV[1] fencing token, ARGV[2] new stock value, ARGV[3] order id.
-# Tokens are czxid << 8 | grant (celery_zklock.znodes.fencing_token): exact as Lua doubles below 2^53.
+# Tokens are czxid << 8 | grant (celery_zklock.engine.znodes.fencing_token): exact as Lua doubles below 2^53.
 FENCED_WRITE = """
 local token = tonumber(ARGV[1])
 local new_stock = tonumber(ARGV[2])

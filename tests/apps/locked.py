@@ -266,7 +266,7 @@ def _call(task, how: str, *args):
 def _peer_gets(path: str) -> bool:
     """Can another FairLock (same process, another node) take ``path`` right now?"""
     from celery_zklock import FairLock
-    from celery_zklock.client import get_client
+    from celery_zklock.engine.client import get_client
 
     peer = FairLock(get_client(re_outer.lock_options()), path)
     got = peer.acquire(timeout=0)

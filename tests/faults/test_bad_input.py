@@ -18,7 +18,7 @@ from kazoo.client import KazooClient
 from kazoo.security import make_digest_acl
 
 from celery_zklock import ConfigurationError
-from celery_zklock.client import close_clients
+from celery_zklock.engine.client import close_clients
 from celery_zklock.keys import encode_key
 from tests.faults import app as A
 from tests.faults.checker import runs_of

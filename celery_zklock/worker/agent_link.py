@@ -1,8 +1,8 @@
 """The wire between a worker's lock agent and its main and pool processes.
 
 Why a module of its own: three processes speak it — the agent
-(:mod:`celery_zklock.agent`), the worker's main process (:mod:`celery_zklock.worker_queue`)
-and each pool process (:mod:`celery_zklock.agent_lock`) — and each message must mean the
+(:mod:`celery_zklock.worker.agent`), the worker's main process (:mod:`celery_zklock.worker.worker_queue`)
+and each pool process (:mod:`celery_zklock.worker.agent_lock`) — and each message must mean the
 same thing to all.  Messages are JSON objects, one per line, over a Unix stream socket
 private to the worker (a directory only this user can enter).  A Unix socket is what makes
 worker loss fast: when a pool process dies, the kernel closes its end, and the agent

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zklock import guards
-from celery_zklock.guards import HELD, OWN, STALE, Guard, verdict
+from celery_zklock.engine import guards
+from celery_zklock.engine.guards import HELD, OWN, STALE, Guard, verdict
 
 
 def _g(task_id="a", expires_at=100.0, retries=0):

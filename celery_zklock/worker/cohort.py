@@ -18,7 +18,7 @@ lock moves on.  A foreign contender therefore waits for at most that many of our
 worker ahead of it, plus the hold in progress.
 
 Fencing stays exact with no write before a grant: the g-th holder through a node gets
-``fencing_token(czxid, g)`` (see :func:`celery_zklock.znodes.fencing_token` for the proof).
+``fencing_token(czxid, g)`` (see :func:`celery_zklock.engine.znodes.fencing_token` for the proof).
 Each local handoff still writes once — the node's data becomes the new holder's identity
 (so ``celery zklock status`` names it), and that write's success is the leaving holder's
 proof that the lock was ours to the end, as the delete is for the last one.
@@ -29,7 +29,7 @@ session only after hearing nothing from it for the session timeout, so a write *
 our node goes only with the session or by our own delete (an operator's force-delete is
 seen by the holder's watch on its node, which marks the node lost).  While such a proof is
 younger than :data:`FRESH_MAX` and the connection is up, the next holder is granted at once
-and the leaving one's release is proven at once (:data:`~celery_zklock.session.LEASED`);
+and the leaving one's release is proven at once (:data:`~celery_zklock.engine.session.LEASED`);
 the write runs beside the next body and renews the lease.  So a hot key's handoff costs no
 ZooKeeper round trip, and its writes keep the lease young.  After a silent partition no
 reply comes, the lease ages past :data:`FRESH_MAX`, and handoffs wait for replies again, as
@@ -45,9 +45,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .internals import Attempt, LockInternals, State
-from .session import LEASED, WRITTEN, guaranteed_set
-from .znodes import MAX_GRANTS_PER_NODE, fencing_token, sequence_key
+from ..engine.internals import Attempt, LockInternals, State
+from ..engine.session import LEASED, WRITTEN, guaranteed_set
+from ..engine.znodes import MAX_GRANTS_PER_NODE, fencing_token, sequence_key
 
 
 #: How old (s) the newest proof that a node is ours may be for a local handoff to skip the

@@ -26,7 +26,7 @@ its own guard (never refused by it), and the run that retried can no longer dele
 
 Everything here is plain kazoo calls on a started client, with no Celery import: the
 publisher, a pool process, the worker's lock agent and the helper a prefork parent starts
-(``python -m celery_zklock.guards``, job on stdin) all use it.
+(``python -m celery_zklock.engine.guards``, job on stdin) all use it.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
+from ..keys import encode_key
 from . import kazoo_compat
-from .keys import encode_key
 
 #: The guards' folder under ``zklock_root``.  A leading dot: no key encodes to it
 #: (:func:`celery_zklock.keys.encode_key` escapes one), so it never meets a lock path.
@@ -258,13 +258,13 @@ def guarded(request_or_headers: Any) -> dict | None:
 
 
 def main() -> int:
-    """``python -m celery_zklock.guards``: end the guard of a request a prefork parent
+    """``python -m celery_zklock.engine.guards``: end the guard of a request a prefork parent
     discarded (revoked or expired) when no lock agent can (waiting in the pool).  The job,
     on stdin: ``{"settings": wire settings, "paths": [...], "id": ..., "retries": n}``."""
     import logging
 
     from .client import connect, disconnect
-    from .config import from_wire
+    from ..config import from_wire
 
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-guards] %(message)s")
     job = json.loads(sys.stdin.readline())

@@ -2,12 +2,12 @@
 
 Why event-driven: an attempt advances only on ZooKeeper callbacks — a create or children
 reply, a watch firing, a connection-state change from the client's
-:class:`~celery_zklock.session.SessionMonitor`, a timer — and never blocks.  So one
+:class:`~celery_zklock.engine.session.SessionMonitor`, a timer — and never blocks.  So one
 process can wait on thousands of keys with no thread per waiter; the blocking
-:class:`~celery_zklock.lock.FairLock` is a thin wrapper that waits for the outcome.
+:class:`~celery_zklock.engine.lock.FairLock` is a thin wrapper that waits for the outcome.
 
 Protocol: each contender creates an EPHEMERAL_SEQUENTIAL child ``_c_<uuid>-lock-<seq>``;
-the ``max_holders`` lowest sequences hold (:func:`~celery_zklock.driver.gets_the_lock`
+the ``max_holders`` lowest sequences hold (:func:`~celery_zklock.engine.driver.gets_the_lock`
 decides).  ``create`` and ``get_children`` are pipelined (ZooKeeper answers one session's
 requests in order): an uncontended acquire is one round trip.  On a key this process has
 not locked lately the container's creation rides along instead, and a node with sequence
@@ -28,7 +28,7 @@ Safety rules kazoo's ``Lock`` leaves to the caller and this module keeps:
   owned by our session) on reconnection; LOST when the session expires, the node is
   deleted, or the suspension outlasts a third of the session timeout (kazoo cannot learn
   of an expiry while cut off and notices the cut only after two thirds of it);
-* the fencing token is derived from our node's ``czxid`` (:func:`~celery_zklock.znodes.fencing_token`):
+* the fencing token is derived from our node's ``czxid`` (:func:`~celery_zklock.engine.znodes.fencing_token`):
   zxids are totally ordered, so a later holder's token is larger, even if the parent was
   deleted and recreated.
 """
@@ -613,7 +613,7 @@ class Attempt:
     # ------------------------------------------------------------------ release
     def release(self):
         """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node, the
-        string :data:`~celery_zklock.session.EXPIRED`, or the guaranteed delete's async result."""
+        string :data:`~celery_zklock.engine.session.EXPIRED`, or the guaranteed delete's async result."""
         with self._guard:
             if not self._finished:
                 self._give_up(False)

@@ -10,7 +10,7 @@ as Curator and kazoo ignore them.
 Parents are created as CONTAINER znodes (ZooKeeper >= 3.5.3): the server deletes a
 container once its last child is gone, so one parent per lock key (order ids, SKUs) never
 accumulates.  kazoo 2.x cannot create containers (its ``create`` only sends the ephemeral
-and sequence flags): :mod:`celery_zklock.kazoo_compat` sends the ``createContainer`` request.
+and sequence flags): :mod:`celery_zklock.engine.kazoo_compat` sends the ``createContainer`` request.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _client_key(client) -> str:
 
 def no_auth_error(path: str, action: str):
     """The error for a ZooKeeper NoAuth reply: say which znode and which setting to fix."""
-    from .errors import ConfigurationError
+    from ..errors import ConfigurationError
 
     return ConfigurationError(
         f"ZooKeeper denied {action} on {path!r} (NoAuth): the ACL of that znode (under zklock_root) does not "

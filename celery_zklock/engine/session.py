@@ -38,7 +38,7 @@ EXPIRED = "expired"  # the owning session ended: the node went with it
 WRITTEN = "written"  # our set reached the node: it was still ours (a proof, like DELETED)
 #: A lease, not a reply: a set sent moments ago reached the node, and ZooKeeper cannot have
 #: expired our session since (it waits the session timeout after it last heard from us), so
-#: the node was still ours (a proof, like DELETED; see celery_zklock.cohort).
+#: the node was still ours (a proof, like DELETED; see celery_zklock.worker.cohort).
 LEASED = "leased"
 
 
@@ -92,7 +92,7 @@ class Timers:
                 except Exception:  # pragma: no cover - a timer must not kill the loop
                     import logging
 
-                    logging.getLogger("celery_zklock.session").exception("timer callback failed")
+                    logging.getLogger("celery_zklock.engine.session").exception("timer callback failed")
             if not due:
                 self._wake.wait(wait)
 

@@ -10,7 +10,7 @@ import pytest
 from kazoo.client import KazooClient
 
 from celery_zklock import FairLock, LockLost, MultiLock, contenders
-from celery_zklock.znodes import fencing_token
+from celery_zklock.engine.znodes import fencing_token
 from tests.lockutil import children
 
 

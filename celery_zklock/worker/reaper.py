@@ -1,6 +1,6 @@
 """The reaper: a short-lived process that deletes a dead pool child's lock nodes.
 
-Why a process of its own (``python -m celery_zklock.reaper``, job on stdin): the prefork
+Why a process of its own (``python -m celery_zklock.worker.reaper``, job on stdin): the prefork
 parent must do no ZooKeeper I/O — a kazoo client's threads alive in the parent while the
 pool forks a replacement child would be copied into it mid-operation.  The reaper waits
 until the child's pid is really dead (a node must never be deleted under a live holder),
@@ -19,7 +19,7 @@ import logging
 
 # Standard logging and no Celery import: this process starts on the critical path of a
 # handoff (see celery_zklock/__init__.py).
-logger = logging.getLogger("celery_zklock.reaper")
+logger = logging.getLogger("celery_zklock.worker.reaper")
 
 
 def pid_dead(pid: int) -> bool:
@@ -41,9 +41,9 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
     """Delete the lock nodes under ``paths`` owned by ``task_id`` in dead ``pid`` on ``host``."""
     from kazoo.exceptions import NoNodeError
 
-    from .client import connect, disconnect
-    from .config import from_wire
-    from .identity import Identity
+    from ..engine.client import connect, disconnect
+    from ..config import from_wire
+    from ..engine.identity import Identity
 
     deadline = time.monotonic() + wait_dead
     while not pid_dead(pid):

@@ -3,7 +3,7 @@
 Why pure: every way a contender can advance — a create reply, a children listing, a watch
 firing — ends in the same question: given the children of the lock path and our node, do
 we hold, and if not, which nodes must we watch?  Answering it without I/O makes it
-testable from a table and keeps the event-driven core (:mod:`celery_zklock.internals`) free
+testable from a table and keeps the event-driven core (:mod:`celery_zklock.engine.internals`) free
 of ordering rules.
 """
 

@@ -26,9 +26,9 @@ from kazoo.client import KazooClient
 from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.retry import KazooRetry
 
-from .config import ZkSettings
-from .errors import LockUnavailable
-from .security import acl_provider, auth_problem, client_kwargs, tls_diagnosis
+from ..config import ZkSettings
+from ..errors import LockUnavailable
+from ..security import acl_provider, auth_problem, client_kwargs, tls_diagnosis
 
 logger = logging.getLogger("celery_zklock.worker")
 

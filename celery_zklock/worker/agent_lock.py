@@ -1,7 +1,7 @@
 """A pool process's side of the lock agent: claim the lock the agent took, hold it, give it back.
 
 Why: when the worker's main process queued a request in the agent
-(:mod:`celery_zklock.worker_queue`), the lock is already decided by the time the pool runs
+(:mod:`celery_zklock.worker.worker_queue`), the lock is already decided by the time the pool runs
 the task; the pool process only claims it — one local round trip, no ZooKeeper session of
 its own — and learns from the agent whether it stays safe to hold.  ``is_held()`` needs
 no I/O: it is False once the agent says the lock is suspended or lost, and once the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zklock.driver import Decision, gets_the_lock
-from celery_zklock.identity import Identity
+from celery_zklock.engine.driver import Decision, gets_the_lock
+from celery_zklock.engine.identity import Identity
 
 
 def n(seq: int, kind: str = "ours") -> str:
@@ -101,6 +101,6 @@ def test_identity_round_trip_and_delivery():
     ],
 )
 def test_hand_over_early(expected_wait, early, slots, expected):
-    from celery_zklock.worker_queue import hand_over_early
+    from celery_zklock.worker.worker_queue import hand_over_early
 
     assert hand_over_early(expected_wait, early, slots) == expected

@@ -1,10 +1,10 @@
 """The blocking lock API: :class:`FairLock` and :class:`MultiLock` (Curator's ``InterProcessMutex``).
 
-Why thin: the protocol lives in :mod:`celery_zklock.internals`, which advances on ZooKeeper
+Why thin: the protocol lives in :mod:`celery_zklock.engine.internals`, which advances on ZooKeeper
 callbacks and never blocks; these classes start an attempt and wait for its outcome in the
 caller's thread, which is where user callbacks such as ``on_wait`` run.  Code that must
 wait on many keys at once (one thread, thousands of locks) uses
-:class:`~celery_zklock.internals.LockInternals` directly.
+:class:`~celery_zklock.engine.internals.LockInternals` directly.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Callable, Iterable
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from ..errors import LockLost, LockReentered
 from . import kazoo_compat, znodes
-from .errors import LockLost, LockReentered
 from .identity import Identity
 from .internals import LockInternals, State
 from .session import DELETED, EXPIRED, GONE

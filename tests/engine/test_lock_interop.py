@@ -22,7 +22,7 @@ from kazoo.recipe.lock import Lock as KazooLock
 from celery_zklock import FairLock, contenders
 from tests.lockutil import overlapping
 
-JAVA_SRC = os.path.join(os.path.dirname(__file__), "java", "CuratorHolder.java")
+JAVA_SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "java", "CuratorHolder.java")
 JAR_DIR = os.environ.get("CURATOR_JAR_DIR", "/usr/share/java")
 # The Debian jars carry Class-Path manifests that pull in guava, zookeeper and slf4j-api.
 CURATOR_JARS = ("curator-recipes", "curator-framework", "curator-client")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zklock.cohort import FRESH_MAX, fresh, passes_locally
-from celery_zklock.znodes import MAX_GRANTS_PER_NODE, fencing_token
+from celery_zklock.worker.cohort import FRESH_MAX, fresh, passes_locally
+from celery_zklock.engine.znodes import MAX_GRANTS_PER_NODE, fencing_token
 
 N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
 

@@ -16,7 +16,7 @@ from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
 
 from celery_zklock import FairLock, LockLost
-from celery_zklock.znodes import fencing_token
+from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.testing import ZooKeeperServer
 from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, TcpProxy, wait_for
 
@@ -786,7 +786,7 @@ def test_unauthorised_client_gets_a_clear_error_and_leaves_nothing(zk_server, zk
     from kazoo.security import make_digest_acl
 
     from celery_zklock import ConfigurationError
-    from celery_zklock.znodes import probe_permissions
+    from celery_zklock.engine.znodes import probe_permissions
 
     owner = _client(zk_server.hosts, auth_data=[("digest", "owner:secret")])
     stranger = _client(zk_server.hosts)

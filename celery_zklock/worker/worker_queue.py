@@ -3,11 +3,11 @@
 Why here and not in the task: a locked task that waits inside a prefork child takes a
 pool slot for as long as it waits, so one hot key starves every other key on the worker.
 Instead, when a locked request arrives, the main process asks the worker's lock agent
-(:mod:`celery_zklock.agent`, one ZooKeeper session per worker) to queue for its lock and
+(:mod:`celery_zklock.worker.agent`, one ZooKeeper session per worker) to queue for its lock and
 keeps the request aside — unacknowledged, outside the prefetch window
 (``qos.increment_eventually``, as Celery does for ETA tasks) — and hands it to the pool
 only once the agent has decided: granted, timed out or unavailable.  The pool process
-then claims that verdict (:mod:`celery_zklock.agent_lock`) and runs the body, or applies
+then claims that verdict (:mod:`celery_zklock.worker.agent_lock`) and runs the body, or applies
 the timeout/unavailable policy exactly as an in-pool wait would.
 
 One exception, bounded: a request the agent says is *next in line* (only holders ahead),
@@ -38,12 +38,14 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
-from . import guards, metrics
+from ..engine import guards
+
+from .. import metrics
+from ..config import ZkSettings, to_wire
+from ..engine.identity import Identity
+from ..options import is_locked_task
+from ..states import LOCK_WAITING
 from .agent_link import ENV, HANDOFF_MAX_WAIT, HEARTBEAT, LineReader, encode, socket_path
-from .config import ZkSettings, to_wire
-from .identity import Identity
-from .options import is_locked_task
-from .states import LOCK_WAITING
 
 logger = get_logger("celery_zklock.worker")
 
@@ -73,7 +75,7 @@ class AgentProcess:
         if os.path.exists(self.path):
             os.unlink(self.path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery_zklock.agent", self.path],
+            [sys.executable, "-m", "celery_zklock.worker.agent", self.path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
         )
         self.proc.stdin.write((json.dumps(to_wire(self.settings)) + "\n").encode())  # may hold credentials: never argv

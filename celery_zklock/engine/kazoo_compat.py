@@ -54,7 +54,7 @@ def create_container_async(client: KazooClient, path: str, acl=None):
 
 def acl_for(client: KazooClient, path: str):
     """The ACL for a node we create at ``path``: the client's ACL provider's answer (Curator's
-    ``getAclForPath``, set by :func:`celery_zklock.client.new_client` from ``zklock_acl``),
+    ``getAclForPath``, set by :func:`celery_zklock.engine.client.new_client` from ``zklock_acl``),
     or None for the client's ``default_acl``."""
     provider = getattr(client, "zklock_acl_provider", None)
     return list(provider(path)) if provider is not None else None

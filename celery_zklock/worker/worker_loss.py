@@ -6,7 +6,7 @@ survive until the session timeout (10 s by default), stalling every task queued 
 key.  The parent learns of the loss in ``Request.on_failure`` (``WorkerLostError``) or
 ``Request.on_timeout`` (hard limit), knows the child's pid (``worker_pid``) and the task's
 arguments, so it can compute the task's lock paths and have a short-lived reaper process
-(:mod:`celery_zklock.reaper`) delete exactly the nodes whose data names this host, that pid
+(:mod:`celery_zklock.worker.reaper`) delete exactly the nodes whose data names this host, that pid
 and that task id — once the pid is confirmed dead.  Celery
 documents per-task ``Request`` classes for this purpose.
 """
@@ -23,7 +23,9 @@ from celery.exceptions import WorkerLostError
 from celery.utils.log import get_logger
 from celery.worker.request import Request
 
-from . import metrics, worker_queue
+from .. import metrics
+
+from . import worker_queue
 
 logger = get_logger("celery_zklock.worker")
 
@@ -42,7 +44,7 @@ def reap_finished_reapers() -> None:
 
 def _reap_async(request: Request) -> None:
     """Start a reaper process for a lost request; the parent does no ZooKeeper I/O itself."""
-    from .config import cached_settings, to_wire
+    from ..config import cached_settings, to_wire
 
     reap_finished_reapers()
     task, pid = request.task, request.worker_pid
@@ -57,7 +59,7 @@ def _reap_async(request: Request) -> None:
     job = {"settings": to_wire(settings), "paths": paths, "task_id": request.id, "pid": pid,
            "host": socket.gethostname()}
     # The job goes through stdin, not argv: it may carry zklock_auth_secret credentials.
-    proc = subprocess.Popen([sys.executable, "-m", "celery_zklock.reaper"], stdin=subprocess.PIPE, close_fds=True)
+    proc = subprocess.Popen([sys.executable, "-m", "celery_zklock.worker.reaper"], stdin=subprocess.PIPE, close_fds=True)
     try:
         proc.stdin.write(json.dumps(job).encode())
         proc.stdin.close()
@@ -106,11 +108,11 @@ def validate_app(app) -> bool:
     ordinary exceptions from signal receivers, which would let a misconfigured worker
     start and run tasks it cannot protect.
     """
-    from .client import connect, disconnect
-    from .config import load_settings
-    from .errors import ConfigurationError, LockUnavailable
-    from .options import is_locked_task
-    from .znodes import probe_permissions
+    from ..engine.client import connect, disconnect
+    from ..config import load_settings
+    from ..errors import ConfigurationError, LockUnavailable
+    from ..options import is_locked_task
+    from ..engine.znodes import probe_permissions
 
     try:
         for hook in before_validation:
@@ -199,7 +201,7 @@ def _on_worker_init(sender=None, **_):
 
 
 def _on_shutdown(**_):
-    from .client import close_clients
+    from ..engine.client import close_clients
 
     close_clients()
 

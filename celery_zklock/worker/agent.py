@@ -6,9 +6,9 @@ mid-operation (kazoo #554/#519/#628); the pool processes must not wait either â€
 task in a prefork child takes a slot that other keys need.  So the agent holds the
 worker's only ZooKeeper session, queues for every locked request the main process
 receives (the event-driven engine: no thread per waiter), and hands each lock to the pool
-process that claims it.  Protocol: :mod:`celery_zklock.agent_link`.
+process that claims it.  Protocol: :mod:`celery_zklock.worker.agent_link`.
 
-Run by the worker (:mod:`celery_zklock.worker_queue`) as ``python -m celery_zklock.agent
+Run by the worker (:mod:`celery_zklock.worker.worker_queue`) as ``python -m celery_zklock.worker.agent
 SOCKET`` with the settings as JSON on stdin (they may carry credentials: never argv).
 It exits once the worker's main process and every pool process that holds a lock
 through it have gone; closing its session deletes whatever it still had.
@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 
 from kazoo.protocol.states import KazooState
 
-from . import guards
+from ..config import ZkSettings, from_wire
+from ..engine import guards
+from ..engine.client import connect, disconnect
+from ..engine.internals import State
+from ..engine.lock import contenders
+from ..engine.session import DELETED, LEASED, WRITTEN, monitor_for
 from .agent_link import HANDOFF_MAX_WAIT, HEARTBEAT, Connection
-from .client import connect, disconnect
 from .cohort import Cohort
-from .config import ZkSettings, from_wire
-from .internals import State
-from .lock import contenders
-from .session import DELETED, LEASED, WRITTEN, monitor_for
 
-logger = logging.getLogger("celery_zklock.agent")
+logger = logging.getLogger("celery_zklock.worker.agent")
 
 #: Outcomes of a release that prove the lock was held to the end.
 PROOFS = (DELETED, WRITTEN, LEASED)

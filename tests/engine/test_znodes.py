@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from celery_zklock import znodes
+from celery_zklock.engine import znodes
 
 
 def test_sequence_parsed_for_curator_and_kazoo_names():
