@@ -65,3 +65,19 @@ def worker_refuses(env: dict[str, str], name: str) -> str:
         return worker.log()
     finally:
         worker.stop()
+
+
+def worker_env(redis_server, zk_server, prefix: str = "celery-zklock") -> dict[str, str]:
+    """The environment a real-worker test module shares with its workers (a root of its
+    own, session timeout 4 s), also set in this process for the test apps' import."""
+    import os
+    import uuid
+
+    values = {
+        "TEST_REDIS_URL": redis_server.url,
+        "TEST_ZK_HOSTS": zk_server.hosts,
+        "TEST_ZK_ROOT": f"/{prefix}-{uuid.uuid4().hex[:8]}",
+        "TEST_ZK_SESSION": "4",
+    }
+    os.environ.update(values)
+    return values

@@ -13,19 +13,12 @@ import pytest
 
 from celery_zklock import LockLost, LockTimeout
 from support.workers import Worker
-from tests.lockutil import children, overlapping
+from tests.lockutil import children, overlapping, worker_env
 
 
 @pytest.fixture(scope="module")
 def env(redis_server, zk_server):
-    values = {
-        "TEST_REDIS_URL": redis_server.url,
-        "TEST_ZK_HOSTS": zk_server.hosts,
-        "TEST_ZK_ROOT": f"/celery-zklock-{uuid.uuid4().hex[:8]}",
-        "TEST_ZK_SESSION": "4",
-    }
-    os.environ.update(values)
-    yield values
+    yield worker_env(redis_server, zk_server)
 
 
 @pytest.fixture(scope="module")

@@ -20,18 +20,12 @@ from kazoo.exceptions import NoNodeError
 from celery_zklock import AlreadyQueued
 from celery_zklock.engine import guards
 from support.workers import Worker
+from tests.lockutil import worker_env
 
 
 @pytest.fixture(scope="module")
 def env(redis_server, zk_server):
-    values = {
-        "TEST_REDIS_URL": redis_server.url,
-        "TEST_ZK_HOSTS": zk_server.hosts,
-        "TEST_ZK_ROOT": f"/celery-zklock-enq-{uuid.uuid4().hex[:8]}",
-        "TEST_ZK_SESSION": "4",
-    }
-    os.environ.update(values)
-    yield values
+    yield worker_env(redis_server, zk_server, "celery-zklock-enq")
 
 
 @pytest.fixture(scope="module")

@@ -130,13 +130,9 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20) -> Taken:
     # is never deduped into it.  The create below decides between racing publishers.
     client.sync(paths[0])
     for path in paths:
-        try:
-            raw, _stat = client.get(path)
-        except NoNodeError:
-            continue
-        found = Guard.loads(raw)
-        if verdict(found, guard.id, time.time()) == HELD:
-            return Taken(HELD, path, found)
+        seen = _read(client, path)
+        if seen is not None and verdict(seen[0], guard.id, time.time()) == HELD:
+            return Taken(HELD, path, seen[0])
     for _ in range(attempts):
         txn = client.transaction()
         for path in paths:
@@ -152,11 +148,10 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20) -> Taken:
             continue
         if not isinstance(error, NodeExistsError):
             raise error
-        try:
-            raw, stat = client.get(path)
-        except NoNodeError:
+        read = _read(client, path)
+        if read is None:
             continue  # gone meanwhile: try again
-        found = Guard.loads(raw)
+        found, stat = read
         seen = verdict(found, guard.id, time.time())
         if seen == STALE:
             _delete(client, path, stat.version)
@@ -182,6 +177,15 @@ def _take_over(client, path: str, stat, guard: Guard, acl) -> bool:
     return not any(isinstance(r, Exception) for r in txn.commit())
 
 
+def _read(client, path: str):
+    """The guard at ``path`` (None if unreadable) and its stat; None when there is no node."""
+    try:
+        raw, stat = client.get(path)
+    except NoNodeError:
+        return None
+    return Guard.loads(raw), stat
+
+
 def folder_of(path: str) -> str:
     return path.rsplit("/", 1)[0]
 
@@ -201,11 +205,10 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
     gone = 0
     session = kazoo_compat.session_id(client)
     for path in paths:
-        try:
-            raw, stat = client.get(path)
-        except NoNodeError:
+        read = _read(client, path)
+        if read is None:
             continue
-        found = Guard.loads(raw)
+        found, stat = read
         if found is None or not found.names(task_id, retries):
             continue
         if running and stat.ephemeralOwner != session:
@@ -222,9 +225,8 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str) -> N
         return
     acl = kazoo_compat.acl_for(client, paths[0]) if paths else None
     for path in paths:
-        try:
-            raw, stat = client.get(path)
-        except NoNodeError:
+        read = _read(client, path)
+        if read is None:
             # A redelivered copy whose first run's worker died (its ephemeral guard went
             # with it): guard this run again, unless another task of the key queued since.
             guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
@@ -233,12 +235,12 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str) -> N
             except NodeExistsError:
                 pass
             continue
-        found = Guard.loads(raw)
+        found, stat = read
         if found is None or not found.names(task_id, retries) or stat.ephemeralOwner:
             continue
         txn = client.transaction()
         txn.delete(path, version=stat.version)
-        txn.create(path, raw, acl=acl, ephemeral=True)
+        txn.create(path, found.dumps(), acl=acl, ephemeral=True)
         txn.commit()  # a failure means the guard changed meanwhile: it is not ours to move
 
 
