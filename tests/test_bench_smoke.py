@@ -97,7 +97,7 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
         assert burst[mode]["ran_exactly_once"] and burst[mode]["overlaps"] == 0, (mode, burst[mode])
         for field in ("tasks_per_s", "children_max", "znodes_max"):
             assert is_number(burst[mode][field]), (mode, field, burst[mode].get(field))
-    assert {t["scenario"] for t in verdicts} == set(EXPECTED) | {"lock_engine", "pool_slots", "flash_sale", "burst"}
+    assert {t["scenario"] for t in verdicts} == set(EXPECTED) | {"lock_engine", "pool_slots", "flash_sale", "burst", "enqueue"}
     assert all(isinstance(t["met"], bool) for t in verdicts)
     md = (tmp_path / "latest.md").read_text()
     assert "## Targets" in md and md.count("| ") > 40

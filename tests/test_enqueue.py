@@ -284,3 +284,82 @@ def test_status_lists_guards(mod, env):
     (row,) = report[path]
     assert row["guard"] == "queued" and row["task_id"] == queued.id and row["task"] == mod.refresh.name
     assert 3000 < row["expires_in_s"] <= 3600  # zklock_enqueue_expires: the bound on a lost message
+
+
+def test_a_dedupe_beat_job_never_piles_up(worker, mod, env, tmp_path):
+    """beat ticks every 0.3 s a job that runs 1.2 s: without a guard its ticks queue up and
+    run for long after beat stops; deduped until finish, at most one is queued or running."""
+    import subprocess
+    import sys
+
+    key = f"beat-{_key()}"
+    log = open(tmp_path / "beat.log", "wb")
+    beat = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.enqueued_beat", "beat", "-s",
+                             str(tmp_path / "sched"), "-l", "info"],
+                            env={**os.environ, **env, "TEST_BEAT_KEY": key, "PYTHONPATH": os.getcwd()},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        time.sleep(5.0)
+    finally:
+        beat.terminate()
+        beat.wait(10)
+    stopped = time.time()
+    time.sleep(2.5)  # a run in flight at the stop finishes (1.2 s); nothing queued behind it
+    runs = _runs(mod, key)
+    ticks = (tmp_path / "beat.log").read_text().count("Scheduler: Sending due task")
+    assert ticks >= 10, ticks
+    assert 2 <= len(runs) <= 6, (len(runs), ticks)  # ~5 s / 1.2 s, not one per tick
+    assert all(r["start"] < stopped + 1.3 for r in runs), "ticks piled up and ran after beat stopped"
+
+
+def test_zklock_tasks_turns_on_enqueue_guards_for_tasks_you_cannot_edit(env, redis_server):
+    """zklock_tasks carries lock_enqueue like any lock option; a publisher locks the configured
+    tasks with lock_configured_tasks(app), as the worker does at start."""
+    from celery import Celery
+
+    from celery_zklock import lock_configured_tasks
+
+    app = Celery("bycfg-enq", set_as_current=False)
+    app.conf.update(broker_url=redis_server.url, zklock_hosts=env["TEST_ZK_HOSTS"], zklock_root=env["TEST_ZK_ROOT"],
+                    zklock_tasks={"bycfg.job": {"lock_key": "job:{n}", "lock_enqueue": "reject"}})
+
+    @app.task(name="bycfg.job")
+    def job(n):
+        return n
+
+    assert lock_configured_tasks(app) == ["bycfg.job"]
+    job = app.tasks["bycfg.job"]
+    key = _key()
+    first = job.apply_async((key,), queue=f"nobody-{key}")
+    with pytest.raises(AlreadyQueued) as refused:
+        job.apply_async((key,), queue=f"nobody-{key}")
+    assert refused.value.task_id == first.id and refused.value.key == f"job:{key}"
+
+
+def test_deduped_and_rejected_publishes_send_events(mod, env):
+    """With task_send_sent_event (Celery's switch for publisher events, as task-sent), a
+    dedupe and a rejection each send a task-lock-* event naming the queued task."""
+    import threading
+
+    seen = []
+    with mod.app.connection() as conn:
+        recv = mod.app.events.Receiver(conn, handlers={"*": seen.append})
+        listener = threading.Thread(target=lambda: recv.capture(limit=None, timeout=None, wakeup=False), daemon=True)
+        listener.start()
+        time.sleep(1.0)  # the receiver's queue is bound before events are sent
+        mod.app.conf.task_send_sent_event = True
+        try:
+            key = _key()
+            queued = mod.refresh.apply_async((key, 0), queue=f"nobody-{key}")
+            mod.refresh.apply_async((key, 0), queue=f"nobody-{key}")
+            other = mod.rejecting.apply_async((key, 0), queue=f"nobody-{key}")
+            with pytest.raises(AlreadyQueued):
+                mod.rejecting.apply_async((key, 0), queue=f"nobody-{key}")
+            _until(lambda: {"task-lock-deduped", "task-lock-rejected"} <= {e["type"] for e in seen}, 10, "the events")
+        finally:
+            mod.app.conf.task_send_sent_event = False
+            recv.should_stop = True
+    deduped = next(e for e in seen if e["type"] == "task-lock-deduped")
+    rejected = next(e for e in seen if e["type"] == "task-lock-rejected")
+    assert deduped["queued"] == queued.id and deduped["key"] == f"user:{key}"
+    assert rejected["queued"] == other.id and rejected["name"] == mod.rejecting.name
