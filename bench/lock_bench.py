@@ -676,6 +676,8 @@ def targets(results: dict) -> list[dict]:
         checks = (
             ("uncontended acquire+release p50 <= 0.5x kazoo", ratio["uncontended_p50_ms"] <= 0.5,
              f"{ratio['uncontended_p50_ms']:.2f}x"),
+            ("uncontended acquire+release p50 <= 0.86x kazoo (issue 27)", ratio["uncontended_p50_ms"] <= 0.86,
+             f"{ratio['uncontended_p50_ms']:.2f}x"),
             ("handoff p50 <= kazoo", ratio["handoff_p50_ms"] <= 1.0, f"{ratio['handoff_p50_ms']:.2f}x"),
             ("0% same-holder repeats", row["same_holder_pct"] == 0, f"{row['same_holder_pct']:.2f}%"),
         )
@@ -730,7 +732,7 @@ def format_table(results: dict) -> str:
     lines.append("Targets:")
     for t in results["targets"]:
         verdict = "met    " if t["met"] else "NOT met"
-        lines.append(f"  [{verdict}] {t['contender']:<26} {t['target']:<47} ({t['value']})")
+        lines.append(f"  [{verdict}] {t['contender']:<26} {t['target']:<58} ({t['value']})")
     return "\n".join(lines)
 
 

@@ -82,6 +82,8 @@ def targets(results: dict) -> list[dict]:
                            f"{f['fair_bound_ms']:.1f} ms; {f['queue_jumps']} queue jumps; "
                            f"longest gap {f['longest_gap_ms']:.1f} ms; "
                            f"ZooKeeper write max {sc['fairness']['zookeeper']['update_latency_max_ms']:.0f} ms)"))
+        out.append(_target("fairness", f["label"], "max wait <= 2x the fair bound (issue 27)",
+                           f["max_wait_vs_fair_bound"] <= 2.0, f"{f['max_wait_vs_fair_bound']:.2f}x"))
     if "worker_loss" in sc:
         w = sc["worker_loss"]["contenders"]["zklock"]
         value = "still blocked" if w["still_blocked"] else f"{w['recovery_s'] * 1000:.0f} ms (worst of {len(w['samples_s'])})"

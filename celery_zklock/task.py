@@ -4,124 +4,49 @@ Why the lock is taken in ``__call__`` with a ``finally``: Celery skips ``after_r
 RETRY/IGNORED/REJECTED and runs hard-time-limit handlers in the *parent* process, where the
 child's ZooKeeper client does not exist; ``__call__`` wraps exactly the body in the process
 that runs it, whatever sent the task (``delay``, ``send_task``, beat, a direct call).
-Lock state lives in locals and a context variable, never on ``self``: one task instance is
-shared by every thread of a process.
+Lock state lives in locals and a context variable (:mod:`celery_zklock.held`), never on
+``self``: one task instance is shared by every thread of a process.
+
+This module holds the class users subclass: its options and the call path, each step in
+one place.  How the lock is waited for is :mod:`celery_zklock.acquisition`; what a task
+does when it does not get or loses it, :mod:`celery_zklock.outcomes` (both mixed in).
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
-import os
 import threading
 import time
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Task
-from celery.states import STARTED
-from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
 from .worker import agent_lock, worker_loss
 
-from . import by_config, config, enqueue, metrics, prerun, signals
+from . import by_config, config, enqueue, prerun, signals
+from .acquisition import LockAcquisition
 from .config import ZkSettings, cached_settings, load_settings
-from .engine.client import get_client
-from .engine.identity import Identity
-from .engine.lock import FairLock, MultiLock
-from .errors import LockLost, LockReentered, LockTimeout, LockUnavailable
+from .errors import LockLost, LockReentered
+from .held import HeldLock, _current, _lost_reason, _tokens_of, _UnderOuter, current_lock
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
-from .redelivery import Redelivery
+from .outcomes import LockOutcomes
 from .states import LOCK_WAITING, SKIPPED
 
+#: The public names; HeldLock and current_lock live in celery_zklock.held, the states in
+#: celery_zklock.states (``from celery_zklock.task import SKIPPED`` keeps working).
+__all__ = ["ZkLockedTask", "HeldLock", "current_lock", "lock_path", "lock_configured_tasks", "SKIPPED", "LOCK_WAITING"]
+
 logger = get_task_logger("celery_zklock")
-
-
 
 #: How long a pool process waits for its agent's verdict (already decided: a local round trip).
 _CLAIM_TIMEOUT = 5.0
 
-_current: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
 
-
-@dataclass
-class HeldLock:
-    """What :func:`current_lock` returns inside a running locked task."""
-
-    keys: list[str]
-    paths: list[str]
-    tokens: dict[str, int]
-    _lock: Any = field(repr=False)
-    #: Seconds this run waited for its lock (wherever it waited: the worker's agent or here).
-    wait: float = 0.0
-    #: When the lock was granted (``time.time()``): the run's real start, and prerun's time.
-    acquired_at: float = 0.0
-    #: The task (name, id) whose run took this hold: a re-entered call runs under it.
-    task: str = ""
-    task_id: str | None = None
-
-    @property
-    def key(self) -> str:
-        return self.keys[0]
-
-    @property
-    def path(self) -> str:
-        return self.paths[0]
-
-    @property
-    def token(self) -> int:
-        """Fencing token: pass it with every write the lock protects; reject lower ones."""
-        return max(self.tokens.values())
-
-    def is_held(self) -> bool:
-        return self._lock.is_held()
-
-    def ensure(self) -> None:
-        """Raise :class:`LockLost` unless the lock is still held (no I/O)."""
-        if not self._lock.is_held():
-            raise LockLost(self.key, _lost_reason(self._lock) or "not held")
-
-
-def current_lock() -> HeldLock:
-    """The lock held by the locked task running in this thread/greenlet."""
-    held = _current.get()
-    if held is None:
-        raise RuntimeError("current_lock() called outside a running ZkLockedTask")
-    return held
-
-
-class _UnderOuter:
-    """A nested call's hold: the outer's keys (never released here) and the ones it took."""
-
-    def __init__(self, outer, taken) -> None:
-        self.outer, self.taken = outer, taken
-
-    @property
-    def locks(self) -> list:
-        return [*self.outer.locks, *self.taken.locks]
-
-    def is_held(self) -> bool:
-        return self.outer.is_held() and self.taken.is_held()
-
-    def release(self) -> bool:
-        """Release what this call took (its proof); the outer's keys are the outer's to prove."""
-        return self.taken.release()
-
-
-def _tokens_of(lock) -> dict[str, int]:
-    tokens = getattr(lock, "tokens", None)  # MultiLock and AgentLock: per path
-    return dict(tokens) if tokens is not None else {lock.path: lock.token}
-
-
-def _lost_reason(lock) -> str | None:
-    return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)
-
-
-class ZkLockedTask(Task):
+class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
     """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
 
     Options are decorator kwargs or class attributes: ``lock_key``, ``lock_max_holders``
@@ -307,174 +232,6 @@ class ZkLockedTask(Task):
         if run_state.reason is not None:
             raise self._lost_error(label, run_state)
         return result
-
-    def _lock_in_process(self, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost, started: float):
-        """Wait for the lock in this process.  Returns (lock, waited, None) when held, or
-        (None, waited, value) after a policy that returns instead of raising."""
-        try:
-            client = get_client(opts)
-        except LockUnavailable as exc:
-            return None, 0.0, self._unavailable(exc, opts, label, direct)
-
-        identity = Identity.of_this_process(
-            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname,
-            holders=self.lock_max_holders if self.lock_max_holders > 1 else None,
-        ).to_bytes()
-        copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
-
-        counted_waiting = [False]  # in the zklock_waiting gauge until the wait ends
-
-        def on_wait(fair: FairLock, position: int) -> None:
-            # Monitoring only: nothing here may fail the task or escape into the lock.
-            if copies.queued_behind_original(fair):
-                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
-                return  # never LOCK_WAITING: the original's state must not be overwritten
-            logger.info("waiting for lock %s (position %s)", label, position)
-            self._lock_event("task-lock-waiting", key=label, position=position)
-            counted_waiting[0] = True
-            if req.id and not direct and not self.ignore_result:
-                try:
-                    self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
-                except Exception as exc:
-                    logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
-
-        common = dict(max_holders=self.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
-        lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
-
-        # From the first acquire until the body's own try below, any exception (a kazoo
-        # error, the backend read, a signal) must not leave our node behind.
-        try:
-            try:
-                acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
-            finally:
-                if counted_waiting[0]:
-                    metrics.record("waited", self)
-            waited = time.monotonic() - started
-            prerun.fire(self)  # the lock is decided: the run (or its policy) starts now
-            if acquired and counted_waiting[0] and self.track_started and not self.ignore_result and not direct:
-                # The wait overwrote the tracer's STARTED with LOCK_WAITING: started is now.
-                self._store_started()
-            if acquired and copies.finished_elsewhere():
-                lock.release()
-                logger.warning(
-                    "task %s already finished under lock %s (this is a redelivered copy): not running it again",
-                    req.id, label,
-                )
-                self._lock_event("task-lock-duplicate", key=label)
-                raise Ignore()
-            if not acquired:
-                if not client.connected:
-                    return None, waited, self._unavailable(
-                        LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
-                        opts, label, direct,
-                    )
-                return None, waited, self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
-        except BaseException:
-            lock.release()
-            raise
-        return lock, waited, None
-
-    def _claimed_lock(self, claimed, opts: ZkSettings, label, on_lost):
-        """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
-        link, verdict = claimed
-        waited = float(verdict.get("waited") or 0.0)
-        prerun.fire(self)  # decided by the agent: the run (or its policy) starts now
-        if verdict["verdict"] == "revoked":
-            # Handed over while next in line, then revoked: the main process has recorded
-            # REVOKED and deleted its node; the body never runs.
-            logger.info("task %s revoked while waiting for lock %s: not run", self.request.id, label)
-            raise Ignore()
-        if verdict["verdict"] == "shutdown":
-            # Warm shutdown while next in line: its message was acknowledged when this
-            # process took it, so it goes back to the broker as a new message with the same
-            # id, arguments and retry count (what Celery's retry publishes), and queues anew.
-            logger.info("worker shutting down: task %s goes back to the broker (lock %s)", self.request.id, label)
-            self.signature_from_request(self.request).apply_async()
-            raise Ignore()
-        if verdict["verdict"] == "timeout":
-            self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
-        if verdict["verdict"] != "granted":
-            self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
-                              opts, label, False)
-        lock = agent_lock.AgentLock(
-            link, self.request.id, verdict["tokens"], grace=opts.session_timeout / 3.0,
-            release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,
-        )
-        if lock.suspended_reason is not None or lock.lost_reason is not None:
-            # Granted, but the lock is not safe to hold now (the connection dropped between
-            # the grant and this claim, or the lock is already lost): the body waits until
-            # the agent's session is confirmed again, or the lock is declared lost; it never
-            # runs on hope, and a lock lost before the body started is not a LockLost run.
-            logger.warning("lock %s not confirmed at start (%s): waiting for ZooKeeper", label,
-                           lock.lost_reason or lock.suspended_reason)
-            if not lock.confirmed(opts.session_timeout + 1.0):
-                why = lock.lost_reason or lock.suspended_reason or "not confirmed"
-                lock.abandon()
-                self._unavailable(LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
-                                  opts, label, False)
-        return lock, waited
-
-    # -------------------------------------------------------------- outcomes
-    def _lost_error(self, label: Any, run_state: RunState) -> LockLost:
-        reason = run_state.reason or "lock lost"
-        logger.error("lock %s lost while running (%s): reporting failure", label, reason)
-        self._lock_event("task-lock-lost", key=label, reason=reason)
-        return LockLost(label, reason)
-
-    def _store_started(self) -> None:
-        try:
-            self.update_state(state=STARTED, meta={"pid": os.getpid(), "hostname": self.request.hostname})
-        except Exception as exc:  # monitoring only
-            logger.warning("could not store state %s for task %s: %r", STARTED, self.request.id, exc)
-
-    def _timed_out(self, exc: LockTimeout, opts: ZkSettings, waited: float, direct: bool) -> Any:
-        prerun.fire(self)
-        self._lock_event("task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
-        if opts.on_timeout == "fail":
-            logger.warning("%s; failing", exc)
-            raise exc
-        if opts.on_timeout == "skip":
-            logger.warning("%s; skipped (on_lock_timeout='skip')", exc)
-            if direct:
-                return None
-            if self.request.id and not self.ignore_result:
-                self.update_state(state=SKIPPED, meta={"key": exc.key, "holders": exc.holders, "timeout": exc.timeout})
-            raise Ignore()
-        raise self._retry(exc, opts, f"lock timeout: {exc}")
-
-    def _unavailable(self, exc: LockUnavailable, opts: ZkSettings, label: Any, direct: bool) -> Any:
-        prerun.fire(self)
-        logger.error("task not run (never unprotected): %s", exc)
-        self._lock_event("task-lock-unavailable", key=label, error=str(exc))
-        if opts.on_unavailable == "fail" or direct:
-            raise exc
-        raise self._retry(exc, opts, str(exc))
-
-    def _retry(self, exc: Exception, opts: ZkSettings, why: str) -> Exception:
-        retries = self.request.retries or 0
-        countdown = min(opts.retry_backoff_max, opts.retry_countdown * (opts.retry_backoff ** retries))
-        max_retries = self.max_retries if opts.max_retries is None else opts.max_retries
-        logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
-        return self.retry(exc=exc, countdown=countdown, max_retries=max_retries)
-
-    def _lock_event(self, type_: str, **fields: Any) -> None:
-        """Celery event for Flower/monitors, only when task events are on (``-E``); and the
-        worker's Prometheus metrics when ``zklock_metrics_port`` is set."""
-        metrics.record(type_[len("task-lock-"):], self, **fields)
-        if not self.app.conf.worker_send_task_events or self.request.called_directly or not self.request.hostname:
-            return
-        try:
-            self.send_event(type_, **fields)
-        except Exception as exc:  # monitoring must never break the task
-            logger.debug("could not send %s event: %r", type_, exc)
-
-
-def _holders(lock) -> list[str | None]:
-    """Who holds the lock, for the timeout message; best effort."""
-    try:
-        return [c.identifier for lk in lock.locks for c in lk.contenders() if c.holder]
-    except Exception:
-        return []
 
 
 for _option, _default in OPTION_DEFAULTS.items():

@@ -94,7 +94,8 @@ def test_no_import_cycles_in_the_package():
 #: * worker: what runs in a worker's main process, its lock agent and a pool process's link;
 #: * glue: the Celery task class, publishing, the CLI and the test plugin.
 BASE = {"errors", "config", "security", "states", "signals", "keys", "options", "metrics"}
-GLUE = {"task", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery", "testing"}
+GLUE = {"task", "held", "acquisition", "outcomes", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery",
+        "testing", "testing_servers", "testing_tls", "testing_probes"}
 
 
 def _layer(module: str) -> int:
@@ -182,3 +183,44 @@ def test_readme_task_options_table_matches_the_declarations():
         option = re.findall(r"`(\w+)`", row[0])[0]
         if option in TASK_OPTIONS and row[1] != "settings":
             assert row[1].strip("`") == TASK_OPTIONS[option] in SETTINGS, row
+
+
+#: Issue 27's limits: a module a reader can hold, a class a reader can follow.
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 300
+
+
+def _too_big(source: str, name: str) -> list[str]:
+    found = []
+    if source.count("\n") > MAX_MODULE_LINES:
+        found.append(f"{name}: {source.count(chr(10))} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+            found.append(f"{name}: class {node.name} {node.end_lineno - node.lineno + 1} lines")
+    return found
+
+
+def test_size_check_itself():
+    assert _too_big("x = 1\n" * (MAX_MODULE_LINES + 1), "m") == [f"m: {MAX_MODULE_LINES + 1} lines"]
+    big_class = "class C:\n" + "    x = 1\n" * MAX_CLASS_LINES
+    assert _too_big(big_class, "m") == [f"m: class C {MAX_CLASS_LINES + 1} lines"]
+    assert _too_big("class C:\n    x = 1\n", "m") == []
+
+
+def test_no_module_over_400_lines_and_no_class_over_300():
+    found = [f for p in PACKAGE.rglob("*.py") for f in _too_big(p.read_text(), str(p.relative_to(PACKAGE)))]
+    assert found == []
+
+
+def test_readme_architecture_tree_names_every_module():
+    """The tree in the README's Architecture section is how a reader finds a room: a module
+    missing from it (or a name left behind by a move) is a wrong map."""
+    import re
+
+    text = README.read_text()
+    section = text[text.index("## Architecture"):]
+    tree = section[section.index("```text"):section.index("```", section.index("```text") + 7)]
+    named = set(re.findall(r"([a-z_]+\.py)", tree))
+    modules = {p.name for p in _modules() if p.name != "__init__.py"}
+    assert modules - named == set(), "modules missing from the README's Architecture tree"
+    assert named - modules == set(), "the README's Architecture tree names modules that do not exist"

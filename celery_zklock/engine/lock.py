@@ -14,11 +14,10 @@ import time
 from typing import Callable, Iterable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
 
 from ..errors import LockLost, LockReentered
 from . import kazoo_compat, znodes
-from .identity import Identity
+from .contenders import contenders
 from .internals import LockInternals, State
 from .session import DELETED, EXPIRED, GONE
 from .znodes import Contender
@@ -210,15 +209,16 @@ class FairLock:
             wake.set()
 
         attempt = self._attempt = self._internals.attempt(deadline, on_wait=queued if self.on_wait else None)
-        attempt.result.rawlink(lambda _result: wake.set())
         try:
-            told = False
-            while not attempt.result.ready():
-                wake.wait()
-                wake.clear()
-                if position and not told:
-                    told = True
-                    self.on_wait(self, position[0])  # in the caller's thread, as documented
+            if self.on_wait is not None:
+                attempt.result.rawlink(lambda _result: wake.set())
+                while not attempt.result.ready():
+                    wake.wait()
+                    wake.clear()
+                    if position:
+                        self.on_wait(self, position.pop())  # in the caller's thread, as documented
+            # Waiting on the result itself: its set() wakes us directly, where a rawlink
+            # callback would first pass through kazoo's completion queue (one hop more).
             acquired = attempt.result.get()
         except BaseException:
             attempt.cancel()
@@ -299,31 +299,6 @@ class FairLock:
 
     def __repr__(self) -> str:
         return f"<FairLock {self.path} {self.state.value} token={self.token}>"
-
-
-def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> list[Contender]:
-    """Holders and waiters on ``path`` in queue order (any of our, Curator's or kazoo's nodes).
-
-    ``max_holders=None``: as many holders as our nodes' data says the lock has (a
-    semaphore's tasks record ``lock_max_holders``), else one — for readers such as
-    ``celery zklock status`` that do not know the task."""
-    try:
-        ordered = znodes.sort_contenders(client.get_children(path))
-    except NoNodeError:
-        return []
-    pending = [(name, client.get_async(f"{path}/{name}")) for name in ordered]
-    found = []
-    for name, result in pending:
-        try:
-            data, stat = result.get()
-        except NoNodeError:
-            continue
-        found.append((name, data.decode("utf-8", "replace"), stat.ctime / 1000.0))
-    if max_holders is None:
-        declared = [i.holders for _, data, _ in found if (i := Identity.parse(data)) is not None and i.holders]
-        max_holders = max(declared) if declared else 1
-    return [Contender(name, znodes.sequence_of(name) or 0, data, index < max_holders, created)
-            for index, (name, data, created) in enumerate(found)]
 
 
 class MultiLock:

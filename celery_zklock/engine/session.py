@@ -56,6 +56,8 @@ class Timers:
         self._wake = handler.event_object()
         self._started = False
         self._order = itertools.count()
+        self._batch: list = []  # calls for the next soon() window, and whether it is armed
+        self._batch_armed = False
 
     def call_at(self, when: float, fn: Callable, *args: Any) -> list:
         """Run ``fn(*args)`` at ``when`` (``time.monotonic()`` clock); returns a handle."""
@@ -69,6 +71,32 @@ class Timers:
         if earliest:  # the loop sleeps until the earliest entry: wake it only to sleep less
             self._wake.set()
         return handle
+
+    def soon(self, within: float, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)`` at most ``within`` seconds from now, batched with every call due
+        in the same window: one wake of the loop per window, not one per call, so a lock taken
+        and released a thousand times a second does not pay a thread switch each time."""
+        with self._guard:
+            self._batch.append((fn, args))
+            if self._batch_armed:
+                return
+            self._batch_armed = True
+        self.call_at(time.monotonic() + within, self._run_batch)
+
+    def _run_batch(self) -> None:
+        with self._guard:
+            batch, self._batch, self._batch_armed = self._batch, [], False
+        for fn, args in batch:
+            self._call(fn, args)
+
+    @staticmethod
+    def _call(fn: Callable, args: tuple) -> None:
+        try:
+            fn(*args)
+        except Exception:  # pragma: no cover - a timer must not kill the loop
+            import logging
+
+            logging.getLogger("celery_zklock.engine.session").exception("timer callback failed")
 
     @staticmethod
     def cancel(handle: list | None) -> None:
@@ -87,12 +115,7 @@ class Timers:
                         due.append((fn, args))
                 wait = self._heap[0][0] - now if self._heap else None
             for fn, args in due:
-                try:
-                    fn(*args)
-                except Exception:  # pragma: no cover - a timer must not kill the loop
-                    import logging
-
-                    logging.getLogger("celery_zklock.engine.session").exception("timer callback failed")
+                self._call(fn, args)
             if not due:
                 self._wake.wait(wait)
 

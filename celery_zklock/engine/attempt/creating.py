@@ -1,0 +1,142 @@
+"""Creating our node: one round trip for an uncontended key.
+
+``create`` and ``get_children`` are pipelined (ZooKeeper answers one session's requests
+in order).  On a key this process has not locked lately the container's creation rides
+along instead, and a node with sequence 0 holds without a read (a sequence is the
+parent's child-change count, so 0 means no child ever existed before ours).  A create
+that finds no parent makes it and tries again, within the same try.
+
+Writes: ``node``, ``czxid``, ``session``, ``token``, ``_create_in_flight``, ``_create_session``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from kazoo.exceptions import NoAuthError, NoNodeError, SessionExpiredError, UnimplementedError
+
+from .. import kazoo_compat, znodes
+from ..session import RETRYABLE
+from .state import RECENT, State
+
+
+class Creating:
+    def _send_create(self, same_try: bool = False) -> None:
+        # same_try: the create is being resent because the key's container had been
+        # reaped; the remake and the resend belong to the one try that timeout=0 allows.
+        if self._deadline_passed and not same_try:
+            return self._give_up(False)
+        if not self.client.connected:
+            return self._await("create")
+        self._pending = None
+        session = kazoo_compat.session_id(self.client)
+        self._create_session = session
+        self._create_in_flight = True
+        new_key = self.lk.path not in RECENT and znodes.uses_containers(self.client)
+        if new_key:
+            # A key not locked lately: its container probably does not exist (they are
+            # reaped when empty), so create it in the same round trip, and read no children.
+            kazoo_compat.create_container_async(
+                self.client, self.lk.path, kazoo_compat.acl_for(self.client, self.lk.path)
+            ).rawlink(self._on_parent)
+        node = f"{self.lk.path}/{self.prefix}"
+        created = self.client.create_async(
+            node, self.lk.identifier, acl=kazoo_compat.acl_for(self.client, node), ephemeral=True, sequence=True,
+            include_data=True,
+        )
+        listed = None if new_key else self.client.get_children_async(self.lk.path)
+        created.rawlink(partial(self._on_created, session, listed))
+
+    def _on_parent(self, result) -> None:
+        try:
+            result.get()
+        except UnimplementedError:
+            # A server without containers (< 3.5.3): persistent parents from now on,
+            # deleted best-effort after release so they do not accumulate.
+            znodes.mark_no_containers(self.client)
+        except Exception:
+            pass  # exists already, or its ancestors do not: the create tells
+
+    def _on_created(self, session, listed, result) -> None:
+        with self._guard:
+            self._create_in_flight = False
+            try:
+                path, stat = result.get()
+            except NoNodeError:
+                RECENT.discard(self.lk.path)
+                if not self._finished:
+                    self._make_parent_then_create()
+                return self._settle_cleanup()
+            except RETRYABLE:
+                # The create may have run with its reply lost: resolve it once connected.
+                return self._await("ghost")
+            except SessionExpiredError:
+                return self._await("create")
+            except NoAuthError:
+                if not self._finished:
+                    self._give_up(znodes.no_auth_error(self.lk.path, "joining the lock queue"))
+                return self._settle_cleanup()
+            except Exception as exc:  # ConnectionClosedError: the client was stopped
+                if not self._finished:
+                    self._give_up(exc)
+                return self._settle_cleanup()
+            RECENT.add(self.lk.path)
+            name = path.rsplit("/", 1)[1]
+            if self._finished:  # given up while the create was in flight
+                self.cleanup = self._delete(name, session)
+                return self._settle_cleanup()
+            self.node, self.czxid, self.session = name, stat.czxid, session
+            self.token = znodes.fencing_token(stat.czxid)
+            if listed is None and znodes.sequence_of(name) == 0:
+                return self._decide([name])
+            if listed is not None:
+                look = self._next_look()
+                listed.rawlink(partial(self._on_children, look))
+            else:
+                self._read_children()
+
+    def _make_parent_then_create(self) -> None:
+        """Our create found no parent: make it (a container; ancestors persistent), create again."""
+        path = self.lk.path
+
+        def made(result) -> None:
+            try:
+                result.get()
+            except NoNodeError:  # an ancestor is missing too
+                parent = path.rsplit("/", 1)[0]
+                if parent:
+                    return self.client.ensure_path_async(parent, kazoo_compat.acl_for(self.client, parent)).rawlink(
+                        lambda r: self._parent_made(r, retry=True))
+            except UnimplementedError:
+                znodes.mark_no_containers(self.client)
+                return self.client.create_async(path, b"", acl=kazoo_compat.acl_for(self.client, path),
+                                                makepath=True).rawlink(self._parent_made)
+            except Exception:
+                pass
+            self._parent_made(result)
+
+        acl = kazoo_compat.acl_for(self.client, path)
+        if znodes.uses_containers(self.client):
+            kazoo_compat.create_container_async(self.client, path, acl).rawlink(made)
+        else:
+            self.client.create_async(path, b"", acl=acl, makepath=True).rawlink(self._parent_made)
+
+    def _parent_made(self, result, retry: bool = False) -> None:
+        with self._guard:
+            if self._finished or self.state is not State.CREATING or self._create_in_flight:
+                return
+            try:
+                result.get()
+            except NoAuthError:
+                return self._give_up(znodes.no_auth_error(self.lk.path, "creating the lock's parent znode"))
+            except Exception:
+                pass  # exists already, or a connection blip: the next create tells
+            if retry:
+                return self._make_parent_then_create()
+            self._send_create(same_try=True)
+
+    def _requeue(self) -> None:
+        """Our node is gone (session expired, deleted by an operator or the reaper): queue again."""
+        self.node = self.token = self.session = None
+        self.state = State.CREATING
+        self._send_create()

@@ -1,0 +1,130 @@
+"""Holding: a held lock, the connection's events, and how a hold is lost.
+
+A held lock is HELD_SUSPENDED (not held) while disconnected; re-verified (node exists,
+owned by our session) on reconnection; LOST when the session expires, the node is
+deleted, or the suspension outlasts a third of the session timeout (kazoo cannot learn
+of an expiry while cut off and notices the cut only after two thirds of it).
+
+A holder also watches its own node, to learn when an operator or the reaper deletes it.
+That watch is set :data:`OWN_WATCH_WITHIN` after the grant, in one batch for every lock
+of the client, not with the grant: a hold shorter than that never pays for the request
+and its notification (a third of an uncontended acquire+release), and a deletion in the
+first moments is still caught, a little later, or by the release's proof.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from kazoo.exceptions import ConnectionClosedError, SessionExpiredError
+from kazoo.protocol.states import EventType, KazooState
+
+from .. import kazoo_compat
+from ..session import RETRYABLE
+from .state import HELD_STATES, WAITING_STATES, State
+
+#: Seconds after a grant by which the holder's watch on its own node is set (see above).
+OWN_WATCH_WITHIN = 0.02
+
+
+class Holding:
+    def _take(self) -> None:
+        if kazoo_compat.session_id(self.client) != self.session:
+            return self._requeue()  # the children were read in a session that has ended
+        if self.client.connected:
+            self.state = State.HELD
+        else:
+            # The connection dropped between the deciding reply and now: the monitor told
+            # us while we were still waiting, so the suspension starts here.
+            self._suspend()
+        self.monitor.timers.soon(OWN_WATCH_WITHIN, self._watch_if_still_held, self.node, self.session)
+        self._finish(True)
+
+    def _watch_if_still_held(self, node, session) -> None:
+        """Still the same hold, connected: watch our node (suspended: the re-verification does)."""
+        with self._guard:
+            if self.state is State.HELD and self.node == node and self.session == session:
+                self._watch_own_node()
+
+    def _suspend(self) -> None:
+        self.state = State.HELD_SUSPENDED
+        self.monitor.grace_timer(self.lk.grace(), self._on_grace_over)
+        if self.client.connected:
+            self._verify(self.monitor.epoch)
+
+    def _watch_own_node(self) -> None:
+        """Learn at once if our node is deleted behind our back (operator, reaper, expiry)."""
+        node, session = self.node, self.session
+
+        def changed(event) -> None:
+            if event.type == EventType.DELETED:
+                with self._guard:
+                    if self.node == node and self.session == session:
+                        self._mark_lost("lock node was deleted")
+
+        def checked(result) -> None:
+            try:
+                missing = result.get() is None
+            except Exception:
+                return  # connection trouble: the monitor takes over
+            if missing:
+                with self._guard:
+                    if self.node == node and self.session == session:
+                        self._mark_lost("lock node was deleted")
+
+        self.client.exists_async(f"{self.lk.path}/{node}", watch=changed).rawlink(checked)
+
+    def on_connection(self, state: str, epoch: int) -> None:
+        """From the :class:`SessionMonitor`, on kazoo's connection thread: flags and async requests only."""
+        with self._guard:
+            if state == KazooState.SUSPENDED:
+                if self.state is State.HELD:
+                    self._suspend()
+            elif state == KazooState.CONNECTED:
+                if self.state is State.HELD_SUSPENDED:
+                    self._verify(epoch)
+                elif self._pending == "cleanup" or (not self._finished and self.state in WAITING_STATES):
+                    self._resume()
+            elif state == KazooState.LOST:
+                if self.state in HELD_STATES:
+                    self._mark_lost("ZooKeeper session expired")
+
+    def _verify(self, epoch: int) -> None:
+        """After a reconnection: still ours only if the node exists and our session owns it."""
+        node, session = self.node, self.session
+        self.client.exists_async(f"{self.lk.path}/{node}").rawlink(partial(self._on_verified, epoch, node, session))
+
+    def _on_verified(self, epoch: int, node, session, result) -> None:
+        with self._guard:
+            if self.state is not State.HELD_SUSPENDED or self.node != node:
+                return
+            try:
+                stat = result.get()
+            except RETRYABLE:
+                return  # disconnected again: the next CONNECTED re-verifies
+            except (SessionExpiredError, ConnectionClosedError):
+                return self._mark_lost("ZooKeeper session expired")
+            except Exception:
+                return
+            if stat is not None and stat.ephemeralOwner == kazoo_compat.session_id(self.client) == session:
+                # A newer suspension may have begun while the request was in flight: then
+                # this verdict is stale and that suspension's own verify/grace decides.
+                if self.monitor.epoch != epoch or not self.client.connected:
+                    return
+                self.state = State.HELD
+                self._watch_own_node()  # kazoo dropped our watches when the connection broke
+            else:
+                self._mark_lost("lock node gone after reconnection")
+
+    def _on_grace_over(self, epoch: int) -> None:
+        with self._guard:
+            if self.state is State.HELD_SUSPENDED and self.monitor.epoch == epoch:
+                self._mark_lost("disconnected from ZooKeeper past the session-expiry safety margin")
+
+    def _mark_lost(self, reason: str) -> None:
+        if self.state not in HELD_STATES:
+            return
+        self.state = State.LOST
+        self.lost_reason = reason
+        if self.lk.on_lost is not None:
+            self.client.handler.spawn(self.lk.on_lost)

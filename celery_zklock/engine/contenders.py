@@ -1,0 +1,39 @@
+"""Who is queued on a lock path, in order: for ``celery zklock status`` and the agent's reports.
+
+Read-only and separate from the lock: it reads any contender's node (ours, Curator's,
+kazoo's) and needs no attempt, session monitor or ownership.
+"""
+
+from __future__ import annotations
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from . import znodes
+from .identity import Identity
+from .znodes import Contender
+
+
+def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> list[Contender]:
+    """Holders and waiters on ``path`` in queue order (any of our, Curator's or kazoo's nodes).
+
+    ``max_holders=None``: as many holders as our nodes' data says the lock has (a
+    semaphore's tasks record ``lock_max_holders``), else one — for readers such as
+    ``celery zklock status`` that do not know the task."""
+    try:
+        ordered = znodes.sort_contenders(client.get_children(path))
+    except NoNodeError:
+        return []
+    pending = [(name, client.get_async(f"{path}/{name}")) for name in ordered]
+    found = []
+    for name, result in pending:
+        try:
+            data, stat = result.get()
+        except NoNodeError:
+            continue
+        found.append((name, data.decode("utf-8", "replace"), stat.ctime / 1000.0))
+    if max_holders is None:
+        declared = [i.holders for _, data, _ in found if (i := Identity.parse(data)) is not None and i.holders]
+        max_holders = max(declared) if declared else 1
+    return [Contender(name, znodes.sequence_of(name) or 0, data, index < max_holders, created)
+            for index, (name, data, created) in enumerate(found)]

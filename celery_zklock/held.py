@@ -1,0 +1,89 @@
+"""What a running locked task holds: :class:`HeldLock` and :func:`current_lock`.
+
+Why a context variable: one task instance is shared by every thread (and greenlet) of a
+process, so the hold of *this* run can live neither on ``self`` nor in a global; the
+wrapper in :mod:`celery_zklock.task` sets it around the body and resets it after.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import LockLost
+
+_current: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
+
+
+@dataclass
+class HeldLock:
+    """What :func:`current_lock` returns inside a running locked task."""
+
+    keys: list[str]
+    paths: list[str]
+    tokens: dict[str, int]
+    _lock: Any = field(repr=False)
+    #: Seconds this run waited for its lock (wherever it waited: the worker's agent or here).
+    wait: float = 0.0
+    #: When the lock was granted (``time.time()``): the run's real start, and prerun's time.
+    acquired_at: float = 0.0
+    #: The task (name, id) whose run took this hold: a re-entered call runs under it.
+    task: str = ""
+    task_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.keys[0]
+
+    @property
+    def path(self) -> str:
+        return self.paths[0]
+
+    @property
+    def token(self) -> int:
+        """Fencing token: pass it with every write the lock protects; reject lower ones."""
+        return max(self.tokens.values())
+
+    def is_held(self) -> bool:
+        return self._lock.is_held()
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lock is still held (no I/O)."""
+        if not self._lock.is_held():
+            raise LockLost(self.key, _lost_reason(self._lock) or "not held")
+
+
+def current_lock() -> HeldLock:
+    """The lock held by the locked task running in this thread/greenlet."""
+    held = _current.get()
+    if held is None:
+        raise RuntimeError("current_lock() called outside a running ZkLockedTask")
+    return held
+
+
+class _UnderOuter:
+    """A nested call's hold: the outer's keys (never released here) and the ones it took."""
+
+    def __init__(self, outer, taken) -> None:
+        self.outer, self.taken = outer, taken
+
+    @property
+    def locks(self) -> list:
+        return [*self.outer.locks, *self.taken.locks]
+
+    def is_held(self) -> bool:
+        return self.outer.is_held() and self.taken.is_held()
+
+    def release(self) -> bool:
+        """Release what this call took (its proof); the outer's keys are the outer's to prove."""
+        return self.taken.release()
+
+
+def _tokens_of(lock) -> dict[str, int]:
+    tokens = getattr(lock, "tokens", None)  # MultiLock and AgentLock: per path
+    return dict(tokens) if tokens is not None else {lock.path: lock.token}
+
+
+def _lost_reason(lock) -> str | None:
+    return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)

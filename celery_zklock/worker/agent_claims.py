@@ -1,0 +1,128 @@
+"""The lock agent's pool side: a pool process claims a request's verdict, is told whether
+its locks are still safe, and releases them with a proof.
+
+Why apart from the requests (:mod:`celery_zklock.worker.agent_requests`): once a pool
+process claims a request, the lock belongs to that connection, and what matters is no
+longer queueing but safety — a grant carries the locks' state *now*, later changes are
+pushed (:meth:`ClaimDesk._push_state`), and a release is answered only once ZooKeeper (or
+the local handoff's write) proves the lock was held to the end.  On the agent's event
+thread, like everything in it.
+"""
+
+from __future__ import annotations
+
+from ..engine.internals import State
+from ..engine.session import DELETED, LEASED, WRITTEN
+from .agent_link import Connection
+from .agent_requests import Wait
+
+#: Outcomes of a release that prove the lock was held to the end.
+PROOFS = (DELETED, WRITTEN, LEASED)
+
+
+class ClaimDesk:
+    """Claims, lock states and releases (a mixin of :class:`~celery_zklock.worker.agent.Agent`,
+    which holds the state)."""
+
+    def _claim(self, peer: Connection, request_id: str) -> None:
+        """Hand a decided request, or one next in line, to the pool process that runs it.
+
+        A next-in-line claimer is told ``pending`` and gets the verdict the moment it is
+        decided.  Other undecided requests are not claimable: the claimer would run
+        in-process and could queue behind our own node."""
+        wait = self.waits.get(request_id)
+        if (wait is None or wait.done or wait.claimer is not None
+                or (wait.verdict is None and not wait.next_sent)):
+            peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
+            return
+        wait.claimer = peer
+        self.claimed.add(wait)
+        if wait.verdict is None:
+            peer.send({"op": "claimed", "id": request_id, "verdict": "pending"})
+            return
+        self._send_verdict(wait)
+        if wait.verdict["verdict"] != "granted":
+            self._forget(wait)
+
+    def _release(self, peer: Connection, request_id: str) -> None:
+        """Let go of a claimed request's locks; the answer says whether each one was proven
+        held to the end (the delete, or the local handoff's write, found our node).
+        Answered from those replies: no thread waits."""
+        wait = self.waits.get(request_id)
+        if wait is None or wait.claimer is not peer or wait.done:
+            peer.send({"op": "released", "id": request_id, "proven": False, "reason": "not held through the agent"})
+            return
+        self._learn_hold(wait)
+        self._guard_finished(wait)
+        reason = self._lost_reason(wait)
+        outcomes = self._let_go(wait)
+        self._forget(wait)
+        pending = [p for p in outcomes if not isinstance(p, str)]
+        left = [len(pending)]
+
+        def answer() -> None:
+            proven = all(_outcome(p) in PROOFS for p in outcomes)
+            why = reason or (None if proven else "lock node was already gone at release")
+            peer.send({"op": "released", "id": request_id, "proven": proven, "reason": why})
+
+        def one_done(_result) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                answer()
+
+        if not pending:
+            return answer()
+        for p in pending:
+            p.rawlink(lambda result: self.post(one_done, result))
+
+    # ------------------------------------------------------------------ lock state
+    @staticmethod
+    def _lost_reason(wait: Wait) -> str | None:
+        for _c, slot, _t in wait.holds.values():
+            if slot.attempt.lost_reason:
+                return slot.attempt.lost_reason
+            if slot.lost:
+                return "lock lost"
+        return None
+
+    def _state(self, wait: Wait) -> dict:
+        """Whether the request's locks are safe to hold right now, as a claimer is told."""
+        slots = [slot for _c, slot, _t in wait.holds.values()]
+        held = bool(slots) and all(s.held for s in slots)
+        lost = any(s.lost or s.attempt.state is State.LOST for s in slots)
+        reason = self._lost_reason(wait)
+        if not held and reason is None:
+            suspended = any(s.attempt.state is State.HELD_SUSPENDED for s in slots)
+            reason = "ZooKeeper connection suspended" if suspended else "not held"
+        return {"held": held, "lost": lost, "reason": reason}
+
+    def _push_state(self, wait: Wait) -> None:
+        if (wait.claimer is None or wait.done or wait.verdict is None
+                or wait.verdict.get("verdict") != "granted"):
+            return
+        state = self._state(wait)
+        if wait.shown_held == state["held"] and not state["lost"]:
+            return
+        wait.shown_held = state["held"]
+        wait.claimer.send({"op": "state", "id": wait.id, **state})
+
+    def _send_verdict(self, wait: Wait) -> None:
+        """Tell the claimer its verdict; a grant carries the locks' state *now*: a request
+        granted before ZooKeeper became unreachable may be claimed only later (no free pool
+        process until then), and its body must not start on the old grant alone."""
+        message = wait.verdict
+        if message["verdict"] == "granted":
+            state = self._state(wait)
+            wait.shown_held = state["held"]
+            message = {**message, **state}
+        wait.claimer.send(message)
+
+
+def _outcome(pending):
+    """A release outcome: the delete's result once ready, or the string/None given."""
+    if pending is None or isinstance(pending, str):
+        return pending
+    try:
+        return pending.get(timeout=0)
+    except Exception:
+        return None

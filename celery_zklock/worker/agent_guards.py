@@ -1,0 +1,65 @@
+"""The lock agent's enqueue guards (``lock_enqueue``): ended or moved as requests are decided.
+
+Why apart: a guard's updates are blocking ZooKeeper calls (:mod:`celery_zklock.engine.guards`)
+that must not run on the agent's event thread, and must run in order (a task's end must
+not overtake its start) — so they have one thread of their own, and only their
+completions come back to the event thread.  When to move a granted request's guard is part
+of its verdict (:meth:`~celery_zklock.worker.agent_requests.RequestBook._decide`), which
+stays with the verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from ..engine import guards
+from .agent_requests import Wait
+
+logger = logging.getLogger("celery_zklock.worker.agent")
+
+
+class EnqueueGuards:
+    """Guard updates, in order, off the event thread (a mixin of
+    :class:`~celery_zklock.worker.agent.Agent`, which holds ``guard_jobs``)."""
+
+    def _guard_op(self, fn, *args, after=None) -> None:
+        """A guard's blocking ZooKeeper calls, off the event thread and in order on one
+        thread of their own (a task's end must not overtake its start); ``after`` then runs
+        on the event thread, whatever the outcome."""
+        if self.guard_jobs is None:
+            self.guard_jobs = queue.SimpleQueue()
+            threading.Thread(target=self._guard_loop, name="zklock-agent-guards", daemon=True).start()
+        self.guard_jobs.put((fn, args, after))
+
+    def _guard_loop(self) -> None:
+        while True:
+            fn, args, after = self.guard_jobs.get()
+            try:
+                fn(self.client, *args)
+            except Exception as exc:  # the message's expires still bounds the guard
+                logger.warning("zklock agent: enqueue guard of %s not updated (%r)", args[1], exc)
+            if after is not None:
+                self.post(after)
+
+    def _guard_decided(self, wait: Wait, verdict: str) -> None:
+        """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
+        node of our session (``finish``); not to run, it ends.  ``shutdown`` leaves it: the
+        message goes back to the broker, still queued."""
+        guard = wait.guard
+        if guard is None or verdict == "shutdown":
+            return
+        retries = int(guard.get("retries") or 0)
+        if verdict == "granted":  # moved by _decide already
+            if guard["until"] != "finish":
+                wait.guard = None
+        else:
+            wait.guard = None
+            self._guard_op(guards.release, guard["paths"], wait.id, retries)
+
+    def _guard_finished(self, wait: Wait) -> None:
+        """A granted request ran (or its process died): its running guard goes."""
+        guard, wait.guard = wait.guard, None
+        if guard is not None and wait.verdict is not None and wait.verdict.get("verdict") == "granted":
+            self._guard_op(guards.release, guard["paths"], wait.id, int(guard.get("retries") or 0))

@@ -1,0 +1,193 @@
+"""The worker's main process keeps its lock agent alive: starts it, links to it, restarts it.
+
+Why apart from the consumer step (:mod:`celery_zklock.worker.worker_queue`): what the step
+does with a request does not depend on how the agent is kept alive, and this part has its
+own failure rules — the agent is exec'd before the pool forks and must answer ``READY``
+(else the worker does not start: locked tasks would run unprotected); a silent agent is
+killed; a dead one is restarted, with backoff while ZooKeeper is unreachable, and the
+requests held aside queue again.  The link runs in the hub (the event loop): no thread in
+the forking parent.  The messages: :mod:`celery_zklock.worker.agent_link`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from celery.utils.log import get_logger
+
+from ..config import ZkSettings, to_wire
+from .agent_link import ENV, LineReader, encode, socket_path
+
+logger = get_logger("celery_zklock.worker")
+
+#: Pools whose processes must not wait (a waiting task there costs a whole process).
+PROCESS_POOLS = ("prefork", "solo")
+
+_agent: "AgentProcess | None" = None
+
+
+class AgentProcess:
+    """The exec'd agent process, started before the pool forks, restarted if it dies."""
+
+    def __init__(self, settings: ZkSettings) -> None:
+        self.settings = settings
+        self.path = socket_path()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery_zklock.worker.agent", self.path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+        )
+        self.proc.stdin.write((json.dumps(to_wire(self.settings)) + "\n").encode())  # may hold credentials: never argv
+        self.proc.stdin.close()
+        deadline = time.monotonic() + self.settings.connect_timeout + 5.0
+        line = b""
+        while time.monotonic() < deadline and not line.endswith(b"\n"):
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(self.proc.stdout.fileno(), 64)
+            if not chunk:
+                break
+            line += chunk
+        if line.strip() != b"READY":
+            self.kill()
+            raise SystemExit(
+                f"celery-zklock: the lock agent did not start (cannot reach ZooKeeper at "
+                f"zklock_hosts={self.settings.hosts!r}?); locked tasks would otherwise run unprotected."
+            )
+        self.proc.stdout.close()
+        os.environ[ENV] = self.path  # pool processes forked from now on find their agent
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def start_agent(worker, settings: ZkSettings) -> bool:
+    """At ``worker_init`` (before the pool forks): start the agent for process pools."""
+    global _agent
+    pool = getattr(getattr(worker, "pool_cls", None), "__module__", "") or ""
+    if settings.wait_in != "worker" or not pool.endswith(PROCESS_POOLS):
+        os.environ.pop(ENV, None)
+        return False
+    _agent = AgentProcess(settings)
+    _agent.start()
+    return True
+
+
+def running() -> AgentProcess | None:
+    """This worker's agent, if :func:`start_agent` started one."""
+    return _agent
+
+
+class AgentSupervisor:
+    """The consumer step's link to the agent (a mixin of
+    :class:`~celery_zklock.worker.worker_queue.WaitOutsidePool`, which holds the state and
+    handles what the agent says)."""
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5.0)
+        sock.connect(_agent.path)
+        self.sock = sock
+        self.reader = LineReader()
+        self.last_ping = time.monotonic()
+        self._send({"op": "hello", "role": "main", "pid": os.getpid()})
+        self.c.hub.add_reader(sock.fileno(), self._readable)
+
+    def _send(self, message: dict) -> None:
+        if self.sock is None:
+            return  # no agent (being restarted): nothing of ours waits in it
+        try:
+            self.sock.sendall(encode(message))
+        except OSError:
+            pass  # the agent is gone: the reader sees it and restarts it
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            return self._agent_gone()
+        self.last_ping = time.monotonic()
+        for msg in self.reader.feed(data):
+            op = msg.get("op")
+            if op in ("granted", "timeout", "unavailable", "bypass"):
+                # Only a grant that had to queue jumps the pool's queue: its key is
+                # contended, and tasks behind it wait for its release.
+                self._hand_over(msg["id"], first=op == "granted" and bool(msg.get("queued")))
+                if msg["id"] in self.early:
+                    self._early_done(msg["id"])  # decided: it no longer waits in its slot
+            elif op == "next":
+                self._next_in_line(msg["id"], msg.get("hold"))
+            elif op == "revoked":
+                self._revoked_in_pool(msg["id"])
+                self._early_done(msg["id"])
+            elif op == "queued":
+                self._queued(msg["id"], msg.get("position"))
+
+    def _agent_gone(self) -> None:
+        """The agent died (or was killed as frozen): restart it and queue again.
+
+        Its session ended with it, so its nodes are gone (at once, or at the session
+        timeout if it could not close); requests we held queue again at the back.
+        """
+        self.c.hub.remove(self.sock.fileno())
+        self.sock.close()
+        self.sock = None
+        logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.held))
+        _agent.kill()
+        # Requests in the pool next in line lost their nodes with the agent: their claims
+        # now find no verdict, and they lock in-process.
+        for request_id in self.early:
+            self.paths.pop(request_id, None)
+        self.early.clear()
+        self.next_up.clear()
+        self._restart_agent()
+
+    def _restart_agent(self) -> None:
+        """Start the agent again; if ZooKeeper cannot be reached, the worker stays up.
+
+        Without an agent, requests go to the pool as they are, where each locks in-process
+        and, ZooKeeper being unreachable, follows ``on_lock_unavailable`` (retry or fail:
+        never unprotected); the start is retried with backoff (1 s doubling to 30 s)."""
+        try:
+            _agent.start()
+        except SystemExit as exc:
+            delay = self.restart_delay = min(30.0, self.restart_delay * 2) if self.restart_delay else 1.0
+            logger.error("%s; %d waiting request(s) follow on_lock_unavailable in the pool; trying again in %.0fs",
+                         exc, len(self.held), delay)
+            for request_id in list(self.held):
+                self._hand_over(request_id)
+            self.c.hub.call_later(delay, self._restart_agent)
+            return
+        self.restart_delay = 0.0
+        self._connect()
+        for req in list(self.held.values()):
+            self._submit(req)
+
+    def _check_agent(self) -> None:
+        if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
+            self._readable()  # pings may be waiting behind a long task (solo pool)
+        silent = time.monotonic() - self.last_ping
+        if self.sock is not None and silent > max(2.0, _agent.settings.session_timeout / 3) and _agent.alive:
+            logger.error("celery-zklock: the lock agent has been silent for %.1fs; killing it", silent)
+            _agent.kill()  # its socket closes: _readable sees the end and restarts it

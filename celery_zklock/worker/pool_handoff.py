@@ -1,0 +1,73 @@
+"""Handing held requests to the pool: which may go before their grant, how many, and first.
+
+Why apart from the consumer step (:mod:`celery_zklock.worker.worker_queue`): these are the
+rules and the pool internals of a handoff, not its bookkeeping — how many pool processes
+may idle next in line (:func:`handoff_slots`, never all of them), whether one request may
+(:func:`hand_over_early`), and putting a granted request at the head of the pool's queue
+(:func:`run_next`), which touches Celery's and kombu's prefork internals defensively.
+"""
+
+from __future__ import annotations
+
+from ..config import ZkSettings
+from .agent_link import HANDOFF_MAX_WAIT
+
+
+def hand_over_early(expected_wait: float | None, early: int, slots: int,
+                    max_wait: float = HANDOFF_MAX_WAIT) -> str:
+    """Hand a next-in-line request to the pool ``"now"``, ``"later"`` (when a handoff slot
+    frees), or ``"no"`` (it waits here for its grant, like any other).
+
+    Why these rules: a pool process given a next-in-line request idles until the holder
+    releases, so it is worth it only when that wait is known to be short (a hot chain of
+    short tasks, where it saves the dispatch and the wait for a free slot at every
+    handoff) and only in a bounded number of processes: a long holder, or a task not seen
+    yet, never parks a pool process.
+    """
+    if slots <= 0 or expected_wait is None or expected_wait > max_wait:
+        return "no"
+    return "now" if early < slots else "later"
+
+
+def handoff_slots(c, settings: ZkSettings) -> int:
+    """How many pool processes may wait for a lock their task is next in line for: the
+    setting, or half the pool (rounded down: a -c 1 pool never parks its one process).
+    The solo pool's one process must never wait: none there."""
+    if not (getattr(type(c.pool), "__module__", "") or "").endswith("prefork"):
+        return 0
+    if settings.handoff_slots is not None:
+        return settings.handoff_slots
+    return pool_size(c) // 2
+
+
+def pool_size(c) -> int:
+    """The pool's current size (it changes with --autoscale)."""
+    pool = getattr(c.pool, "_pool", None)
+    live = getattr(pool, "_processes", None)
+    return int(live if isinstance(live, int) and live > 0 else getattr(c.pool, "limit", None) or 1)
+
+
+def run_next(c, req) -> None:
+    """A request that holds its lock, or is next in line for it, goes to the head of the
+    worker's queue for a pool process.
+
+    Why: with every pool process busy, prefork queues requests in the main process in
+    arrival order — in the worker's semaphore (``LaxBoundedSemaphore``, one permit per
+    process) and then in the pool's outbound buffer; a granted request queued behind
+    them would hold its key's lock while it waits for a slot, and every task queued on
+    that key would wait with it.  Running it first keeps a hot key's chain moving.  This
+    touches kombu's and Celery's prefork internals (``_waiting``,
+    ``AsynPool.outbound_buffer``, ``Request._apply_result``) defensively: when they are
+    not there, the request simply keeps its place.
+    """
+    waiting = getattr(getattr(c.controller, "semaphore", None), "_waiting", None)
+    if waiting:
+        entry = waiting[-1]
+        if isinstance(entry, tuple) and len(entry) == 3 and entry[1][:1] == (req,):
+            waiting.appendleft(waiting.pop())
+            return
+    buffer = getattr(getattr(c.pool, "_pool", None), "outbound_buffer", None)
+    ref = getattr(req, "_apply_result", None)
+    job = ref() if callable(ref) else None
+    if job is not None and buffer and buffer[-1] is job:
+        buffer.appendleft(buffer.pop())
