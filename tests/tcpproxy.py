@@ -36,6 +36,7 @@ __all__ = [
     "OP_EXISTS",
     "OP_GET_CHILDREN",
     "OP_GET_CHILDREN2",
+    "OP_MULTI",
     "OP_PING",
 ]
 
@@ -45,6 +46,7 @@ OP_EXISTS = 3
 OP_GET_CHILDREN = 8
 OP_GET_CHILDREN2 = 12
 OP_PING = 11
+OP_MULTI = 14
 OP_CREATE2 = 15
 
 

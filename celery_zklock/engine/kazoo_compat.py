@@ -1,18 +1,23 @@
 """Every use of kazoo internals, in one place.
 
 Why: kazoo 2.x exposes neither the session id across a reconnection, nor the negotiated
-session timeout, nor a way to send the ``createContainer`` request.  The lock needs all
-three.  Reading them here, behind small functions, means a kazoo upgrade that renames an
+session timeout, nor a way to send the ``createContainer`` request, nor a ``multi`` whose
+creates answer with their stats.  The lock needs all four.  Reading them here, behind small functions, means a kazoo upgrade that renames an
 attribute breaks one module — and its tests say so — instead of the lock protocol.
 """
 
 from __future__ import annotations
 
 from kazoo.client import KazooClient
-from kazoo.protocol.serialization import Create2
+from collections import namedtuple
+
+from kazoo.exceptions import EXCEPTIONS
+from kazoo.protocol.serialization import Create2, MultiHeader, int_struct, multiheader_struct, read_string, stat_struct
+from kazoo.protocol.states import ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
 
 _CONTAINER_FLAG = 4  # CreateMode.CONTAINER.toFlag()
+_EPHEMERAL_SEQUENTIAL_FLAG = 3  # CreateMode.EPHEMERAL_SEQUENTIAL.toFlag()
 
 
 def session_id(client: KazooClient) -> int | None:
@@ -50,6 +55,76 @@ def create_container_async(client: KazooClient, path: str, acl=None):
     result = client.handler.async_result()
     client._call(CreateContainer(full, b"", acl or client.default_acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG), result)
     return result
+
+
+class MultiCreate(namedtuple("MultiCreate", "operations")):
+    """A ``multi`` (opcode 14) of creates whose replies carry path *and* stat.
+
+    kazoo's ``Transaction`` reads a create's reply as a path only, and knows neither
+    ``createContainer`` nor ``create2`` inside a multi; the lock needs the stat (its czxid is
+    the fencing token).  Replies: one ``(path, stat)`` per create (stat None where the server
+    sends a path only, as it does for any create but a container's: every node a multi
+    creates has the transaction's zxid as its czxid), or the exception of an op
+    that failed (ops before it read ``RolledBackError``, ops after it ``RuntimeInconsistency``).
+    """
+
+    type = 14
+
+    def serialize(self):
+        b = bytearray()
+        for op in self.operations:
+            b.extend(MultiHeader(op.type, False, -1).serialize() + op.serialize())
+        return b + multiheader_struct.pack(-1, True, -1)
+
+    @classmethod
+    def deserialize(cls, bytes, offset):
+        results = []
+        header, offset = MultiHeader.deserialize(bytes, offset)
+        while not header.done:
+            if header.type == -1:
+                err = int_struct.unpack_from(bytes, offset)[0]
+                offset += int_struct.size
+                results.append(EXCEPTIONS[err]())
+            elif header.type == 1:  # create: the path only
+                path, offset = read_string(bytes, offset)
+                results.append((path, None))
+            else:  # create2 / createContainer: path and stat
+                path, offset = read_string(bytes, offset)
+                results.append((path, ZnodeStat._make(stat_struct.unpack_from(bytes, offset))))
+                offset += stat_struct.size
+            header, offset = MultiHeader.deserialize(bytes, offset)
+        return results
+
+
+def create_in_new_container_async(client: KazooClient, container: str, node: str, data: bytes,
+                                  container_acl=None, node_acl=None):
+    """One ``multi``: create the container ``container`` and our EPHEMERAL_SEQUENTIAL
+    ``node`` under it, all or nothing; resolves to ``[(path, stat) or exception] * 2``.
+
+    Why: a key not locked lately usually has no container (they are reaped when empty), and
+    one request instead of two (createContainer, then create) is half the server's work.
+    Only for a server known to have containers: an old server drops the connection on a
+    multi with an op it cannot read, where a lone ``createContainer`` gets UNIMPLEMENTED.
+    """
+    chroot = client.chroot or ""
+    default = client.default_acl or OPEN_ACL_UNSAFE
+    ops = [CreateContainer(chroot + container, b"", container_acl or default, _CONTAINER_FLAG),
+           Create2(chroot + node, data, node_acl or default, _EPHEMERAL_SEQUENTIAL_FLAG)]
+    result = client.handler.async_result()
+    client._call(MultiCreate(ops), result)
+    if not chroot:
+        return result
+    unchrooted = client.handler.async_result()
+
+    def strip(r) -> None:
+        try:
+            replies = r.get()
+        except Exception as exc:
+            return unchrooted.set_exception(exc)
+        unchrooted.set([(client.unchroot(x[0]), x[1]) if isinstance(x, tuple) else x for x in replies])
+
+    result.rawlink(strip)
+    return unchrooted
 
 
 def acl_for(client: KazooClient, path: str):

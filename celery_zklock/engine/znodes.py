@@ -112,8 +112,10 @@ def validate_path(path: object) -> str:
 
 
 # Servers that answered UNIMPLEMENTED to createContainer (pre-3.5.3): we fall back to a
-# persistent parent and delete it best-effort after release.
+# persistent parent and delete it best-effort after release.  Servers that answered one
+# (created, or exists): a multi may carry a createContainer.
 _NO_CONTAINERS: set[str] = set()
+_CONTAINERS_WORK: set[str] = set()
 
 
 def _client_key(client) -> str:
@@ -187,6 +189,15 @@ def mark_no_containers(client) -> None:
 
 def uses_containers(client) -> bool:
     return _client_key(client) not in _NO_CONTAINERS
+
+
+def mark_containers_work(client) -> None:
+    _CONTAINERS_WORK.add(_client_key(client))
+
+
+def containers_known_to_work(client) -> bool:
+    """The server answered a ``createContainer``: a multi carrying one is safe to send."""
+    return _client_key(client) in _CONTAINERS_WORK
 
 
 class Contender(NamedTuple):

@@ -18,7 +18,7 @@ from kazoo.protocol.states import KazooState
 from celery_zklock import FairLock, LockLost
 from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.testing import ZooKeeperServer
-from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, TcpProxy, wait_for
+from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_MULTI, TcpProxy, wait_for
 
 SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s
 
@@ -321,7 +321,9 @@ def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_s
     reconnected on the same session it must hold.
 
     That reply is the children listing on a key this process locked lately ("known"), and
-    the create's own reply on a key it has not ("new": sequence 0 holds without a read)."""
+    the create's own reply on a key it has not ("new": sequence 0 holds without a read; or
+    the multi that made the key's container and our node, once the server is known to have
+    containers)."""
     zk_client.ensure_path(path)
     with TcpProxy.to(zk_server.hosts) as proxy:
         c = _client(proxy.hosts)
@@ -335,7 +337,7 @@ def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_s
                 lock_path = path if key == "known" else f"{path}/new{round_}"
                 lock = FairLock(c, lock_path, on_lost=lost.append)
                 # Pass the reply that makes us the holder, then cut and keep the client out.
-                last = (OP_GET_CHILDREN,) if key == "known" else (OP_CREATE, OP_CREATE2)
+                last = (OP_GET_CHILDREN,) if key == "known" else (OP_CREATE, OP_CREATE2, OP_MULTI)
                 cut = proxy.arm_cut(last, forward=True, deliver_reply=True, then_hold=True)
                 result = {}
                 t = _acquire_in_thread(lock, result, timeout=10)
@@ -535,6 +537,33 @@ def test_lost_create_reply_adopts_own_node(zk_server, zk_client, path):
             assert lock.is_held()
             lock.release()
             assert zk_client.get_children(path) == []
+        finally:
+            _stop(c)
+
+
+def test_lost_multi_reply_on_a_new_key_adopts_own_node(zk_server, zk_client, path):
+    """A new key's container and our node go in one multi; its reply lost, the ghost
+    search finds our node under the new container and adopts it (no second node)."""
+    from celery_zklock.engine import znodes
+
+    zk_client.ensure_path(path)
+    key = f"{path}/new"
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            znodes.mark_containers_work(c)
+            session = c.client_id[0]
+            lock = FairLock(c, key)
+            cut = proxy.arm_cut((OP_MULTI,), forward=True)
+            assert lock.acquire(timeout=10) is True
+            assert cut.fired.is_set() and cut.reply_err == 0, "the multi was not executed and cut"
+            assert c.client_id[0] == session
+            mine = _children_with(zk_client, key, lock._prefix)
+            assert len(mine) == 1 and lock.node == f"{key}/{mine[0]}"
+            assert lock.token == fencing_token(zk_client.exists(lock.node).czxid)
+            assert lock.is_held()
+            lock.release()
+            assert zk_client.get_children(key) == []
         finally:
             _stop(c)
 

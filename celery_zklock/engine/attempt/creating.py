@@ -1,10 +1,15 @@
 """Creating our node: one round trip for an uncontended key.
 
 ``create`` and ``get_children`` are pipelined (ZooKeeper answers one session's requests
-in order).  On a key this process has not locked lately the container's creation rides
-along instead, and a node with sequence 0 holds without a read (a sequence is the
-parent's child-change count, so 0 means no child ever existed before ours).  A create
-that finds no parent makes it and tries again, within the same try.
+in order).  On a key this process has not locked lately the container probably does not
+exist (containers are reaped when empty): one ``multi`` creates it and our node, and our
+node, the container's first child, holds without a read.  If the container existed after
+all, the multi fails whole and the pipelined create follows (one round trip more, on a
+key another process locked moments ago).  Until the server has shown it knows
+containers, the container's ``createContainer`` is pipelined beside our create instead,
+and a node with sequence 0 holds (a sequence is the parent's child-change count, so 0
+means no child ever existed before ours).  A create that finds no parent makes it and
+tries again, within the same try.
 
 Writes: ``node``, ``czxid``, ``session``, ``token``, ``_create_in_flight``, ``_create_session``.
 """
@@ -13,7 +18,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from kazoo.exceptions import NoAuthError, NoNodeError, SessionExpiredError, UnimplementedError
+from kazoo.exceptions import (
+    NoAuthError, NodeExistsError, NoNodeError, RolledBackError, SessionExpiredError, UnimplementedError,
+)
 
 from .. import kazoo_compat, znodes
 from ..session import RETRYABLE
@@ -33,13 +40,17 @@ class Creating:
         self._create_session = session
         self._create_in_flight = True
         new_key = self.lk.path not in RECENT and znodes.uses_containers(self.client)
+        node = f"{self.lk.path}/{self.prefix}"
+        if new_key and znodes.containers_known_to_work(self.client):
+            kazoo_compat.create_in_new_container_async(
+                self.client, self.lk.path, node, self.lk.identifier, kazoo_compat.acl_for(self.client, self.lk.path),
+                kazoo_compat.acl_for(self.client, node),
+            ).rawlink(partial(self._on_multi, session))
+            return
         if new_key:
-            # A key not locked lately: its container probably does not exist (they are
-            # reaped when empty), so create it in the same round trip, and read no children.
             kazoo_compat.create_container_async(
                 self.client, self.lk.path, kazoo_compat.acl_for(self.client, self.lk.path)
             ).rawlink(self._on_parent)
-        node = f"{self.lk.path}/{self.prefix}"
         created = self.client.create_async(
             node, self.lk.identifier, acl=kazoo_compat.acl_for(self.client, node), ephemeral=True, sequence=True,
             include_data=True,
@@ -54,8 +65,47 @@ class Creating:
             # A server without containers (< 3.5.3): persistent parents from now on,
             # deleted best-effort after release so they do not accumulate.
             znodes.mark_no_containers(self.client)
+        except NodeExistsError:
+            znodes.mark_containers_work(self.client)
         except Exception:
-            pass  # exists already, or its ancestors do not: the create tells
+            pass  # its ancestors do not exist, or a connection blip: the create tells
+        else:
+            znodes.mark_containers_work(self.client)
+
+    def _on_multi(self, session, result) -> None:
+        """The container and our node in one multi: both made, or neither (see above)."""
+        try:
+            container, ours = result.get()
+        except Exception:
+            return self._on_created(session, None, result)  # connection trouble: as for a create
+        if isinstance(ours, tuple):
+            # ZooKeeper answers a create inside a multi with its path only, but every node a
+            # multi creates shares the transaction's zxid: the container's czxid is ours.
+            return self._on_created(session, None, _Made((ours[0], ours[1] or container[1])))
+        if isinstance(container, NodeExistsError):  # locked by another process moments ago
+            with self._guard:
+                self._create_in_flight = False
+                RECENT.add(self.lk.path)
+                if not self._finished and self.state is State.CREATING:
+                    self._send_create(same_try=True)
+                return self._settle_cleanup()
+        if isinstance(container, NoAuthError):
+            with self._guard:
+                self._create_in_flight = False
+                if not self._finished:
+                    self._give_up(znodes.no_auth_error(self.lk.path, "creating the lock's parent znode"))
+                return self._settle_cleanup()
+        parent = self.lk.path.rsplit("/", 1)[0]
+        if isinstance(container, NoNodeError) and parent:  # an ancestor is missing: make it, multi again
+            with self._guard:
+                self._create_in_flight = False
+                if self._finished:
+                    return self._settle_cleanup()
+            acl = kazoo_compat.acl_for(self.client, parent)
+            return self.client.ensure_path_async(parent, acl).rawlink(self._parent_made)
+        # Our node's own failure: as for a create.
+        failed = container if isinstance(container, Exception) and not isinstance(container, RolledBackError) else ours
+        self._on_created(session, None, _Made(failed))
 
     def _on_created(self, session, listed, result) -> None:
         with self._guard:
@@ -140,3 +190,15 @@ class Creating:
         self.node = self.token = self.session = None
         self.state = State.CREATING
         self._send_create()
+
+
+class _Made:
+    """A create's outcome read out of a multi's reply, shaped as kazoo's async result."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
