@@ -85,7 +85,8 @@ wheels="$state/wheels-$src_key"
 if [ ! -e "$wheels/.done" ]; then
   echo ">> docker: building wheels for the worker image"
   rm -rf "$state"/wheels-*; mkdir -p "$wheels"
-  "$PY" -m pip freeze --exclude-editable | grep -v -e '^-e' -e '@ file' -e '^celery-zklock' >"$state/constraints.txt"
+  # packaging is left free: kombu[redis] 5.7 pins its own (packaging==26.3), often older than the venv's.
+  "$PY" -m pip freeze --exclude-editable | grep -v -e '^-e' -e '@ file' -e '^celery-zklock' -e '^packaging==' >"$state/constraints.txt"
   "$PY" -m pip wheel -q --disable-pip-version-check -w "$wheels" -c "$state/constraints.txt" \
       ".[metrics,sasl]" "celery[redis]" "pytest-celery[redis]" flower "async-timeout>=4.0.3" "setuptools>=77" wheel \
       2>&1 | grep -v -e "WARNING: Location" -e "^\s*$" >&2
