@@ -96,10 +96,10 @@ class MultiCreate(namedtuple("MultiCreate", "operations")):
         return results
 
 
-def create_in_new_container_async(client: KazooClient, container: str, node: str, data: bytes,
-                                  container_acl=None, node_acl=None):
-    """One ``multi``: create the container ``container`` and our EPHEMERAL_SEQUENTIAL
-    ``node`` under it, all or nothing; resolves to ``[(path, stat) or exception] * 2``.
+def create_in_new_containers_async(client: KazooClient, pairs):
+    """One ``multi``: for each ``(container, node, data, container_acl, node_acl)`` of
+    ``pairs``, create the container and our EPHEMERAL_SEQUENTIAL ``node`` under it, all or
+    nothing; resolves to two replies per pair, each ``(path, stat)`` or an exception.
 
     Why: a key not locked lately usually has no container (they are reaped when empty), and
     one request instead of two (createContainer, then create) is half the server's work.
@@ -108,8 +108,10 @@ def create_in_new_container_async(client: KazooClient, container: str, node: str
     """
     chroot = client.chroot or ""
     default = client.default_acl or OPEN_ACL_UNSAFE
-    ops = [CreateContainer(chroot + container, b"", container_acl or default, _CONTAINER_FLAG),
-           Create2(chroot + node, data, node_acl or default, _EPHEMERAL_SEQUENTIAL_FLAG)]
+    ops = []
+    for container, node, data, container_acl, node_acl in pairs:
+        ops.append(CreateContainer(chroot + container, b"", container_acl or default, _CONTAINER_FLAG))
+        ops.append(Create2(chroot + node, data, node_acl or default, _EPHEMERAL_SEQUENTIAL_FLAG))
     result = client.handler.async_result()
     client._call(MultiCreate(ops), result)
     if not chroot:

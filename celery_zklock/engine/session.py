@@ -27,6 +27,7 @@ from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoAuthError,
 from kazoo.protocol.states import KazooState
 
 from . import kazoo_compat
+from .new_keys import NewKeys
 
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)
@@ -132,6 +133,7 @@ class SessionMonitor:
     def __init__(self, client: KazooClient) -> None:
         self.client = client
         self.timers = Timers(client.handler)
+        self.new_keys = NewKeys(client)  # new keys' creates, group-committed
         self.epoch = 0
         self._guard = threading.Lock()
         self._subscribers: set = set()

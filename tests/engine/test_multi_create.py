@@ -46,7 +46,8 @@ def _sent(client, monkeypatch) -> list[str]:
 
 def test_the_multi_makes_a_container_and_our_node_with_its_stat(zk_client, path):
     zk_client.ensure_path("/m")
-    replies = kazoo_compat.create_in_new_container_async(zk_client, path, f"{path}/_c_x-lock-", b"me").get(timeout=5)
+    pairs = [(path, f"{path}/_c_x-lock-", b"me", None, None)]
+    replies = kazoo_compat.create_in_new_containers_async(zk_client, pairs).get(timeout=5)
     (cpath, cstat), (npath, nstat) = replies
     assert cpath == path and npath == f"{path}/_c_x-lock-0000000000"
     # A create in a multi answers with its path only; the container's stat carries the
@@ -60,7 +61,8 @@ def test_the_multi_makes_a_container_and_our_node_with_its_stat(zk_client, path)
 
 def test_the_multi_fails_whole_when_the_container_exists(zk_client, path):
     zk_client.ensure_path(path)
-    container, ours = kazoo_compat.create_in_new_container_async(zk_client, path, f"{path}/n-", b"").get(timeout=5)
+    pairs = [(path, f"{path}/n-", b"", None, None)]
+    container, ours = kazoo_compat.create_in_new_containers_async(zk_client, pairs).get(timeout=5)
     assert isinstance(container, NodeExistsError) and isinstance(ours, RuntimeInconsistency)  # not run
     assert zk_client.get_children(path) == []
 
@@ -120,3 +122,58 @@ def test_the_multi_under_a_chroot(zk_server, monkeypatch):
         client.close()
         root.stop()
         root.close()
+
+
+def _start_new_keys(client, keys):
+    """Start an attempt per key from one thread, as the worker's lock agent does in a burst."""
+    from celery_zklock.engine.internals import LockInternals
+
+    return [LockInternals(client, k, identifier=b"me").attempt(None) for k in keys]
+
+
+def test_a_burst_of_new_keys_is_group_committed(zk_client, path, monkeypatch):
+    """While one new key's multi is in flight the next ones wait and go together: fewer
+    requests than keys, and every node still gets its own exact token."""
+    znodes.mark_containers_work(zk_client)
+    zk_client.ensure_path(path)
+    sent = _sent(zk_client, monkeypatch)
+    keys = [f"{path}/k{i}" for i in range(60)]
+    attempts = _start_new_keys(zk_client, keys)
+    assert all(a.result.get(timeout=10) for a in attempts)
+    multis = sent.count("MultiCreate")
+    assert 1 < multis < len(keys), sent  # the first alone, the rest batched behind it
+    assert set(sent) <= {"MultiCreate", "Exists"}  # no createContainer, no children read (Exists: the
+    # holders' watches on their own nodes, 20 ms after the grant)
+    for a in attempts:
+        stat = zk_client.exists(f"{a.lk.path}/{a.node}")
+        assert a.token == fencing_token(stat.czxid) and stat.ephemeralOwner == zk_client.client_id[0]
+    for a in attempts:
+        assert a.release()[1].get(timeout=5) == "deleted"
+
+
+def test_a_batch_rolled_back_by_one_key_still_gets_every_key(zk_client, zk_server, path, monkeypatch):
+    """One key's container exists (another process holds it): the batch fails whole; that
+    key queues behind its holder, every other key is sent again and held."""
+    znodes.mark_containers_work(zk_client)
+    zk_client.ensure_path(path)
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    try:
+        keys = [f"{path}/k{i}" for i in range(20)]
+        holder = FairLock(other, keys[7])
+        assert holder.acquire(timeout=5)
+        RECENT.discard(keys[7])  # as in another process
+        sent = _sent(zk_client, monkeypatch)
+        attempts = _start_new_keys(zk_client, keys)
+        others = [a for i, a in enumerate(attempts) if i != 7]
+        assert all(a.result.get(timeout=10) for a in others)
+        assert not attempts[7].result.ready() and attempts[7].state.value == "waiting"
+        assert "GetChildren" in sent  # the key whose container existed took the pipelined path
+        assert sent.count("MultiCreate") >= 3  # key 0 alone, the batch key 7 failed, that batch again
+        holder.release()
+        assert attempts[7].result.get(timeout=5) is True
+        for a in attempts:
+            assert a.release()[1].get(timeout=5) == "deleted"
+    finally:
+        other.stop()
+        other.close()

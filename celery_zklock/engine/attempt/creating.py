@@ -3,7 +3,8 @@
 ``create`` and ``get_children`` are pipelined (ZooKeeper answers one session's requests
 in order).  On a key this process has not locked lately the container probably does not
 exist (containers are reaped when empty): one ``multi`` creates it and our node, and our
-node, the container's first child, holds without a read.  If the container existed after
+node, the container's first child, holds without a read (new keys that arrive together
+share one multi: :mod:`celery_zklock.engine.new_keys`).  If the container existed after
 all, the multi fails whole and the pipelined create follows (one round trip more, on a
 key another process locked moments ago).  Until the server has shown it knows
 containers, the container's ``createContainer`` is pipelined beside our create instead,
@@ -19,12 +20,17 @@ from __future__ import annotations
 from functools import partial
 
 from kazoo.exceptions import (
-    NoAuthError, NodeExistsError, NoNodeError, RolledBackError, SessionExpiredError, UnimplementedError,
+    NoAuthError, NodeExistsError, NoNodeError, RolledBackError, RuntimeInconsistency, SessionExpiredError,
+    UnimplementedError,
 )
 
 from .. import kazoo_compat, znodes
 from ..session import RETRYABLE
 from .state import RECENT, State
+
+
+#: A multi's replies for ops it did not run because another op failed (before it, after it).
+_NOT_RUN = (RolledBackError, RuntimeInconsistency)
 
 
 class Creating:
@@ -42,9 +48,9 @@ class Creating:
         new_key = self.lk.path not in RECENT and znodes.uses_containers(self.client)
         node = f"{self.lk.path}/{self.prefix}"
         if new_key and znodes.containers_known_to_work(self.client):
-            kazoo_compat.create_in_new_container_async(
-                self.client, self.lk.path, node, self.lk.identifier, kazoo_compat.acl_for(self.client, self.lk.path),
-                kazoo_compat.acl_for(self.client, node),
+            self.monitor.new_keys.create(
+                self.lk.path, node, self.lk.identifier, kazoo_compat.acl_for(self.client, self.lk.path),
+                kazoo_compat.acl_for(self.client, node), session,
             ).rawlink(partial(self._on_multi, session))
             return
         if new_key:
@@ -82,6 +88,12 @@ class Creating:
             # ZooKeeper answers a create inside a multi with its path only, but every node a
             # multi creates shares the transaction's zxid: the container's czxid is ours.
             return self._on_created(session, None, _Made((ours[0], ours[1] or container[1])))
+        if isinstance(container, _NOT_RUN) and isinstance(ours, _NOT_RUN):
+            with self._guard:  # another key of the same batch failed it: send ours again
+                self._create_in_flight = False
+                if not self._finished and self.state is State.CREATING:
+                    self._send_create(same_try=True)
+                return self._settle_cleanup()
         if isinstance(container, NodeExistsError):  # locked by another process moments ago
             with self._guard:
                 self._create_in_flight = False
@@ -104,7 +116,7 @@ class Creating:
             acl = kazoo_compat.acl_for(self.client, parent)
             return self.client.ensure_path_async(parent, acl).rawlink(self._parent_made)
         # Our node's own failure: as for a create.
-        failed = container if isinstance(container, Exception) and not isinstance(container, RolledBackError) else ours
+        failed = container if isinstance(container, Exception) and not isinstance(container, _NOT_RUN) else ours
         self._on_created(session, None, _Made(failed))
 
     def _on_created(self, session, listed, result) -> None:
