@@ -2,7 +2,8 @@
 
 Why once per client (Curator's ``ConnectionStateManager`` and ``delete().guaranteed()``):
 a process waiting on thousands of keys must not register thousands of kazoo state
-listeners, nor keep a thread or a sleeping timer per lock.  One :class:`SessionMonitor`
+listeners, nor keep a thread or a sleeping timer per lock, nor send one request per key
+when many go together (:mod:`celery_zklock.engine.group_commit`).  One :class:`SessionMonitor`
 per client listens to kazoo once and tells every registered contender; one
 :class:`Timers` loop serves every deadline and suspension grace period; and one
 :func:`guaranteed_delete` is the only way a lock node is deleted.
@@ -23,11 +24,14 @@ import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, SessionExpiredError
+from kazoo.exceptions import (
+    ConnectionClosedError, ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, RolledBackError,
+    RuntimeInconsistency, SessionExpiredError,
+)
 from kazoo.protocol.states import KazooState
 
 from . import kazoo_compat
-from .new_keys import NewKeys
+from . import group_commit
 
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)
@@ -133,7 +137,8 @@ class SessionMonitor:
     def __init__(self, client: KazooClient) -> None:
         self.client = client
         self.timers = Timers(client.handler)
-        self.new_keys = NewKeys(client)  # new keys' creates, group-committed
+        self.new_keys = group_commit.new_keys(client)  # new keys' creates, group-committed
+        self.deletes = group_commit.deletes(client)  # our nodes' deletes, group-committed
         self.epoch = 0
         self._guard = threading.Lock()
         self._subscribers: set = set()
@@ -205,12 +210,14 @@ def guaranteed_delete(monitor: SessionMonitor, path: str, session: int | None, o
         if kazoo_compat.session_id(client) != session:
             outcome.set(EXPIRED)  # ephemeral nodes die with their session
             return
-        client.delete_async(path).rawlink(reply)
+        monitor.deletes.submit(path, session).rawlink(reply)
 
     def reply(result) -> None:
         try:
             result.get()
             outcome.set(DELETED)
+        except (RolledBackError, RuntimeInconsistency):
+            send()  # not run: another delete of its group commit failed the multi
         except NoNodeError:
             # On a retry in the same session, only our own earlier delete (whose reply the
             # connection loss swallowed) can have removed it.

@@ -177,3 +177,20 @@ def test_a_batch_rolled_back_by_one_key_still_gets_every_key(zk_client, zk_serve
     finally:
         other.stop()
         other.close()
+
+
+def test_releases_together_are_group_committed_and_each_keeps_its_proof(zk_client, path, monkeypatch):
+    """60 releases from one thread: fewer requests than nodes; each outcome is still its
+    own node's: 'deleted', except the one an operator deleted first, which reads 'gone'."""
+    zk_client.ensure_path(path)
+    keys = [f"{path}/k{i}" for i in range(60)]
+    attempts = _start_new_keys(zk_client, keys)
+    assert all(a.result.get(timeout=10) for a in attempts)
+    zk_client.delete(f"{attempts[30].lk.path}/{attempts[30].node}")  # behind its holder's back
+    sent = _sent(zk_client, monkeypatch)
+    outcomes = [a.release()[1] for a in attempts]
+    got = [o.get(timeout=10) for o in outcomes]
+    assert got[30] == "gone" and got[:30] + got[31:] == ["deleted"] * 59
+    deletes = sent.count("Delete") + sent.count("Transaction")
+    assert deletes < len(keys), sent
+    assert all(zk_client.get_children(k) == [] for k in keys if zk_client.exists(k))

@@ -4,7 +4,7 @@
 in order).  On a key this process has not locked lately the container probably does not
 exist (containers are reaped when empty): one ``multi`` creates it and our node, and our
 node, the container's first child, holds without a read (new keys that arrive together
-share one multi: :mod:`celery_zklock.engine.new_keys`).  If the container existed after
+share one multi: :mod:`celery_zklock.engine.group_commit`).  If the container existed after
 all, the multi fails whole and the pipelined create follows (one round trip more, on a
 key another process locked moments ago).  Until the server has shown it knows
 containers, the container's ``createContainer`` is pipelined beside our create instead,
@@ -48,10 +48,9 @@ class Creating:
         new_key = self.lk.path not in RECENT and znodes.uses_containers(self.client)
         node = f"{self.lk.path}/{self.prefix}"
         if new_key and znodes.containers_known_to_work(self.client):
-            self.monitor.new_keys.create(
-                self.lk.path, node, self.lk.identifier, kazoo_compat.acl_for(self.client, self.lk.path),
-                kazoo_compat.acl_for(self.client, node), session,
-            ).rawlink(partial(self._on_multi, session))
+            item = (self.lk.path, node, self.lk.identifier, kazoo_compat.acl_for(self.client, self.lk.path),
+                    kazoo_compat.acl_for(self.client, node))
+            self.monitor.new_keys.submit(item, session).rawlink(partial(self._on_multi, session))
             return
         if new_key:
             kazoo_compat.create_container_async(
