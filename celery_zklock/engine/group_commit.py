@@ -108,18 +108,7 @@ def new_keys(client) -> GroupCommit:
     ``(container_reply, node_reply)``, each ``(path, stat)`` or an exception instance."""
 
     def send_many(items):
-        flat = kazoo_compat.create_in_new_containers_async(client, items)
-        paired = client.handler.async_result()
-
-        def pair(r) -> None:
-            try:
-                replies = r.get()
-            except Exception as exc:
-                return paired.set_exception(exc)
-            paired.set([(replies[2 * i], replies[2 * i + 1]) for i in range(len(items))])
-
-        flat.rawlink(pair)
-        return paired
+        return kazoo_compat.create_in_new_containers_async(client, items)
 
     return GroupCommit(client, send_many)
 

@@ -99,7 +99,8 @@ class MultiCreate(namedtuple("MultiCreate", "operations")):
 def create_in_new_containers_async(client: KazooClient, pairs):
     """One ``multi``: for each ``(container, node, data, container_acl, node_acl)`` of
     ``pairs``, create the container and our EPHEMERAL_SEQUENTIAL ``node`` under it, all or
-    nothing; resolves to two replies per pair, each ``(path, stat)`` or an exception.
+    nothing; resolves to one ``(container_reply, node_reply)`` per pair, each reply
+    ``(path, stat)`` or an exception instance.
 
     Why: a key not locked lately usually has no container (they are reaped when empty), and
     one request instead of two (createContainer, then create) is half the server's work.
@@ -114,19 +115,17 @@ def create_in_new_containers_async(client: KazooClient, pairs):
         ops.append(Create2(chroot + node, data, node_acl or default, _EPHEMERAL_SEQUENTIAL_FLAG))
     result = client.handler.async_result()
     client._call(MultiCreate(ops), result)
-    if not chroot:
-        return result
-    unchrooted = client.handler.async_result()
+    paired = client.handler.async_result()
 
-    def strip(r) -> None:
+    def pair(r) -> None:
         try:
-            replies = r.get()
+            flat = [(client.unchroot(x[0]), x[1]) if isinstance(x, tuple) and chroot else x for x in r.get()]
         except Exception as exc:
-            return unchrooted.set_exception(exc)
-        unchrooted.set([(client.unchroot(x[0]), x[1]) if isinstance(x, tuple) else x for x in replies])
+            return paired.set_exception(exc)
+        paired.set([(flat[2 * i], flat[2 * i + 1]) for i in range(len(pairs))])
 
-    result.rawlink(strip)
-    return unchrooted
+    result.rawlink(pair)
+    return paired
 
 
 def acl_for(client: KazooClient, path: str):

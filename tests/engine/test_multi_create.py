@@ -48,7 +48,7 @@ def test_the_multi_makes_a_container_and_our_node_with_its_stat(zk_client, path)
     zk_client.ensure_path("/m")
     pairs = [(path, f"{path}/_c_x-lock-", b"me", None, None)]
     replies = kazoo_compat.create_in_new_containers_async(zk_client, pairs).get(timeout=5)
-    (cpath, cstat), (npath, nstat) = replies
+    [((cpath, cstat), (npath, nstat))] = replies
     assert cpath == path and npath == f"{path}/_c_x-lock-0000000000"
     # A create in a multi answers with its path only; the container's stat carries the
     # transaction's zxid, which is every created node's czxid (the lock's fencing token).
@@ -62,7 +62,7 @@ def test_the_multi_makes_a_container_and_our_node_with_its_stat(zk_client, path)
 def test_the_multi_fails_whole_when_the_container_exists(zk_client, path):
     zk_client.ensure_path(path)
     pairs = [(path, f"{path}/n-", b"", None, None)]
-    container, ours = kazoo_compat.create_in_new_containers_async(zk_client, pairs).get(timeout=5)
+    [(container, ours)] = kazoo_compat.create_in_new_containers_async(zk_client, pairs).get(timeout=5)
     assert isinstance(container, NodeExistsError) and isinstance(ours, RuntimeInconsistency)  # not run
     assert zk_client.get_children(path) == []
 
