@@ -96,15 +96,18 @@ class Guard:
         return self.id == task_id and self.retries == retries
 
 
-def verdict(found: "Guard | None", task_id: str, now: float) -> str:
+def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False) -> str:
     """What a publisher of ``task_id`` does about a guard it found in place (pure).
 
-    A node we cannot read as a guard is somebody else's: held, never deleted."""
+    ``running``: the guard is an ephemeral node (``lock_enqueue_until="finish"``, its task
+    running): its bound is the running worker's session, not ``expires_at``, which bounds
+    only a queued guard whose message the broker may have lost.  A node we cannot read as
+    a guard is somebody else's: held, never deleted."""
     if found is None:
         return HELD
     if found.id == task_id:
         return OWN
-    if now >= found.expires_at:
+    if now >= found.expires_at and not running:
         return STALE
     return HELD
 
@@ -131,7 +134,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20) -> Taken:
     client.sync(paths[0])
     for path in paths:
         seen = _read(client, path)
-        if seen is not None and verdict(seen[0], guard.id, time.time()) == HELD:
+        if seen is not None and verdict(seen[0], guard.id, time.time(), bool(seen[1].ephemeralOwner)) == HELD:
             return Taken(HELD, path, seen[0])
     for _ in range(attempts):
         txn = client.transaction()
@@ -152,7 +155,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20) -> Taken:
         if read is None:
             continue  # gone meanwhile: try again
         found, stat = read
-        seen = verdict(found, guard.id, time.time())
+        seen = verdict(found, guard.id, time.time(), bool(stat.ephemeralOwner))
         if seen == STALE:
             _delete(client, path, stat.version)
             continue
@@ -229,6 +232,7 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str) -> N
         if read is None:
             # A redelivered copy whose first run's worker died (its ephemeral guard went
             # with it): guard this run again, unless another task of the key queued since.
+            # (expires_at bounds only a queued guard: a running one lasts as our session.)
             guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
             try:
                 client.create(path, guard.dumps(), acl=acl, ephemeral=True, makepath=True)

@@ -28,6 +28,18 @@ def test_verdict(found, task_id, now, expected, why):
     assert verdict(found, task_id, now) == expected, why
 
 
+@pytest.mark.parametrize(
+    "found, task_id, now, expected, why",
+    [
+        (_g("a", expires_at=100.0), "b", 500.0, HELD, "running past its message's expiry: the session bounds it"),
+        (_g("a"), "a", 500.0, OWN, "a retry published by the running body: its own guard"),
+        (_g("a"), "b", 50.0, HELD, "running, not expired: held, as queued"),
+    ],
+)
+def test_verdict_of_a_running_guard(found, task_id, now, expected, why):
+    assert verdict(found, task_id, now, running=True) == expected, why
+
+
 @pytest.mark.parametrize("raw", [b"", b"not json", b"{}", b'{"id": "x"}', b'{"id": "x", "expires_at": "soon"}', b"[1]"])
 def test_unreadable_guards_load_as_none(raw):
     assert Guard.loads(raw) is None
