@@ -217,7 +217,13 @@ def test_celery_autoretry_with_backoff_retries_through_the_lock(mod, workers):
     """Celery's own ``autoretry_for`` + ``retry_backoff`` on a locked task (they used to be
     refused as lock-option typos): every attempt holds the lock, the retries are Celery's."""
     key = f"auto-{uuid.uuid4().hex[:6]}"
-    blocker = mod.hold.delay(key, 400, "blocker")  # the first attempt must queue for the lock
+    blocker = mod.hold.delay(key, 400, f"blocker-{key}")
+    # Its body runs, so it holds the lock: the first attempt must queue behind it.  (Published
+    # one after the other, the two could reach ZooKeeper in either order from two workers.)
+    deadline = time.time() + 20
+    while not any(json.loads(x)["tag"] == f"blocker-{key}" for x in mod._r.lrange("arrivals", 0, -1)):
+        assert time.time() < deadline, "the blocker never started"
+        time.sleep(0.01)
     r = mod.autoretry_backoff.delay(key, fail_times=2)
     out = r.get(timeout=60)
     blocker.get(timeout=30)
