@@ -2,17 +2,16 @@
 
 Why: kazoo 2.x exposes neither the session id across a reconnection, nor the negotiated
 session timeout, nor a way to send the ``createContainer`` request, nor a ``multi`` whose
-creates answer with their stats.  The lock needs all four.  Reading them here, behind small functions, means a kazoo upgrade that renames an
-attribute breaks one module — and its tests say so — instead of the lock protocol.
+creates answer with their stats.  The lock needs all four.  Reading them here, behind small
+functions, means a kazoo upgrade that renames an attribute breaks one module — and its
+tests say so — instead of the lock protocol.
 """
 
 from __future__ import annotations
 
 from kazoo.client import KazooClient
-from collections import namedtuple
-
 from kazoo.exceptions import EXCEPTIONS
-from kazoo.protocol.serialization import Create2, MultiHeader, int_struct, multiheader_struct, read_string, stat_struct
+from kazoo.protocol.serialization import Create2, MultiHeader, Transaction, int_struct, read_string, stat_struct
 from kazoo.protocol.states import ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
 
@@ -57,8 +56,9 @@ def create_container_async(client: KazooClient, path: str, acl=None):
     return result
 
 
-class MultiCreate(namedtuple("MultiCreate", "operations")):
-    """A ``multi`` (opcode 14) of creates whose replies carry path *and* stat.
+class MultiCreate(Transaction):
+    """A ``multi`` (kazoo's ``Transaction``, sent as kazoo sends it) of creates whose replies
+    carry path *and* stat.
 
     kazoo's ``Transaction`` reads a create's reply as a path only, and knows neither
     ``createContainer`` nor ``create2`` inside a multi; the lock needs the stat (its czxid is
@@ -67,14 +67,6 @@ class MultiCreate(namedtuple("MultiCreate", "operations")):
     creates has the transaction's zxid as its czxid), or the exception of an op
     that failed (ops before it read ``RolledBackError``, ops after it ``RuntimeInconsistency``).
     """
-
-    type = 14
-
-    def serialize(self):
-        b = bytearray()
-        for op in self.operations:
-            b.extend(MultiHeader(op.type, False, -1).serialize() + op.serialize())
-        return b + multiheader_struct.pack(-1, True, -1)
 
     @classmethod
     def deserialize(cls, bytes, offset):

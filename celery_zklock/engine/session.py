@@ -30,8 +30,7 @@ from kazoo.exceptions import (
 )
 from kazoo.protocol.states import KazooState
 
-from . import kazoo_compat
-from . import group_commit
+from . import group_commit, kazoo_compat
 
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)

@@ -70,12 +70,12 @@ class Creating:
             # A server without containers (< 3.5.3): persistent parents from now on,
             # deleted best-effort after release so they do not accumulate.
             znodes.mark_no_containers(self.client)
+            return
         except NodeExistsError:
-            znodes.mark_containers_work(self.client)
+            pass  # answered all the same: the server knows containers
         except Exception:
-            pass  # its ancestors do not exist, or a connection blip: the create tells
-        else:
-            znodes.mark_containers_work(self.client)
+            return  # its ancestors do not exist, or a connection blip: the create tells
+        znodes.mark_containers_work(self.client)
 
     def _on_multi(self, session, result) -> None:
         """The container and our node in one multi: both made, or neither (see above)."""
@@ -87,16 +87,12 @@ class Creating:
             # ZooKeeper answers a create inside a multi with its path only, but every node a
             # multi creates shares the transaction's zxid: the container's czxid is ours.
             return self._on_created(session, None, _Made((ours[0], ours[1] or container[1])))
-        if isinstance(container, _NOT_RUN) and isinstance(ours, _NOT_RUN):
-            with self._guard:  # another key of the same batch failed it: send ours again
-                self._create_in_flight = False
-                if not self._finished and self.state is State.CREATING:
-                    self._send_create(same_try=True)
-                return self._settle_cleanup()
-        if isinstance(container, NodeExistsError):  # locked by another process moments ago
+        rolled_back = isinstance(container, _NOT_RUN) and isinstance(ours, _NOT_RUN)  # by another key's op
+        if rolled_back or isinstance(container, NodeExistsError):
             with self._guard:
                 self._create_in_flight = False
-                RECENT.add(self.lk.path)
+                if not rolled_back:
+                    RECENT.add(self.lk.path)  # locked by another process moments ago: the pipelined path
                 if not self._finished and self.state is State.CREATING:
                     self._send_create(same_try=True)
                 return self._settle_cleanup()
@@ -106,8 +102,8 @@ class Creating:
                 if not self._finished:
                     self._give_up(znodes.no_auth_error(self.lk.path, "creating the lock's parent znode"))
                 return self._settle_cleanup()
-        parent = self.lk.path.rsplit("/", 1)[0]
-        if isinstance(container, NoNodeError) and parent:  # an ancestor is missing: make it, multi again
+        parent = self.lk.path.rsplit("/", 1)[0] if isinstance(container, NoNodeError) else ""
+        if parent:  # an ancestor is missing: make it, multi again
             with self._guard:
                 self._create_in_flight = False
                 if self._finished:
