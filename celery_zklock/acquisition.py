@@ -24,7 +24,7 @@ from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
 from .errors import LockTimeout, LockUnavailable
 from .redelivery import Redelivery
-from .states import LOCK_WAITING
+from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
 
 logger = get_task_logger("celery_zklock")
@@ -57,7 +57,7 @@ class LockAcquisition:
             logger.info("waiting for lock %s (position %s)", label, position)
             self._lock_event("task-lock-waiting", key=label, position=position)
             counted_waiting[0] = True
-            if req.id and not direct and not self.ignore_result:
+            if req.id and not direct and stores_waiting(self):
                 try:
                     self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
                 except Exception as exc:

@@ -207,7 +207,7 @@ def test_worker_loss_release_and_a_kazoo_peer_with_the_same_credentials(secure_e
         mod.report_pid.delay(key, 30000)
         pid = _wait_pid(mod, key)
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        nxt = mod.hold.delay(key, 10, "next")
+        nxt = mod.hold_tracked.delay(key, 10, "next")
         deadline = time.time() + 10
         while nxt.state != "LOCK_WAITING" and time.time() < deadline:
             time.sleep(0.05)

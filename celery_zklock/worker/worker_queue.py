@@ -41,7 +41,7 @@ from .. import metrics
 from ..engine import guards
 from ..engine.identity import Identity
 from ..options import is_locked_task
-from ..states import LOCK_WAITING
+from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
 from .agent_link import HEARTBEAT, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
@@ -214,7 +214,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             metrics.record("waiting", req.task)
         try:
             req.send_event("task-lock-waiting", key=label, position=position)
-            if not req.task.ignore_result:
+            if stores_waiting(req.task):
                 req.task.backend.store_result(req.id, {"key": label, "position": position}, LOCK_WAITING)
         except Exception as exc:  # monitoring only
             logger.warning("could not record that task %s waits for lock %s: %r", req.id, label, exc)

@@ -55,12 +55,22 @@ def _record(kind: str, key, tag, start: float, end: float, token=None) -> None:
 
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60)
 def hold(key, ms=20, tag=None):
+    return _hold(key, ms, tag)
+
+
+def _hold(key, ms, tag):
     lk = current_lock()
     start = time.time()
     _r.rpush("arrivals", json.dumps({"tag": tag, "start": start}))
     time.sleep(ms / 1000)
     _record("hold", key, tag, start, time.time(), lk.token)
     return lk.token
+
+
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, track_started=True)
+def hold_tracked(key, ms=20, tag=None):
+    """``hold`` with ``track_started``: it stores LOCK_WAITING while it waits."""
+    return _hold(key, ms, tag)
 
 
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0.3, on_lock_timeout="fail")

@@ -42,27 +42,29 @@ def test_broker_restarted_mid_run_with_acks_late(scenario):
 
 def test_result_backend_down_while_tasks_wait_for_the_lock(scenario):
     """The result backend (its own Redis) is down while tasks start waiting for a lock.
-    The LOCK_WAITING state the library stores is monitoring: failing to store it must not
-    fail or drop the task — each waiter's body must still run, once, when its turn comes.
-    (Celery's own writes are kept out of the way: no STARTED state; the final result
-    write after the body is Celery's and is not judged here.)"""
+    The LOCK_WAITING state the library stores (the faults app tracks starts) is
+    monitoring: failing to store it must not fail or drop the task — each waiter's body
+    must still run, once, when its turn comes.  The backend is back before the blocker
+    lets go, so Celery's own writes (STARTED, the result) are not what is judged here."""
     backend = RedisServer().start()
     try:
-        env = dict(FAULTS_BACKEND=f"redis://127.0.0.1:{backend.port}/0",
-                   FAULTS_CONF=json.dumps({"task_track_started": False}))
+        env = dict(FAULTS_BACKEND=f"redis://127.0.0.1:{backend.port}/0")
         # The test process keeps the scenario's backend: it only reads the history.
         worker = scenario.worker("w", concurrency=3, **env)
-        blocker = scenario.send(A.step, "bk", 3000, queue=worker.queue)
+        blocker = scenario.send(A.step, "bk", 5000, queue=worker.queue)
         wait_until(lambda: scenario.events(blocker.id, "begin"), 30, what="the blocker to hold the lock")
-        # Sent while the backend is up (sending subscribes to the result), started 1 s later.
+        # Sent while the backend is up (sending subscribes to the result), waiting 1 s later.
         waiters = [scenario.send(A.step, "bk", 20, queue=worker.queue, countdown=1.0).id for _ in range(2)]
         backend.stop()
-        wait_until(lambda: scenario.events(blocker.id, "return"), 30, what="the blocker to finish")
-        ran = lambda: [r for r in runs_of(scenario.store.events()) if r.task in waiters and r.complete]  # noqa: E731
         try:
-            wait_until(lambda: len(ran()) >= 2, SESSION * 3, what="both waiters' bodies to run")
+            wait_until(lambda: all(f"could not record that task {t} waits" in worker.log() for t in waiters), 30,
+                       what="both waiters to fail to store LOCK_WAITING")
+            assert not scenario.events(blocker.id, "return"), "the blocker let go before the waiters waited"
         finally:
             backend.start()
+        wait_until(lambda: scenario.events(blocker.id, "return"), 30, what="the blocker to finish")
+        ran = lambda: [r for r in runs_of(scenario.store.events()) if r.task in waiters and r.complete]  # noqa: E731
+        wait_until(lambda: len(ran()) >= 2, SESSION * 3, what="both waiters' bodies to run")
         record("backend-down-waiting", waiter_runs=len(ran()))
         assert sorted(r.task for r in ran()) == sorted(waiters)
         assert scenario.leftovers(SESSION + 3) == []

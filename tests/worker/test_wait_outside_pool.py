@@ -91,7 +91,7 @@ def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
         key = f"rev-{uuid.uuid4().hex[:6]}"
         holder = mod.hold.delay(key, 1500, "holder")
         time.sleep(0.3)
-        waiting = mod.hold.delay(key, 10, "revoked")
+        waiting = mod.hold_tracked.delay(key, 10, "revoked")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
         _wait_for(lambda: waiting.state == "LOCK_WAITING", 5, "the second task waits")
         # Lock cohorting: it waits in the agent's memory behind the holder, not in ZooKeeper.
@@ -103,6 +103,26 @@ def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
         time.sleep(0.3)
         assert waiting.state == "REVOKED"
         assert [r["tag"] for r in history(mod, "hold")] == ["holder"]  # the body never ran
+    finally:
+        w.stop()
+
+
+def test_lock_waiting_is_stored_only_for_tasks_that_track_their_start(mod, env):
+    """LOCK_WAITING is a result-backend write per waiting task: stored, like Celery's
+    STARTED, only with ``track_started``.  Both waiters wait behind the same holder."""
+    w = Worker(env, "trk", concurrency=2).start(mod.app)
+    try:
+        key = f"trk-{uuid.uuid4().hex[:6]}"
+        holder = mod.hold.delay(key, 1500, "holder")
+        _wait_for(lambda: any(json.loads(a)["tag"] == "holder" for a in mod._r.lrange("arrivals", 0, -1)), 10,
+                  "the holder runs")
+        quiet = mod.hold.delay(key, 10, "quiet")
+        tracked = mod.hold_tracked.delay(key, 10, "tracked")
+        _wait_for(lambda: tracked.state == "LOCK_WAITING", 5, "the tracked task waits")
+        # Queued before the tracked one, so its wait was decided first: nothing was stored.
+        assert quiet.state == "PENDING" and not holder.ready()
+        assert tracked.get(timeout=30) and quiet.get(timeout=30)
+        assert [r["tag"] for r in history(mod, "hold")] == ["holder", "quiet", "tracked"]
     finally:
         w.stop()
 
@@ -256,7 +276,7 @@ def test_long_holds_never_park_a_pool_process(mod, env, zk_client):
         key = f"nl-{uuid.uuid4().hex[:6]}"
         mod.hold.delay(key, 800, "warm0").get(timeout=30)  # the agent learns: long holds here
         holder = mod.hold.delay(key, 1500, "holder")
-        nxt = mod.hold.delay(key, 10, "next")
+        nxt = mod.hold_tracked.delay(key, 10, "next")
         _wait_for(lambda: nxt.state == "LOCK_WAITING", 5, "the next task waits")
         _wait_for(lambda: holder.id in _active_ids(mod, name), 5, "the holder runs")
         time.sleep(0.3)
