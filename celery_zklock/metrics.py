@@ -82,6 +82,11 @@ def start(settings) -> None:
     )
 
 
+def enabled() -> bool:
+    """Are this process's lock metrics being collected (``zklock_metrics_port``)?"""
+    return _metrics is not None
+
+
 def record(event: str, task, **fields: Any) -> None:
     """One lock event of ``task`` (the ``task-lock-*`` name without its prefix)."""
     m = _metrics

@@ -10,15 +10,18 @@ releases what that process held at once — no pid polling, no reaper process.
 
 Requests (``op``) and the agent's answers:
 
-* main -> agent ``wait`` {id, task, paths, max_holders, timeout, identity, early}: queue
-  for the lock; answered later by ``granted`` {id, queued}, ``timeout`` or
-  ``unavailable`` {id, error}, after zero or more ``queued`` {id, position}.  With
+* main -> agent ``wait`` {id, task, paths, max_holders, timeout, identity, early, watched}:
+  queue for the lock; answered later by ``granted`` {id, queued}, ``timeout`` or
+  ``unavailable`` {id, error}, after ``queued`` {id, position} if it has to wait and
+  ``watched`` (the main process reads it: events, LOCK_WAITING, metrics).  With
   ``early``, also ``next`` {id, hold} when only holders are ahead of it (``hold``: how
   long locks on its path, or of its task, have been held on average, or null);
 * main -> agent ``cancel`` {id, why, in_pool}: ``revoked`` or ``shutdown`` — stop waiting
   (a request the main process already handed to the pool as next in line, ``in_pool``,
   gets that verdict instead if still undecided, and the main process hears ``revoked``
-  {id} back); ``finished`` — the pool is done with it: let go of a grant nobody claimed;
+  {id} back);
+* main -> agent ``finished`` {ids}: the pool is done with these requests (one message per
+  turn of the main process's event loop): let go of any grant nobody claimed;
 * agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
   agent (a retry published by a body still holding its lock, a redelivery): hand it to
   the pool as it is; it locks in-process there;

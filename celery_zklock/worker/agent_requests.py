@@ -42,6 +42,7 @@ class Wait:
     shown_held: bool | None = None  # the last state pushed to the claimer
     next_sent: bool = False  # told the main process it is next in line (claimable undecided)
     queued: bool = False  # had to wait behind another holder (its key is contended)
+    watched: bool = True  # the main process reads "queued" (events, LOCK_WAITING, metrics)
     timer: list | None = None
     granted_at: float | None = None
     started: float = field(default_factory=time.monotonic)
@@ -64,6 +65,7 @@ class RequestBook:
             identity=str(msg.get("identity") or "").encode(),
             owner=peer,
             early=bool(msg.get("early")),
+            watched=bool(msg.get("watched", True)),
             guard=guards.guarded(msg.get("guard") and {guards.HEADER: msg.get("guard")}),
         )
         old = self.waits.get(wait.id)
@@ -112,7 +114,8 @@ class RequestBook:
     def on_queued(self, wait: Wait, position: int) -> None:
         if not wait.queued:
             wait.queued = True
-            wait.owner.send({"op": "queued", "id": wait.id, "position": position})
+            if wait.watched:
+                wait.owner.send({"op": "queued", "id": wait.id, "position": position})
 
     def on_next(self, wait: Wait) -> None:
         """Every path but the last is held and only a holder is ahead of it on the last: the

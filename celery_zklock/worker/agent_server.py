@@ -114,6 +114,9 @@ class AgentServer:
             self._wait(peer, msg)
         elif op == "cancel":
             self._cancel(msg["id"], msg.get("why") or "finished", bool(msg.get("in_pool")))
+        elif op == "finished":
+            for request_id in msg.get("ids") or ():
+                self._cancel(request_id, "finished")
         elif op == "claim":
             self._claim(peer, msg["id"])
         elif op == "release":

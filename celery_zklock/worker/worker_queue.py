@@ -81,6 +81,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.restart_delay = 0.0  # backoff of the agent's restart while ZooKeeper is unreachable
         self.counted: set[str] = set()  # held ids that raised the prefetch window
         self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
+        self.finished: list[str] = []  # done in the pool, to tell the agent at the next loop turn
         agent = agent_supervisor.running()
         self.active = agent is not None and getattr(c, "hub", None) is not None
         self.handoff_slots = handoff_slots(c, agent.settings) if self.active else 0
@@ -128,7 +129,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                                             holders=task.lock_max_holders if task.lock_max_holders > 1 else None)
         self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
                     "timeout": opts.timeout, "identity": str(identity), "task": task.name,
-                    "early": self._slots() > 0, "guard": guards.guarded(req)})
+                    "early": self._slots() > 0, "guard": guards.guarded(req), "watched": watched(req)})
         return True
 
     def _hand_over(self, request_id: str, first: bool = False) -> None:
@@ -232,14 +233,25 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self._send({"op": "cancel", "id": request_id, "why": "revoked", "in_pool": True})
 
     def request_finished(self, request_id: str) -> None:
-        """The pool is done with a request: free a grant it never claimed (no-op otherwise)."""
+        """The pool is done with a request: free a grant it never claimed (no-op otherwise).
+
+        Told in one message per turn of the event loop, not one per request: every locked
+        task ends here, and nearly all of them claimed and released already."""
         if self.sock is not None:
-            self._send({"op": "cancel", "id": request_id, "why": "finished"})
+            if not self.finished:
+                self.c.hub.call_soon(self._send_finished)
+            self.finished.append(request_id)
         if request_id in self.early:
             self._early_done(request_id)  # finished undecided: it never claimed (or was bypassed)
 
+    def _send_finished(self) -> None:
+        ids, self.finished = self.finished, []
+        if ids:
+            self._send({"op": "finished", "ids": ids})
+
     def stop(self, c):
         """Warm shutdown: waiting requests go back to the broker; their nodes are deleted."""
+        self._send_finished()
         for tref in self.timers:
             tref.cancel()
         self.timers = []
@@ -260,6 +272,15 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self._send({"op": "cancel", "id": request_id, "why": "shutdown", "in_pool": True})
 
     shutdown = stop
+
+
+def watched(req) -> bool:
+    """Does anything here read that ``req`` waits (the ``queued`` message)?  Its event, the
+    LOCK_WAITING state and the waiting gauge; with none of them on, the agent does not
+    send it: on a hot key every task waits, and each message costs both processes."""
+    eventer = getattr(req, "_eventer", None)
+    events = bool(eventer is not None and eventer.enabled and req.task.send_events)
+    return events or stores_waiting(req.task) or metrics.enabled()
 
 
 def unguard(job: dict) -> bool:
