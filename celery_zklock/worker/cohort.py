@@ -10,7 +10,7 @@ Curator and kazoo — and its own requests wait for them in memory, in arrival o
 it without a release and a re-queue (a *local handoff*).  So znodes, children reads and
 watches per key grow with the number of workers, not with the number of waiting tasks.
 
-Fairness to everyone else (:func:`passes_locally`): once another contender is seen in the
+Fairness to everyone else (:func:`~celery_zklock.worker.cohort_rules.passes_locally`): once another contender is seen in the
 key's queue, a node passes locally at most ``zklock_cohort_handoffs`` times and for at most
 ``zklock_cohort_hold`` seconds; then the agent queues a new node at the back (created before
 the old one is deleted: the next holder is woken at once, and we keep our place) and the
@@ -19,20 +19,22 @@ worker ahead of it, plus the hold in progress.
 
 Fencing stays exact with no write before a grant: the g-th holder through a node gets
 ``fencing_token(czxid, g)`` (see :func:`celery_zklock.engine.znodes.fencing_token` for the proof).
-Each local handoff still writes once — the node's data becomes the new holder's identity
-(so ``celery zklock status`` names it), and that write's success is the leaving holder's
-proof that the lock was ours to the end, as the delete is for the last one.
+A local handoff on an old proof writes to the node — its data becomes the new holder's
+identity (so ``celery zklock status`` names it) — and that write's success is the leaving
+holder's proof that the lock was ours to the end, as the delete is for the last one.
 
-Neither holder always waits for that write (a *lease*, :func:`fresh`): ZooKeeper expires a
+Neither holder always waits for that write (a *lease*, :func:`~celery_zklock.worker.cohort_rules.fresh`): ZooKeeper expires a
 session only after hearing nothing from it for the session timeout, so a write *sent* at
 ``t`` that succeeded proves our session alive until at least ``t + session timeout``; and
 our node goes only with the session or by our own delete (an operator's force-delete is
 seen by the holder's watch on its node, which marks the node lost).  While such a proof is
-younger than :data:`FRESH_MAX` and the connection is up, the next holder is granted at once
+younger than :data:`~celery_zklock.worker.cohort_rules.FRESH_MAX` and the connection is up, the next holder is granted at once
 and the leaving one's release is proven at once (:data:`~celery_zklock.engine.session.LEASED`);
-the write runs beside the next body and renews the lease.  So a hot key's handoff costs no
-ZooKeeper round trip, and its writes keep the lease young.  After a silent partition no
-reply comes, the lease ages past :data:`FRESH_MAX`, and handoffs wait for replies again, as
+a write runs beside the next body and renews the lease, once it is :data:`~celery_zklock.worker.cohort_rules.RENEW_AFTER` old
+and none is in flight (:func:`~celery_zklock.worker.cohort_rules.renews`).  So a hot key's handoff costs no ZooKeeper round
+trip, and about one write per ``RENEW_AFTER`` keeps the lease young (the node's data then
+names a holder of the last few milliseconds).  After a silent partition no
+reply comes, the lease ages past :data:`~celery_zklock.worker.cohort_rules.FRESH_MAX`, and handoffs wait for replies again, as
 before.  A write that fails after such a grant reports the lock lost to its holder.
 
 Everything here runs on the agent's one event thread; ZooKeeper callbacks are posted to it.
@@ -47,40 +49,8 @@ from typing import Any
 
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine.session import LEASED, WRITTEN, guaranteed_set
-from ..engine.znodes import MAX_GRANTS_PER_NODE, fencing_token, sequence_key
-
-
-#: How old (s) the newest proof that a node is ours may be for a local handoff to skip the
-#: round trip.  Far below any session timeout ZooKeeper negotiates (at least 2 ticks: 4 s by
-#: default; kazoo does not expose the negotiated value, so the bound is absolute), so a holder
-#: granted on it has nearly the whole session timeout, as one granted on a reply has.  A hot
-#: key's handoffs come every few ms and keep the proof young; a holder of 50 ms or more
-#: waits for its own write, which then costs under 2% of its hold.
-FRESH_MAX = 0.05
-
-
-def fresh(confirmed: float | None, now: float, session_timeout: float) -> bool:
-    """May a local handoff grant at once on a write sent at ``confirmed`` that succeeded?
-
-    Only while that proof is younger than :data:`FRESH_MAX` and than a tenth of the session
-    timeout (a user's very short timeout keeps nearly all of it for the holder)."""
-    if confirmed is None:
-        return False
-    return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)
-
-
-def passes_locally(grants: int, since: float, now: float, foreign: bool, max_grants: int, max_hold: float) -> bool:
-    """May a node one of our tasks just let go of pass to our next waiting task?
-
-    ``grants``: holders the node has had; ``since``: when it was first granted; ``foreign``:
-    another contender queues for the key.  Nobody else waiting: always (until the node's
-    token space is used up).  Someone waiting: only within the streak bound.
-    """
-    if grants >= MAX_GRANTS_PER_NODE:
-        return False
-    if not foreign:
-        return True
-    return grants < max_grants and now - since < max_hold
+from ..engine.znodes import fencing_token, sequence_key
+from .cohort_rules import fresh, passes_locally, renews
 
 
 @dataclass(eq=False)
@@ -96,6 +66,7 @@ class Slot:
     lost: bool = False
     answered: bool = False  # the create and first look at the queue have answered
     confirmed: float | None = None  # when the newest write to the node that succeeded was sent
+    writing: int = 0  # writes to the node in flight
 
     @property
     def held(self) -> bool:
@@ -170,14 +141,15 @@ class Cohort:
             # the next holder starts now (see the module's docstring); otherwise it is
             # reserved and granted on the reply: never on the agent's belief alone.
             self.queue.remove(nxt)
-            young = fresh(slot.confirmed, time.monotonic(), self.host.settings.session_timeout)
-            proof = self._write(slot, nxt.identity)
-            if young:
+            now = time.monotonic()
+            if fresh(slot.confirmed, now, self.host.settings.session_timeout):
+                if renews(slot.confirmed, now, slot.writing > 0):
+                    self._write(slot, nxt.identity)
                 self._grant(slot, nxt, reserved=True)
-                return LEASED  # the young proof covers the leaving holder too: no wait for this write
-            else:
-                slot.holder = nxt
-                proof.rawlink(lambda result: self.host.post(self._passed, slot, nxt, result))
+                return LEASED  # the young proof covers the leaving holder too: no wait for a write
+            proof = self._write(slot, nxt.identity)
+            slot.holder = nxt
+            proof.rawlink(lambda result: self.host.post(self._passed, slot, nxt, result))
             return proof
         proof = self._drop(slot, replace=True)
         self.pump()
@@ -261,11 +233,13 @@ class Cohort:
     def _write(self, slot: Slot, identity: bytes):
         """Name ``identity`` in the node; its success is a proof of the node as of the send."""
         sent = time.monotonic()
+        slot.writing += 1
         written = guaranteed_set(slot.attempt.monitor, slot.node_path, identity, slot.attempt.session)
         written.rawlink(lambda result: self.host.post(self._wrote, slot, sent, result))
         return written
 
     def _wrote(self, slot: Slot, sent: float, result) -> None:
+        slot.writing -= 1
         try:
             ok = result.get() == WRITTEN
         except Exception:

@@ -315,3 +315,45 @@ def test_new_key_whose_parent_had_children_before_reads_them(zk_client, path, mo
     assert lock.acquire(timeout=5)
     assert not lock.node.endswith("-lock-0000000000") and reads == [f"{path}/used"]
     lock.release()
+
+
+def test_a_change_to_the_watched_node_rearms_its_watch_without_a_children_read(zk_client, zk_server, path):
+    """A cohort holder renews its lease by writing its node; a waiter watching that node
+    watches it again (one read) and keeps waiting — no children read per change."""
+    holder = FairLock(zk_client, path)
+    assert holder.acquire()
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    try:
+        sent: list[str] = []
+        real = other._call
+
+        def spy(request, async_object):
+            sent.append(type(request).__name__)
+            return real(request, async_object)
+
+        other._call = spy
+        waiter = FairLock(other, path)
+        got = []
+        t = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+        t.start()
+        deadline = time.monotonic() + 5
+        while len(children(zk_client, path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # its watch on the holder's node is set
+        before = list(sent)
+        for i in range(20):
+            zk_client.set(holder.node, b"renewed %d" % i)
+            time.sleep(0.02)
+        time.sleep(0.2)
+        during = sent[len(before):]
+        assert not got and t.is_alive(), "a data change is no release"
+        assert "GetChildren" not in during and "GetChildren2" not in during, during
+        assert during.count("GetData") == 20, during  # one watch set again per change
+        holder.release()
+        t.join(10)
+        assert got == [True] and waiter.is_held()
+        waiter.release()
+    finally:
+        other.stop()
+        other.close()

@@ -7,7 +7,7 @@ the pool process holding, ZooKeeper's leader, or the network between one worker 
 ZooKeeper — and hands the whole history to the checker: no two validly fenced holds overlap,
 no task is lost, no lock node is left behind.
 
-Bodies of 40-60 ms outlast the agent's lease (``celery_zklock.worker.cohort.FRESH_MAX``): their
+Bodies of 40-60 ms outlast the agent's lease (``celery_zklock.worker.cohort_rules.FRESH_MAX``): their
 handoffs wait for ZooKeeper's reply.  The leader-failover and partition scenarios use 10 ms
 bodies, whose handoffs run on the lease (no round trip), so the faults strike that path too.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zklock.worker.cohort import FRESH_MAX, fresh, passes_locally
+from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER, fresh, passes_locally, renews
 from celery_zklock.engine.znodes import MAX_GRANTS_PER_NODE, fencing_token
 
 N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
@@ -45,6 +45,25 @@ def test_passes_locally(grants, elapsed, foreign, passes, why):
 def test_fresh(confirmed, age, session_timeout, young, why):
     now = (confirmed or 0.0) + age
     assert fresh(confirmed, now, session_timeout) is young, why
+
+
+@pytest.mark.parametrize(
+    "confirmed, age, writing, writes, why",
+    [
+        (None, 0.0, False, True, "no proof yet: write"),
+        (5.0, 0.0, False, False, "proof just renewed: this handoff needs no write"),
+        (5.0, RENEW_AFTER - 0.001, False, False, "still younger than RENEW_AFTER"),
+        (5.0, RENEW_AFTER, False, True, "RENEW_AFTER old: renew it before it ages out"),
+        (5.0, RENEW_AFTER + 0.01, True, False, "a write is in flight: its reply renews it"),
+        (None, 0.0, True, False, "the first write is in flight"),
+    ],
+)
+def test_renews(confirmed, age, writing, writes, why):
+    assert renews(confirmed, (confirmed or 0.0) + age, writing) is writes, why
+
+
+def test_a_renewing_write_comes_well_before_the_lease_ages_out():
+    assert 0 < RENEW_AFTER < FRESH_MAX
 
 
 @pytest.mark.parametrize("czxid_a, czxid_b", [(1, 2), (0x1_0000_0001, 0x1_0000_0002), (0x7FF_FFFF_FFFF, 0x800_0000_0000)])

@@ -69,10 +69,7 @@ class Waiting:
         # their departure is no handoff, only a reason to look again.
         soon = decision.soon if self.on_next is not None else ()
         for name, handoff in [(w, decision.handoff) for w in decision.watch] + [(w, False) for w in soon]:
-            watch = partial(self._on_watch, look, handoff)
-            self.client.get_async(f"{self.lk.path}/{name}", watch=watch).rawlink(
-                partial(self._on_watch_set, look, handoff)
-            )
+            self._watch(look, handoff, f"{self.lk.path}/{name}")
 
     def _on_watch_set(self, look, handoff: bool, result) -> None:
         with self._guard:
@@ -93,8 +90,19 @@ class Waiting:
                 return
             if event.type == EventType.DELETED:
                 self._advance(handoff)
+            elif event.type == EventType.CHANGED:
+                self._watch(look, handoff, event.path)
             elif event.type != EventType.NONE:
                 self._read_children()
+
+    def _watch(self, look, handoff: bool, path: str) -> None:
+        """Watch ``path`` (a contender's node) again after its data changed: the queue did not
+        change, so no children read.  A cohort holder's agent renews its lease by writing
+        its node: on a hot key that is a change every few milliseconds, and each one cost
+        every watcher a children read besides."""
+        self.client.get_async(path, watch=partial(self._on_watch, look, handoff)).rawlink(
+            partial(self._on_watch_set, look, handoff)
+        )
 
     def _advance(self, handoff: bool) -> None:
         """A watched node left.  If we watched everyone ahead of us, we hold: new

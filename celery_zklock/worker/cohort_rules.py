@@ -1,0 +1,63 @@
+"""The cohort's rules, as pure functions: when a held node passes to our next task, when a
+handoff may skip ZooKeeper's round trip (the lease), and when it writes to renew it.
+
+Why apart from :mod:`celery_zklock.worker.cohort`: these decide safety and fairness, so
+they take plain numbers and are tested table by table (``tests/worker/test_cohort_rules.py``),
+as Curator's ``getsTheLock`` is; the cohort only feeds them its clocks and counts.
+"""
+
+from __future__ import annotations
+
+from ..engine.znodes import MAX_GRANTS_PER_NODE
+
+
+#: How old (s) the newest proof that a node is ours may be for a local handoff to skip the
+#: round trip.  Far below any session timeout ZooKeeper negotiates (at least 2 ticks: 4 s by
+#: default; kazoo does not expose the negotiated value, so the bound is absolute), so a holder
+#: granted on it has nearly the whole session timeout, as one granted on a reply has.  A hot
+#: key's handoffs come every few ms and keep the proof young; a holder of 50 ms or more
+#: waits for its own write, which then costs under 2% of its hold.
+FRESH_MAX = 0.05
+
+
+def fresh(confirmed: float | None, now: float, session_timeout: float) -> bool:
+    """May a local handoff grant at once on a write sent at ``confirmed`` that succeeded?
+
+    Only while that proof is younger than :data:`FRESH_MAX` and than a tenth of the session
+    timeout (a user's very short timeout keeps nearly all of it for the holder)."""
+    if confirmed is None:
+        return False
+    return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)
+
+
+#: A handoff on a young proof writes only when that proof is at least this old (s) and no
+#: write to the node is in flight: the write is what keeps the proof young, and one per
+#: handoff was a ZooKeeper write, and a data-change event for every contender watching
+#: the node (another worker's, a Curator peer's), per task of a hot key.
+RENEW_AFTER = FRESH_MAX / 2
+
+
+def renews(confirmed: float | None, now: float, writing: bool) -> bool:
+    """Should a handoff granted on a young proof write to the node, to renew that proof?
+
+    Not while a write is in flight (its reply renews it), nor while the proof is younger
+    than :data:`RENEW_AFTER`: a hot key's handoffs then write about once per
+    ``RENEW_AFTER``, not once per task, and the proof never ages past :data:`FRESH_MAX`
+    while they keep coming."""
+    if writing:
+        return False
+    return confirmed is None or now - confirmed >= RENEW_AFTER
+
+
+def passes_locally(grants: int, since: float, now: float, foreign: bool, max_grants: int, max_hold: float) -> bool:
+    """May a node one of our tasks just let go of pass to our next waiting task?
+
+    ``grants``: holders the node has had; ``since``: when it was first granted; ``foreign``:
+    another contender queues for the key.  Nobody else waiting: always (until the node's
+    token space is used up).  Someone waiting: only within the streak bound.
+    """
+    if grants >= MAX_GRANTS_PER_NODE:
+        return False
+    if not foreign:
+        return True
+    return grants < max_grants and now - since < max_hold
