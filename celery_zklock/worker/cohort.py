@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,7 +299,11 @@ class Cohort:
         meanwhile give up now."""
         slot.answered = True
         busy = self._busy()
-        for index, wait in enumerate(self.queue):
+        # Only waiters that joined behind a fresh node were not told yet (join tells the
+        # others), and they joined within its first max_holders places; a reserved waiter
+        # put back at the front moves them one place per slot at most.  So the scan is
+        # bounded by max_holders, not by the backlog: on a hot key this runs at every streak.
+        for index, wait in enumerate(islice(self.queue, 2 * self.max_holders + 1)):
             self.host.on_queued(wait, busy + index)
         self._expire_answered()
 
