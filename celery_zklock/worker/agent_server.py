@@ -113,7 +113,7 @@ class AgentServer:
         elif op == "wait":
             self._wait(peer, msg)
         elif op == "cancel":
-            self._cancel(msg["id"], msg.get("why") or "finished", bool(msg.get("in_pool")))
+            self._cancel(msg["id"], msg["why"], bool(msg.get("in_pool")))
         elif op == "finished":
             for request_id in msg.get("ids") or ():
                 self._cancel(request_id, "finished")

@@ -10,12 +10,13 @@ Curator and kazoo — and its own requests wait for them in memory, in arrival o
 it without a release and a re-queue (a *local handoff*).  So znodes, children reads and
 watches per key grow with the number of workers, not with the number of waiting tasks.
 
-Fairness to everyone else (:func:`~celery_zklock.worker.cohort_rules.passes_locally`): once another contender is seen in the
-key's queue, a node passes locally at most ``zklock_cohort_handoffs`` times and for at most
-``zklock_cohort_hold`` seconds; then the agent queues a new node at the back (created before
-the old one is deleted: the next holder is woken at once, and we keep our place) and the
-lock moves on.  A foreign contender therefore waits for at most that many of our holds per
-worker ahead of it, plus the hold in progress.
+Fairness to everyone else (:func:`~celery_zklock.worker.cohort_rules.passes_locally`):
+once another contender is seen in the key's queue, a node passes locally at most
+``zklock_cohort_handoffs`` times and for at most ``zklock_cohort_hold`` seconds; then the
+agent queues a new node at the back (created before the old one is deleted: the next holder
+is woken at once, and we keep our place) and the lock moves on.  A foreign contender
+therefore waits for at most that many of our holds per worker ahead of it, plus the hold in
+progress.
 
 Fencing stays exact with no write before a grant: the g-th holder through a node gets
 ``fencing_token(czxid, g)`` (see :func:`celery_zklock.engine.znodes.fencing_token` for the proof).
@@ -23,19 +24,20 @@ A local handoff on an old proof writes to the node — its data becomes the new 
 identity (so ``celery zklock status`` names it) — and that write's success is the leaving
 holder's proof that the lock was ours to the end, as the delete is for the last one.
 
-Neither holder always waits for that write (a *lease*, :func:`~celery_zklock.worker.cohort_rules.fresh`): ZooKeeper expires a
-session only after hearing nothing from it for the session timeout, so a write *sent* at
-``t`` that succeeded proves our session alive until at least ``t + session timeout``; and
-our node goes only with the session or by our own delete (an operator's force-delete is
-seen by the holder's watch on its node, which marks the node lost).  While such a proof is
-younger than :data:`~celery_zklock.worker.cohort_rules.FRESH_MAX` and the connection is up, the next holder is granted at once
-and the leaving one's release is proven at once (:data:`~celery_zklock.engine.session.LEASED`);
-a write runs beside the next body and renews the lease, once it is :data:`~celery_zklock.worker.cohort_rules.RENEW_AFTER` old
-and none is in flight (:func:`~celery_zklock.worker.cohort_rules.renews`).  So a hot key's handoff costs no ZooKeeper round
-trip, and about one write per ``RENEW_AFTER`` keeps the lease young (the node's data then
-names a holder of the last few milliseconds).  After a silent partition no
-reply comes, the lease ages past :data:`~celery_zklock.worker.cohort_rules.FRESH_MAX`, and handoffs wait for replies again, as
-before.  A write that fails after such a grant reports the lock lost to its holder.
+Neither holder always waits for that write (a *lease*, ``cohort_rules.fresh``): ZooKeeper
+expires a session only after hearing nothing from it for the session timeout, so a write
+*sent* at ``t`` that succeeded proves our session alive until at least ``t + session
+timeout``; and our node goes only with the session or by our own delete (an operator's
+force-delete is seen by the holder's watch on its node, which marks the node lost).  While
+such a proof is younger than ``cohort_rules.FRESH_MAX`` and the connection is up, the next
+holder is granted at once and the leaving one's release is proven at once
+(:data:`~celery_zklock.engine.session.LEASED`); a write runs beside the next body and renews
+the lease, once it is ``cohort_rules.RENEW_AFTER`` old and none is in flight
+(``cohort_rules.renews``).  So a hot key's handoff costs no ZooKeeper round trip, and about
+one write per ``RENEW_AFTER`` keeps the lease young (the node's data then names a holder of
+the last few milliseconds).  After a silent partition no reply comes, the lease ages past
+``FRESH_MAX``, and handoffs wait for replies again, as before.  A write that fails after
+such a grant reports the lock lost to its holder.
 
 Everything here runs on the agent's one event thread; ZooKeeper callbacks are posted to it.
 """
@@ -44,8 +46,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from ..engine.internals import Attempt, LockInternals, State

@@ -278,8 +278,8 @@ def watched(req) -> bool:
     """Does anything here read that ``req`` waits (the ``queued`` message)?  Its event, the
     LOCK_WAITING state and the waiting gauge; with none of them on, the agent does not
     send it: on a hot key every task waits, and each message costs both processes."""
-    eventer = getattr(req, "_eventer", None)
-    events = bool(eventer is not None and eventer.enabled and req.task.send_events)
+    eventer = req.eventer  # Celery's own test in Request.send_event
+    events = bool(eventer and eventer.enabled and req.task.send_events)
     return events or stores_waiting(req.task) or metrics.enabled()
 
 

@@ -96,10 +96,10 @@ class Waiting:
                 self._read_children()
 
     def _watch(self, look, handoff: bool, path: str) -> None:
-        """Watch ``path`` (a contender's node) again after its data changed: the queue did not
-        change, so no children read.  A cohort holder's agent renews its lease by writing
-        its node: on a hot key that is a change every few milliseconds, and each one cost
-        every watcher a children read besides."""
+        """Watch ``path`` (a contender's node): when the driver names it, and again after its
+        data changed.  A change leaves the queue as it was, so it costs no children read: a
+        cohort holder's agent renews its lease by writing its node, on a hot key every few
+        milliseconds, and each write used to cost every watcher a children read besides."""
         self.client.get_async(path, watch=partial(self._on_watch, look, handoff)).rawlink(
             partial(self._on_watch_set, look, handoff)
         )
