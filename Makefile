@@ -25,7 +25,7 @@ demo: setup
 	$(PY) -m examples.demo
 
 bench: setup
-	$(PY) -m bench.run $(if $(QUICK),--quick,)
+	$(PY) -m bench.run $(if $(QUICK),--quick,) $(if $(BURST),--burst $(BURST),)
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache
