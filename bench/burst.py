@@ -33,6 +33,11 @@ from .infra import Services, Workers, log, rss_kib
 DEFAULT_TASKS = 20000
 
 
+#: The longest run of grants to one worker while another waits: zklock_cohort_handoffs'
+#: default (the bench's workers keep it) plus the hold in progress.
+STREAK_BOUND = 32 + 1
+
+
 class _Sampler:
     """The key's children, ZooKeeper's znode count and RSS, every ``every`` seconds."""
 
@@ -43,6 +48,7 @@ class _Sampler:
         self.zk = KazooClient(hosts=services.zk_hosts)
         self.zk.start(timeout=10)
         self.children: list[int] = []
+        self.children_at: list[float] = []  # time.time() of each children sample
         self.znodes: list[int] = []
         self.rss_kib: list[int] = []
         self._stop = threading.Event()
@@ -57,6 +63,7 @@ class _Sampler:
                 self.children.append(len(self.zk.get_children(self.path)))
             except NoNodeError:
                 self.children.append(0)
+            self.children_at.append(time.time())
             tick += 1
             if tick % 25 == 0:  # every half second: the server-wide figures
                 self.znodes.append(self.services.znode_count())
@@ -120,6 +127,13 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
     overlaps = sum(1 for a, b in zip(rows, rows[1:]) if b["start"] < a["end"])
     tokens = [r["token"] or 0 for r in rows]
     share = _worker_share(rows)
+    if share.get("longest_streak") and share["longest_streak"] > STREAK_BOUND:
+        # Children under the key while the longest streak ran: only our node (1) means the
+        # other worker had none queued then, and the streak bound did not apply.
+        begin = rows[share["longest_streak_at_grant"]]["start"]
+        end = rows[share["longest_streak_at_grant"] + share["longest_streak"] - 1]["end"]
+        share["children_during_longest_streak"] = [
+            n for n, at in zip(sampler.children, sampler.children_at) if begin - 0.02 <= at <= end + 0.02]
     once = len({r["id"] for r in rows}) == len(rows) == tasks and set(ids) == {r["id"] for r in rows}
     return {
         "mode": mode,
@@ -157,12 +171,19 @@ def _worker_share(rows: list[dict]) -> dict:
     last = {h: max(i for i, x in enumerate(host) if x == h) for h in hosts}
     both = host[: min(last.values()) + 1]
     shares = [both.count(h) / len(both) for h in hosts]
-    longest = run = 1
-    for a, b in zip(both, both[1:]):
-        run = run + 1 if a == b else 1
-        longest = max(longest, run)
+    streaks, first = [], 0  # (length, index of its first grant)
+    for i in range(1, len(both) + 1):
+        if i == len(both) or both[i] != both[first]:
+            streaks.append((i - first, first))
+            first = i
+    longest, at = max(streaks)
+    t0 = rows[0]["start"]
     return {"grant_share_min": round(min(shares), 3), "grant_share_max": round(max(shares), 3),
-            "grants_while_all_waited": len(both), "longest_streak": longest}
+            "grants_while_all_waited": len(both), "longest_streak": longest,
+            # Where it was: a streak past the bound means the other worker had no node queued
+            # then (e.g. its requests had not arrived yet), which these figures help tell.
+            "longest_streak_at_grant": at, "longest_streak_at_s": round(rows[at]["start"] - t0, 3),
+            "streaks_over_bound": sum(1 for n, _ in streaks if n > STREAK_BOUND)}
 
 
 def run(services: Services, tasks: int = DEFAULT_TASKS, workers: int = 2, concurrency: int = 3,

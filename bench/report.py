@@ -186,11 +186,21 @@ def targets(results: dict) -> list[dict]:
                                0.4 <= w["grant_share_min"] and w["grant_share_max"] <= 0.6,
                                f"{w['grant_share_min']:.0%} / {w['grant_share_max']:.0%} of "
                                f"{w['grants_while_all_waited']} grants; longest run on one worker "
-                               f"{w['longest_streak']} (bound: zklock_cohort_handoffs + 1)"))
+                               f"{w['longest_streak']} (bound: zklock_cohort_handoffs + 1, while another "
+                               f"worker queues){_past_bound(w)}"))
     if "lock_engine" in sc:
         for t in sc["lock_engine"].get("targets", []):
             out.append(_target("lock_engine", t["contender"], t["target"], t["met"], t["value"]))
     return out
+
+
+def _past_bound(w: dict) -> str:
+    """Whether the other worker queued during the longest run, when that run passed the bound."""
+    seen = w.get("children_during_longest_streak")
+    if not seen:
+        return ""
+    who = "only our node: the other worker queued nothing then" if max(seen) <= 1 else "more than one node: the other worker's, or our next one"
+    return f"; during it the key had at most {max(seen)} children ({who})"
 
 
 # ------------------------------------------------------------------ Markdown
