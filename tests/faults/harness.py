@@ -405,17 +405,22 @@ class Scenario:
     def path(self, key: str) -> str:
         return key_path(self.root, key)
 
-    def contenders(self, key: str) -> int:
+    def contenders(self, key: str, need: int | None = None) -> int:
         """Holders and waiters of ``key`` right now: its lock nodes, and the requests workers
-        hold for it in memory (lock cohorting: one node per worker per key)."""
+        hold for it in memory (lock cohorting: one node per worker per key).  With ``need``,
+        the nodes alone answer when there are that many: asking the workers is a broadcast
+        that takes its whole 1 s timeout, and a poll that slow can miss a workload of a few
+        seconds altogether (tasks waiting in their pool process each have a node)."""
         try:
             nodes = len(self.cluster.zk().get_children(self.path(key)))
         except NoNodeError:
             nodes = 0
+        if need is not None and nodes >= need:
+            return nodes
         return nodes + len(local_waiters(self.app).get(self.path(key), []))
 
     def wait_contenders(self, key: str, n: int, timeout: float = 30.0) -> None:
-        wait_until(lambda: self.contenders(key) >= n, timeout, what=f"{n} contenders on {key!r}")
+        wait_until(lambda: self.contenders(key, need=n) >= n, timeout, what=f"{n} contenders on {key!r}")
 
     def close(self) -> None:
         """Stop the workers (all at once) and drop the test process's result subscriptions

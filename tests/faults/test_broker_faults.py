@@ -32,7 +32,7 @@ def test_broker_restarted_mid_run_with_acks_late(scenario):
     for name in ("a", "b"):
         scenario.worker(name, concurrency=2, FAULTS_VISIBILITY="6", FAULTS_CONF=conf)
     sent = [scenario.send(A.step_late, f"hot-{i % 2}", 150) for i in range(40)]
-    wait_until(lambda: all(scenario.contenders(f"hot-{k}") >= 2 for k in range(2)), 30, interval=0.005,
+    wait_until(lambda: all(scenario.contenders(f"hot-{k}", need=2) >= 2 for k in range(2)), 30, interval=0.005,
                what="a holder and a waiter on every hot key")
     down_s = scenario.cluster.redis_restart()
     report = scenario.verify(timeout=120, reruns=True)
