@@ -24,6 +24,8 @@ import threading
 import time
 import uuid
 
+from celery_zklock.config import SETTINGS
+
 from .infra import Services, Workers, log, rss_kib
 
 
@@ -35,7 +37,7 @@ DEFAULT_TASKS = 20000
 
 #: The longest run of grants to one worker while another waits: zklock_cohort_handoffs'
 #: default (the bench's workers keep it) plus the hold in progress.
-STREAK_BOUND = 32 + 1
+STREAK_BOUND = SETTINGS["zklock_cohort_handoffs"].default + 1
 
 
 class _Sampler:

@@ -199,8 +199,10 @@ def _past_bound(w: dict) -> str:
     seen = w.get("children_during_longest_streak")
     if not seen:
         return ""
-    who = "only our node: the other worker queued nothing then" if max(seen) <= 1 else "more than one node: the other worker's, or our next one"
-    return f"; during it the key had at most {max(seen)} children ({who})"
+    most = max(seen)
+    who = ("only our node: the other worker queued nothing then" if most <= 1
+           else "more than one node: the other worker's, or our next one")
+    return f"; during it the key had at most {most} children ({who})"
 
 
 # ------------------------------------------------------------------ Markdown
