@@ -224,3 +224,22 @@ def test_readme_architecture_tree_names_every_module():
     modules = {p.name for p in _modules() if p.name != "__init__.py"}
     assert modules - named == set(), "modules missing from the README's Architecture tree"
     assert named - modules == set(), "the README's Architecture tree names modules that do not exist"
+
+
+def _raw_links(source: str, name: str) -> list[str]:
+    """Calls of ``.rawlink(...)`` in ``source``: kazoo re-runs earlier callbacks when one is
+    added to a ready result, so every link goes through ``kazoo_compat.on_ready``."""
+    return [f"{name}:{node.lineno}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rawlink"]
+
+
+def test_raw_link_check_itself():
+    assert _raw_links("r.rawlink(cb)\nx = 1\nclient.get_async(p).rawlink(\n  cb)\n", "m") == ["m:1", "m:3"]
+    assert _raw_links("kazoo_compat.on_ready(r, cb)\n", "m") == []
+
+
+def test_every_callback_on_a_kazoo_result_runs_once():
+    """Only ``kazoo_compat.on_ready`` may call kazoo's ``rawlink`` (see its docstring)."""
+    found = [f for p in PACKAGE.rglob("*.py") if p.name != "kazoo_compat.py"
+             for f in _raw_links(p.read_text(), str(p.relative_to(PACKAGE)))]
+    assert found == []

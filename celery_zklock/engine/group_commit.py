@@ -69,9 +69,9 @@ class GroupCommit:
         if not live:
             return self._next()
         if len(live) == 1 and self._send_one is not None:
-            self._send_one(live[0][0]).rawlink(lambda r: self._replied_one(live[0][2], r))
+            kazoo_compat.on_ready(self._send_one(live[0][0]), lambda r: self._replied_one(live[0][2], r))
         else:
-            self._send_many([item for item, _, _ in live]).rawlink(lambda r: self._replied(live, r))
+            kazoo_compat.on_ready(self._send_many([item for item, _, _ in live]), lambda r: self._replied(live, r))
 
     def _replied_one(self, result, reply) -> None:
         try:

@@ -4,10 +4,14 @@ Why: kazoo 2.x exposes neither the session id across a reconnection, nor the neg
 session timeout, nor a way to send the ``createContainer`` request, nor a ``multi`` whose
 creates answer with their stats.  The lock needs all four.  Reading them here, behind small
 functions, means a kazoo upgrade that renames an attribute breaks one module — and its
-tests say so — instead of the lock protocol.
+tests say so — instead of the lock protocol.  So does working around kazoo's one callback
+quirk the lock would otherwise trip on (:func:`on_ready`).
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Callable
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import EXCEPTIONS
@@ -26,6 +30,26 @@ def session_id(client: KazooClient) -> int | None:
     "the session my node belongs to"; kazoo clears this one only when the session ends.
     """
     return client._session_id
+
+
+def on_ready(result, callback: Callable) -> None:
+    """Run ``callback(result)`` once, when ``result`` (a kazoo async result) is ready.
+
+    Why not ``result.rawlink(callback)`` directly: kazoo's ``rawlink`` on a result that is
+    already set dispatches *every* callback registered so far, not just the new one (kazoo
+    2.11, ``AsyncResult._do_callbacks``).  A proof that the agent links to more than once
+    (the handoff's write: the cohort's bookkeeping, the grant it waits for, the release's
+    answer) could then run its first callbacks twice when its reply raced the later links
+    — a second grant of an already passed node, or a delete under its new holder.  Every
+    link in this package goes through here (``tests/test_structure.py`` checks it).
+    """
+    calls = itertools.count()  # next() is atomic under the GIL: the first call alone runs
+
+    def once(ready) -> None:
+        if next(calls) == 0:
+            callback(ready)
+
+    result.rawlink(once)
 
 
 def session_timeout(client: KazooClient) -> float:
@@ -116,7 +140,7 @@ def create_in_new_containers_async(client: KazooClient, pairs):
             return paired.set_exception(exc)
         paired.set([(flat[2 * i], flat[2 * i + 1]) for i in range(len(pairs))])
 
-    result.rawlink(pair)
+    on_ready(result, pair)
     return paired
 
 

@@ -211,7 +211,7 @@ class FairLock:
         attempt = self._attempt = self._internals.attempt(deadline, on_wait=queued if self.on_wait else None)
         try:
             if self.on_wait is not None:
-                attempt.result.rawlink(lambda _result: wake.set())
+                kazoo_compat.on_ready(attempt.result, lambda _result: wake.set())
                 while not attempt.result.ready():
                     wake.wait()
                     wake.clear()

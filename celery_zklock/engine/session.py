@@ -209,7 +209,7 @@ def guaranteed_delete(monitor: SessionMonitor, path: str, session: int | None, o
         if kazoo_compat.session_id(client) != session:
             outcome.set(EXPIRED)  # ephemeral nodes die with their session
             return
-        monitor.deletes.submit(path, session).rawlink(reply)
+        kazoo_compat.on_ready(monitor.deletes.submit(path, session), reply)
 
     def reply(result) -> None:
         try:
@@ -250,7 +250,7 @@ def guaranteed_set(monitor: SessionMonitor, path: str, data: bytes, session: int
         if kazoo_compat.session_id(client) != session:
             outcome.set(EXPIRED)
             return
-        client.set_async(path, data).rawlink(reply)
+        kazoo_compat.on_ready(client.set_async(path, data), reply)
 
     def reply(result) -> None:
         try:

@@ -12,6 +12,7 @@ thread, like everything in it.
 from __future__ import annotations
 
 from ..engine.internals import State
+from ..engine.kazoo_compat import on_ready
 from ..engine.session import DELETED, LEASED, WRITTEN
 from .agent_link import Connection
 from .agent_requests import Wait
@@ -73,7 +74,7 @@ class ClaimDesk:
         if not pending:
             return answer()
         for p in pending:
-            p.rawlink(lambda result: self.post(one_done, result))
+            on_ready(p, lambda result: self.post(one_done, result))
 
     # ------------------------------------------------------------------ lock state
     @staticmethod

@@ -51,6 +51,7 @@ from itertools import islice
 from typing import Any
 
 from ..engine.internals import Attempt, LockInternals, State
+from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews
@@ -62,6 +63,7 @@ class Slot:
 
     attempt: Attempt
     holder: Any = None  # the agent's Wait holding through this node, if any
+    handing_on: bool = False  # the holder is reserved: granted once the handoff's write answers
     grants: int = 0  # holders this node has had
     since: float | None = None  # when it was first granted
     foreign: bool = False  # another contender queues for the key (seen while held)
@@ -151,8 +153,8 @@ class Cohort:
                 self._grant(slot, nxt, reserved=True)
                 return LEASED  # the young proof covers the leaving holder too: no wait for a write
             proof = self._write(slot, nxt.identity)
-            slot.holder = nxt
-            proof.rawlink(lambda result: self.host.post(self._passed, slot, nxt, result))
+            slot.holder, slot.handing_on = nxt, True
+            on_ready(proof, lambda result: self.host.post(self._passed, slot, nxt, result))
             return proof
         proof = self._drop(slot, replace=True)
         self.pump()
@@ -160,6 +162,9 @@ class Cohort:
 
     def _passed(self, slot: Slot, wait, result) -> None:
         """The handoff's write answered: grant the reserved waiter, or find the node gone."""
+        if not slot.handing_on or slot.holder is not wait:
+            return  # this reservation was answered already: a node is granted once per write
+        slot.handing_on = False
         try:
             written = result.get() == WRITTEN
         except Exception:
@@ -238,7 +243,7 @@ class Cohort:
         sent = time.monotonic()
         slot.writing += 1
         written = guaranteed_set(slot.attempt.monitor, slot.node_path, identity, slot.attempt.session)
-        written.rawlink(lambda result: self.host.post(self._wrote, slot, sent, result))
+        on_ready(written, lambda result: self.host.post(self._wrote, slot, sent, result))
         return written
 
     def _wrote(self, slot: Slot, sent: float, result) -> None:
@@ -262,7 +267,7 @@ class Cohort:
         slot.attempt = internals.attempt(
             None, on_wait=lambda position: post(self._answered, slot), on_next=lambda: post(self._zk_next, slot))
         self.slots.append(slot)
-        slot.attempt.result.rawlink(lambda result: post(self._decided, slot, result))
+        on_ready(slot.attempt.result, lambda result: post(self._decided, slot, result))
         return slot
 
     def _drop(self, slot: Slot, replace: bool = False):
@@ -348,8 +353,8 @@ class Cohort:
 
         def look() -> None:
             if slot in self.slots and slot.held and not slot.foreign:
-                client.get_children_async(self.path, watch=changed).rawlink(
-                    lambda result: self.host.post(self._seen, slot, result))
+                on_ready(client.get_children_async(self.path, watch=changed),
+                         lambda result: self.host.post(self._seen, slot, result))
 
         look()
 

@@ -50,18 +50,18 @@ class Creating:
         if new_key and znodes.containers_known_to_work(self.client):
             item = (self.lk.path, node, self.lk.identifier, kazoo_compat.acl_for(self.client, self.lk.path),
                     kazoo_compat.acl_for(self.client, node))
-            self.monitor.new_keys.submit(item, session).rawlink(partial(self._on_multi, session))
+            kazoo_compat.on_ready(self.monitor.new_keys.submit(item, session), partial(self._on_multi, session))
             return
         if new_key:
-            kazoo_compat.create_container_async(
-                self.client, self.lk.path, kazoo_compat.acl_for(self.client, self.lk.path)
-            ).rawlink(self._on_parent)
+            container = kazoo_compat.create_container_async(
+                self.client, self.lk.path, kazoo_compat.acl_for(self.client, self.lk.path))
+            kazoo_compat.on_ready(container, self._on_parent)
         created = self.client.create_async(
             node, self.lk.identifier, acl=kazoo_compat.acl_for(self.client, node), ephemeral=True, sequence=True,
             include_data=True,
         )
         listed = None if new_key else self.client.get_children_async(self.lk.path)
-        created.rawlink(partial(self._on_created, session, listed))
+        kazoo_compat.on_ready(created, partial(self._on_created, session, listed))
 
     def _on_parent(self, result) -> None:
         try:
@@ -109,7 +109,7 @@ class Creating:
                 if self._finished:
                     return self._settle_cleanup()
             acl = kazoo_compat.acl_for(self.client, parent)
-            return self.client.ensure_path_async(parent, acl).rawlink(self._parent_made)
+            return kazoo_compat.on_ready(self.client.ensure_path_async(parent, acl), self._parent_made)
         # Our node's own failure: as for a create.
         failed = container if isinstance(container, Exception) and not isinstance(container, _NOT_RUN) else ours
         self._on_created(session, None, _Made(failed))
@@ -148,7 +148,7 @@ class Creating:
                 return self._decide([name])
             if listed is not None:
                 look = self._next_look()
-                listed.rawlink(partial(self._on_children, look))
+                kazoo_compat.on_ready(listed, partial(self._on_children, look))
             else:
                 self._read_children()
 
@@ -162,21 +162,21 @@ class Creating:
             except NoNodeError:  # an ancestor is missing too
                 parent = path.rsplit("/", 1)[0]
                 if parent:
-                    return self.client.ensure_path_async(parent, kazoo_compat.acl_for(self.client, parent)).rawlink(
-                        lambda r: self._parent_made(r, retry=True))
+                    made_parent = self.client.ensure_path_async(parent, kazoo_compat.acl_for(self.client, parent))
+                    return kazoo_compat.on_ready(made_parent, lambda r: self._parent_made(r, retry=True))
             except UnimplementedError:
                 znodes.mark_no_containers(self.client)
-                return self.client.create_async(path, b"", acl=kazoo_compat.acl_for(self.client, path),
-                                                makepath=True).rawlink(self._parent_made)
+                created = self.client.create_async(path, b"", acl=acl, makepath=True)
+                return kazoo_compat.on_ready(created, self._parent_made)
             except Exception:
                 pass
             self._parent_made(result)
 
         acl = kazoo_compat.acl_for(self.client, path)
         if znodes.uses_containers(self.client):
-            kazoo_compat.create_container_async(self.client, path, acl).rawlink(made)
+            kazoo_compat.on_ready(kazoo_compat.create_container_async(self.client, path, acl), made)
         else:
-            self.client.create_async(path, b"", acl=acl, makepath=True).rawlink(self._parent_made)
+            kazoo_compat.on_ready(self.client.create_async(path, b"", acl=acl, makepath=True), self._parent_made)
 
     def _parent_made(self, result, retry: bool = False) -> None:
         with self._guard:

@@ -20,13 +20,15 @@ class Ghosts:
         """After a lost create reply: adopt our node if our session owns it, else delete it."""
         self._pending = None
         look = self._next_look()
-        self.client.get_children_async(self.lk.path).rawlink(partial(self._on_ghost_children, look, False))
+        listed = self.client.get_children_async(self.lk.path)
+        kazoo_compat.on_ready(listed, partial(self._on_ghost_children, look, False))
 
     def _clean_ghosts(self) -> None:
         """Given up while a create's reply was lost: delete any node of ours, adopt none."""
         if kazoo_compat.session_id(self.client) != self._create_session:
             return self._settle_cleanup()
-        self.client.get_children_async(self.lk.path).rawlink(partial(self._on_ghost_children, None, True))
+        listed = self.client.get_children_async(self.lk.path)
+        kazoo_compat.on_ready(listed, partial(self._on_ghost_children, None, True))
 
     def _on_ghost_children(self, look, delete_only: bool, result) -> None:
         with self._guard:
@@ -58,7 +60,7 @@ class Ghosts:
                     self._on_ghost_stats(look, delete_only, children, replies)
 
             for r in replies.values():
-                r.rawlink(checked)
+                kazoo_compat.on_ready(r, checked)
 
     def _on_ghost_stats(self, look, delete_only: bool, children, replies) -> None:
         with self._guard:

@@ -72,7 +72,7 @@ class Holding:
                     if self.node == node and self.session == session:
                         self._mark_lost("lock node was deleted")
 
-        self.client.exists_async(f"{self.lk.path}/{node}", watch=changed).rawlink(checked)
+        kazoo_compat.on_ready(self.client.exists_async(f"{self.lk.path}/{node}", watch=changed), checked)
 
     def on_connection(self, state: str, epoch: int) -> None:
         """From the :class:`SessionMonitor`, on kazoo's connection thread: flags and async requests only."""
@@ -92,7 +92,8 @@ class Holding:
     def _verify(self, epoch: int) -> None:
         """After a reconnection: still ours only if the node exists and our session owns it."""
         node, session = self.node, self.session
-        self.client.exists_async(f"{self.lk.path}/{node}").rawlink(partial(self._on_verified, epoch, node, session))
+        exists = self.client.exists_async(f"{self.lk.path}/{node}")
+        kazoo_compat.on_ready(exists, partial(self._on_verified, epoch, node, session))
 
     def _on_verified(self, epoch: int, node, session, result) -> None:
         with self._guard:

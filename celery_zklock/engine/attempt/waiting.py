@@ -27,7 +27,7 @@ class Waiting:
 
     def _read_children(self) -> None:
         look = self._next_look()
-        self.client.get_children_async(self.lk.path).rawlink(partial(self._on_children, look))
+        kazoo_compat.on_ready(self.client.get_children_async(self.lk.path), partial(self._on_children, look))
 
     def _on_children(self, look, result) -> None:
         with self._guard:
@@ -100,9 +100,8 @@ class Waiting:
         data changed.  A change leaves the queue as it was, so it costs no children read: a
         cohort holder's agent renews its lease by writing its node, on a hot key every few
         milliseconds, and each write used to cost every watcher a children read besides."""
-        self.client.get_async(path, watch=partial(self._on_watch, look, handoff)).rawlink(
-            partial(self._on_watch_set, look, handoff)
-        )
+        kazoo_compat.on_ready(self.client.get_async(path, watch=partial(self._on_watch, look, handoff)),
+                 partial(self._on_watch_set, look, handoff))
 
     def _advance(self, handoff: bool) -> None:
         """A watched node left.  If we watched everyone ahead of us, we hold: new
