@@ -75,9 +75,19 @@ def _wait(predicate, timeout=10.0):
 def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_env, zk_server):
     values, mod, w = cli_env
     key = f"sem-{uuid.uuid4().hex[:6]}"
-    # 5 s holds: every check below runs while the first two still hold (each CLI run is a
-    # fresh Python process, about a second on a loaded machine)
-    running = [mod.hold_two.delay(key, 5000, f"t{i}") for i in range(3)]
+    # The holds last until the test lets them go: every check below runs while the first two
+    # hold, however slow each CLI run (a fresh Python process) is on a loaded machine.
+    go = f"go-{key}"
+    running = [mod.hold_two.delay(key, 0, f"t{i}", go) for i in range(3)]
+    try:
+        _check_semaphore_status(values, zk_server, key, running)
+    finally:
+        mod._r.set(go, 1)
+    for r in running:
+        r.get(timeout=30)
+
+
+def _check_semaphore_status(values, zk_server, key, running):
     root = values["TEST_ZK_ROOT"]
 
     def report():
@@ -96,8 +106,6 @@ def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_e
     by_prefix = json.loads(run_cli(zk_server, root, "status", "--prefix", "k:sem-", "--json").stdout)
     assert key_path(root, f"k:{key}") in by_prefix
     assert json.loads(run_cli(zk_server, root, "status", "--prefix", "k:nothing-", "--json").stdout) == {}
-    for r in running:
-        r.get(timeout=30)
 
 
 def test_release_deletes_exactly_the_named_node_and_logs_who(cli_env, zk_server, zk_client):

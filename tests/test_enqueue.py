@@ -159,11 +159,12 @@ def test_a_guard_whose_message_is_lost_ends_at_its_expires(worker, mod, zk):
 def test_sigkill_of_the_running_worker_frees_a_finish_guard_within_the_session(mod, env, zk):
     """celery-once and celery-singleton refuse the key for their TTL (1 h) after this; the
     running guard is an ephemeral node of the worker's session: gone within its timeout."""
-    w = Worker(env, "enq-victim", app="tests.apps.enqueued", concurrency=1)
+    # A queue of its own: the module's worker (enq1), still up, must not be the one that runs it.
+    w = Worker(env, "enq-victim", app="tests.apps.enqueued", concurrency=1, extra=["-Q", "enq-victim"])
     w.start(mod.app)
     try:
         key = _key()
-        running = mod.in_flight.delay(key, 30_000)
+        running = mod.in_flight.apply_async((key, 30_000), queue="enq-victim")
         _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner, 10,
                "the running guard")
         w.kill()
@@ -220,22 +221,23 @@ def test_a_publish_storm_queues_at_most_one_per_key(worker, mod, env):
 def test_waiting_in_the_pool_the_pool_process_ends_and_moves_guards(mod, env, zk):
     """With zklock_wait_in="pool" no agent exists: the pool process that locks in process
     ends a ``start`` guard at its grant and holds a ``finish`` guard in its own session."""
-    w = Worker({**env, "TEST_ZK_WAIT_IN": "pool"}, "enq-pool", app="tests.apps.enqueued", concurrency=2)
+    w = Worker({**env, "TEST_ZK_WAIT_IN": "pool"}, "enq-pool", app="tests.apps.enqueued", concurrency=2,
+               extra=["-Q", "enq-pool"])  # not the module's worker (enq1), which waits in its agent
     w.start(mod.app)
     try:
         key = _key()
-        running = mod.in_flight.delay(key, 1000)
+        running = mod.in_flight.apply_async((key, 1000), queue="enq-pool")
         guard, stat = _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
                              10, "the running guard in the pool process's session")
-        assert guard.id == running.id and mod.in_flight.delay(key, 0).id == running.id
+        assert guard.id == running.id and mod.in_flight.apply_async((key, 0), queue="enq-pool").id == running.id
         assert running.get(timeout=20) == key
         _until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
 
         other = _key()
-        holder = mod.refresh.delay(other, 1000)
+        holder = mod.refresh.apply_async((other, 1000), queue="enq-pool")
         _until(lambda: _runs(mod, other), what="the holder to start")
-        queued = mod.refresh.delay(other, 0)
-        assert mod.refresh.delay(other, 0).id == queued.id
+        queued = mod.refresh.apply_async((other, 0), queue="enq-pool")
+        assert mod.refresh.apply_async((other, 0), queue="enq-pool").id == queued.id
         assert holder.get(timeout=20) == other and queued.get(timeout=20) == other
         _until(lambda: _guard(zk, mod, mod.refresh, other) is None, 5, "the guard to end at its start")
     finally:

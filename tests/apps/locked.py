@@ -94,9 +94,16 @@ def hold_retry(self, key, ms=0):
 
 
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_max_holders=2)
-def hold_two(key, ms=50, tag=None):
+def hold_two(key, ms=50, tag=None, until=None):
+    """Hold for ``ms``, or (with ``until``, a Redis key) until the test sets that key: checks
+    that must run while two hold then do not race the clock of a loaded machine."""
     start = time.time()
-    time.sleep(ms / 1000)
+    if until is None:
+        time.sleep(ms / 1000)
+    else:
+        deadline = start + 120
+        while not _r.exists(until) and time.time() < deadline:
+            time.sleep(0.01)
     _record("two", key, tag, start, time.time())
 
 
