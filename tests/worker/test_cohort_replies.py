@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
-from celery_zklock.engine.session import WRITTEN
+from celery_zklock.engine.session import DELETED, WRITTEN
 from celery_zklock.worker.cohort import Cohort
 
 
@@ -96,7 +96,7 @@ def test_a_handoff_whose_reply_beats_a_later_link_grants_once_and_keeps_the_node
     assert slot.writing == 0 and slot.confirmed is not None  # the write counted once
     assert zk_client.exists(slot.node_path) is not None, "the node was deleted under its new holder"
 
-    assert cohort.release(second).get(timeout=10) == "deleted"
+    assert cohort.release(second).get(timeout=10) == DELETED
     host.run(lambda: cohort.idle)
     assert zk_client.exists(slot.node_path) is None
 

@@ -100,8 +100,8 @@ class Waiting:
         data changed.  A change leaves the queue as it was, so it costs no children read: a
         cohort holder's agent renews its lease by writing its node, on a hot key every few
         milliseconds, and each write used to cost every watcher a children read besides."""
-        kazoo_compat.on_ready(self.client.get_async(path, watch=partial(self._on_watch, look, handoff)),
-                 partial(self._on_watch_set, look, handoff))
+        watched = self.client.get_async(path, watch=partial(self._on_watch, look, handoff))
+        kazoo_compat.on_ready(watched, partial(self._on_watch_set, look, handoff))
 
     def _advance(self, handoff: bool) -> None:
         """A watched node left.  If we watched everyone ahead of us, we hold: new
