@@ -30,17 +30,20 @@ from .errors import AlreadyQueued, LockUnavailable
 logger = get_logger("celery_zklock.enqueue")
 
 
-def _expires_at(expires: Any, now: float) -> float:
-    """``expires`` as Celery takes it (seconds, a datetime, or the ISO text a retry passes on)."""
-    if isinstance(expires, str):
+def _instant(value: Any, app, now: float) -> float | None:
+    """``expires`` or ``eta`` as Celery takes it (seconds from now, a datetime, or the ISO text
+    a retry passes on) as ``time.time()``; a naive datetime read as the worker reads it."""
+    if value is None:
+        return None
+    if isinstance(value, str):
         from celery.utils.time import maybe_iso8601
 
-        expires = maybe_iso8601(expires)
-    if isinstance(expires, datetime.datetime):
-        if expires.tzinfo is None:
-            expires = expires.replace(tzinfo=datetime.timezone.utc)
-        return expires.timestamp()
-    return now + float(expires)
+        value = maybe_iso8601(value)
+    if isinstance(value, datetime.datetime):
+        from celery.utils.time import maybe_make_aware
+
+        return maybe_make_aware(value, app.conf.timezone).timestamp()  # as celery.worker.request does
+    return now + float(value)
 
 
 def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> Any:
@@ -48,7 +51,8 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
 
     ``apply_async`` is the plain publish (Celery's).  Returns its AsyncResult, or with
     ``dedupe`` the queued task's; raises :class:`AlreadyQueued` with ``reject``, and
-    :class:`LockUnavailable` when ZooKeeper cannot decide (nothing is published then)."""
+    :class:`LockUnavailable` when ZooKeeper cannot decide within ``zklock_connect_timeout``
+    (nothing is published then) — except for a retry, which is never dropped."""
     from celery.utils import uuid
 
     args_t, kwargs_d = tuple(args or ()), dict(kwargs or {})
@@ -61,20 +65,30 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
     retrying = not request.called_directly and request.id == task_id
     retries = int(options.get("retries") or 0)
     now = time.time()
-    expires = options.get("expires")
-    if expires is None:
-        expires = task.expires if task.expires is not None else opts.enqueue_expires
-        options["expires"] = expires
-    guard = guards.Guard(task_id, task.name, opts.enqueue_until, _expires_at(expires, now), retries, now)
+    # No expires is added to the message: the guard's staleness is the guard's, counted from
+    # the message's ETA, so neither a countdown nor a backlog discards the task (issue 40).
+    eta = options.get("eta")
+    if eta is None and options.get("countdown") is not None:
+        eta = float(options["countdown"])
+    expires = options.get("expires", task.expires)
+    bound = guards.bound(now, _instant(eta, task.app, now), _instant(expires, task.app, now), opts.enqueue_expires)
+    guard = guards.Guard(task_id, task.name, opts.enqueue_until, bound, retries, now)
+    header = {"paths": paths, "until": opts.enqueue_until, "retries": retries}
     try:
         client = get_client(opts)
-        taken = guards.take(client, paths, guard)
-    except LockUnavailable:
-        raise
+        taken = guards.take(client, paths, guard, timeout=opts.connect_timeout)
     except Exception as exc:
+        if retrying:
+            # Task.retry turns a failed publish into Reject(requeue=False): the task would be
+            # gone.  Sent without a new guard instead: its old one names this id (publishes
+            # dedupe into the retry), and the retry's run ends it (Guard.ended_by).
+            logger.warning("%s[%s]: retry published without checking its enqueue guard (%r)", task.name, task_id, exc)
+            return apply_async(args, kwargs, task_id=task_id, **_with_header(options, header))
+        if isinstance(exc, LockUnavailable):
+            raise
         raise LockUnavailable(f"could not check the enqueue guard of {task.name} ({keys[0]!r}): {exc!r}; "
                               "nothing was published") from exc
-    if taken.outcome == guards.HELD and not retrying:
+    if taken.outcome is guards.Outcome.HELD and not retrying:
         found_id = taken.found.id if taken.found else "?"
         key = by_path.get(taken.path, keys[0])
         if opts.enqueue == "reject":
@@ -82,20 +96,30 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
             raise AlreadyQueued(key, found_id, task.name)
         _event(task, "task-lock-deduped", key=key, queued=found_id)
         return task.AsyncResult(found_id)
-    mine = taken.outcome != guards.HELD  # a retry in the way of another's guard goes unguarded
+    mine = taken.outcome is not guards.Outcome.HELD  # a retry in the way of another's guard goes unguarded
     if mine:
-        headers = dict(options.get("headers") or {})
-        headers[guards.HEADER] = {"paths": paths, "until": opts.enqueue_until, "retries": retries}
-        options["headers"] = headers
+        options = _with_header(options, header)
     try:
-        return apply_async(args, kwargs, task_id=task_id, **options)
+        result = apply_async(args, kwargs, task_id=task_id, **options)
     except BaseException:
-        if mine and taken.outcome == "taken":  # nothing was published: no guard may stay
+        # Nothing was published (or the broker's answer was lost: then the next publish may
+        # queue a duplicate, the README's one window for this): no guard may stay.
+        if mine and taken.outcome is guards.Outcome.TAKEN:
             _quietly(guards.release, client, paths, task_id, retries)
         raise
-    finally:
-        if mine and task.app.conf.task_always_eager:
-            _quietly(guards.release, client, paths, task_id, retries)  # the run is over
+    if mine and task.app.conf.task_always_eager:
+        _quietly(guards.release, client, paths, task_id, retries)  # the run is over
+    elif mine:
+        # Publishers that found it waiting may now dedupe into it.  Unconfirmed (we died, or
+        # ZooKeeper went), it goes stale after guards.PUBLISH_WINDOW: a duplicate at worst.
+        _quietly(guards.confirm, client, paths, task_id, retries, opts.connect_timeout)
+    return result
+
+
+def _with_header(options: dict, header: dict) -> dict:
+    headers = dict(options.get("headers") or {})
+    headers[guards.HEADER] = header
+    return {**options, "headers": headers}
 
 
 def _event(task, type_: str, **fields: Any) -> None:
@@ -115,25 +139,75 @@ def _event(task, type_: str, **fields: Any) -> None:
 def _quietly(fn, *args) -> None:
     try:
         fn(*args)
-    except Exception as exc:  # the message's expires still bounds the guard
-        logger.warning("celery-zklock: enqueue guard not updated (%r); its message's expires bounds it", exc)
+    except Exception as exc:  # the guard's own bound still ends it
+        logger.warning("celery-zklock: enqueue guard not updated (%r); its bound ends it", exc)
+
+
+def unrun(task, request, gone: list, why: str) -> None:
+    """A guarded task ended without running: say how much deduped work went with it
+    (event ``task-lock-unrun``, metric ``zklock_enqueue_unrun_deduped_total``, a WARNING)."""
+    deduped = sum(g.deduped for g in gone)
+    if not deduped:
+        return
+    logger.warning("celery-zklock: %s[%s] ended unrun (%s); %d publish(es) deduped into it went with it",
+                   task.name, request.id, why, deduped)
+    metrics.record("unrun", task, deduped=deduped)
+    if task.app.conf.worker_send_task_events and request.hostname:
+        try:
+            task.send_event("task-lock-unrun", why=why, deduped=deduped)
+        except Exception as exc:  # monitoring must never break the task
+            logger.debug("could not send task-lock-unrun: %r", exc)
 
 
 # ------------------------------------------------------------------ in the running process
 def started(task, request, opts) -> None:
-    """The guarded task starts in this process (it locked in process): end or move its guard."""
+    """The guarded task starts in this process (it locked in process): end or move its guard.
+    Raises :class:`LockUnavailable` when that cannot be done: the body must not run."""
     header = guards.guarded(request)
-    if header is not None:
-        _quietly(lambda: guards.start(get_client(opts), header["paths"], request.id, int(header.get("retries") or 0),
-                                      header["until"]))
+    if header is None:
+        return
+    try:
+        guards.start(get_client(opts), header["paths"], request.id, int(header.get("retries") or 0),
+                     header["until"], timeout=opts.connect_timeout)
+    except LockUnavailable:
+        raise
+    except Exception as exc:
+        raise LockUnavailable(f"could not end the enqueue guard of {task.name}[{request.id}] at its start: {exc!r}") from exc
 
 
-def finished(task, request, opts) -> None:
-    """It finished (or ended unrun): its running guard, or a guard it never moved, goes."""
+def finished(task, request, opts, ran: bool = True, why: str = "") -> None:
+    """It finished (or ended unrun): its running guard, or a guard it never moved, goes.
+    A release ZooKeeper refuses now is tried again in the background (:func:`_later`)."""
     header = guards.guarded(request)
-    if header is not None:
-        retries = int(header.get("retries") or 0)
-        _quietly(lambda: guards.release(get_client(opts), header["paths"], request.id, retries))
+    if header is None:
+        return
+    retries = int(header.get("retries") or 0)
+    try:
+        gone = guards.release(get_client(opts), header["paths"], request.id, retries, timeout=opts.connect_timeout)
+    except Exception as exc:
+        logger.warning("celery-zklock: enqueue guard of %s not ended (%r); trying again in the background", request.id, exc)
+        _later(opts, header["paths"], request.id, retries)
+        return
+    if not ran:
+        unrun(task, request, gone, why)
+
+
+def _later(opts, paths: list[str], task_id: str, retries: int, every: float = 1.0) -> None:
+    """Keep trying a guard's release off the task's thread until it goes or its bound would
+    end it anyway; a guard left in place swallows every publish for its key."""
+    import threading
+
+    def loop() -> None:
+        deadline = time.monotonic() + opts.enqueue_expires
+        while time.monotonic() < deadline:
+            time.sleep(every)
+            try:
+                guards.release(get_client(opts), paths, task_id, retries, timeout=opts.connect_timeout)
+                return
+            except Exception:
+                continue
+
+    threading.Thread(target=loop, name="zklock-guard-release", daemon=True).start()
 
 
 # ------------------------------------------------------------------ discarded unrun by a worker

@@ -11,7 +11,8 @@ one series per order id would explode.
 
 Metrics: ``zklock_wait_seconds`` and ``zklock_hold_seconds`` (histograms),
 ``zklock_acquired_total``, ``zklock_timeouts_total{policy}``, ``zklock_lost_total{reason}``,
-``zklock_unavailable_total``, and the gauges ``zklock_waiting`` and ``zklock_holding``.
+``zklock_unavailable_total``, ``zklock_enqueue_unrun_deduped_total`` (publishes deduped into a
+task that then ended unrun), and the gauges ``zklock_waiting`` and ``zklock_holding``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def start(settings) -> None:
         "unavailable": prometheus_client.Counter("zklock_unavailable", "Tasks not run: ZooKeeper unreachable", labels),
         "deduped": prometheus_client.Counter("zklock_enqueue_deduped", "Publishes deduped into a queued task (lock_enqueue)", labels),
         "rejected": prometheus_client.Counter("zklock_enqueue_rejected", "Publishes refused with AlreadyQueued (lock_enqueue)", labels),
+        "unrun": prometheus_client.Counter("zklock_enqueue_unrun_deduped", "Publishes deduped into a task that then ended unrun (lock_enqueue)", labels),
         "waiting": prometheus_client.Gauge("zklock_waiting", "Tasks waiting for their lock", labels, multiprocess_mode="livesum"),
         "holding": prometheus_client.Gauge("zklock_holding", "Tasks holding their lock", labels, multiprocess_mode="livesum"),
     }
@@ -107,6 +109,8 @@ def record(event: str, task, **fields: Any) -> None:
             m["lost"].labels(*labels, _reason(fields.get("reason"))).inc()
         elif event in ("unavailable", "deduped", "rejected"):
             m[event].labels(*labels).inc()
+        elif event == "unrun":
+            m["unrun"].labels(*labels).inc(int(fields.get("deduped") or 0))
         elif event in ("waiting", "waited"):
             m["waiting"].labels(*labels).inc(1 if event == "waiting" else -1)
     except Exception:  # monitoring must never break a task

@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Retry
 from celery.utils.log import get_task_logger
 
 from .worker import agent_lock, worker_loss
@@ -28,7 +29,7 @@ from .worker import agent_lock, worker_loss
 from . import by_config, config, enqueue, prerun, signals
 from .acquisition import LockAcquisition
 from .config import ZkSettings, cached_settings, load_settings
-from .errors import LockLost, LockReentered
+from .errors import LockLost, LockReentered, LockUnavailable
 from .held import HeldLock, _current, _lost_reason, _tokens_of, _UnderOuter, current_lock
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
@@ -153,6 +154,22 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         finally:
             _current.reset(ctx_token)
 
+    def _start_guard(self, req, opts: ZkSettings, label, lock, direct: bool) -> None:
+        """End (or move) its enqueue guard before the body runs; if ZooKeeper cannot, the body
+        does not run: that guard would swallow the work published during the run.  The lock
+        goes and ``on_lock_unavailable`` decides (its retry takes the guard over)."""
+        try:
+            enqueue.started(self, req, opts)
+        except LockUnavailable as exc:
+            lock.release()
+            try:
+                self._unavailable(exc, opts, label, direct)
+            except Retry:
+                raise  # the retry names this id in the guard: publishes dedupe into it
+            except BaseException:
+                enqueue.finished(self, req, opts, ran=False, why="LockUnavailable")
+                raise
+
     def _locked_call(self, args, kwargs, req, direct: bool, opts: ZkSettings, keys, paths, label,
                      take: list[str] | None = None, inner_label: Any = None, outer: HeldLock | None = None) -> Any:
         """Take the lock (all of ``paths``, or only ``take`` under an ``outer`` hold), run the
@@ -180,16 +197,16 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
                 try:
                     lock, waited, early = self._lock_in_process(req, direct, opts, inner_label if nested else label,
                                                                 take if nested else paths, on_lost, started)
-                except BaseException:
-                    if guarded:
-                        enqueue.finished(self, req, opts)  # ends unrun (a retry took its guard over)
+                except BaseException as exc:
+                    if guarded:  # ends unrun (a retry took its guard over: that one stays)
+                        enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
                     raise
                 if lock is None:
                     if guarded:
-                        enqueue.finished(self, req, opts)
+                        enqueue.finished(self, req, opts, ran=False, why="not run")
                     return early
                 if guarded:
-                    enqueue.started(self, req, opts)
+                    self._start_guard(req, opts, label, lock, direct)
         finally:
             prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
         tokens = _tokens_of(lock)

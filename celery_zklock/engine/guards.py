@@ -6,35 +6,44 @@ but pays with a TTL).  Here the publisher *creates* ``<root>/.enqueue/<task>/<ke
 transaction for every key of the task — and the create that succeeds is the one message
 published; the others find the node, read whose it is, and dedupe or refuse.
 
-Why no stale guard and no TTL guesswork (the peers' hour):
+Why no work is lost (issue 40):
 
-* A queued task's guard is deleted when the task starts (``until="start"``), when it is
-  revoked or expires at a worker, or when its lock wait ends without running it.
-* A running task's guard (``until="finish"``) becomes, at its start and in one transaction,
-  an *ephemeral* node of the session that runs it: it goes when the task finishes, and with
-  the worker's session if the worker dies (the session timeout, not an hour).
-* The one case no worker sees — the broker lost the message — is bounded by the message's
-  own ``expires``: a guarded message is always published with one (the call's, the task's, or
-  ``zklock_enqueue_expires``), its guard records it, and a publisher that finds an expired
-  guard deletes it (version-checked) and takes the key.  A worker discards an expired message
-  anyway, so the guard never outlives a message that could still run.  ZooKeeper's TTL nodes
-  were the other choice; they need ``zookeeper.extendedTypesEnabled`` on every server (off by
-  default, often not settable on a managed ensemble) and kazoo cannot create them.
+* A guard is created *unconfirmed* and confirmed once the broker took its message.  A
+  publisher that finds an unconfirmed guard waits for it (a publish takes milliseconds):
+  it never dedupes into a message that may never be sent.  One left unconfirmed past
+  :data:`PUBLISH_WINDOW` (its publisher died, or the create's reply was lost) is stale.
+* A queued guard ends when its task starts (``until="start"``), is revoked or expires at a
+  worker, or its lock wait ends without running it; a failure to end it at the start keeps
+  the body from running (the task is then "unavailable": retried), since a guard that
+  outlives the start would swallow the work that arrives during the run.
+* A running guard (``until="finish"``) becomes, at its start and in one transaction, an
+  *ephemeral* node of the session that runs it: it ends with the task, or with the worker's
+  session if the worker dies.
+* The one case no worker sees — the broker lost the message — is bounded by the guard's own
+  ``bound``: its message's ETA (or publish time) plus ``zklock_enqueue_expires``, or the
+  message's own ``expires`` when the caller gave one.  The message itself is never given an
+  ``expires`` it did not ask for: a backlog longer than the bound costs a duplicate (the next
+  publish queues again), never the queued task.
+* Each publish deduped into a queued guard is counted in it, so a task that then ends unrun
+  says how much work went with it (:func:`release` returns the guards it ended).
 
 A guard names its task id *and* its retry count: a retry republishes the same id, takes over
-its own guard (never refused by it), and the run that retried can no longer delete it.
+its own guard (never refused by it), and the run that retried can no longer delete it; a
+later try ends any guard of an earlier try of its id (one a retry could not take over).
 
 Everything here is plain kazoo calls on a started client, with no Celery import: the
 publisher, a pool process, the worker's lock agent and the helper a prefork parent starts
-(``python -m celery_zklock.engine.guards``, job on stdin) all use it.
+(``python -m celery_zklock.engine.guards``, job on stdin) all use it.  Every call is bounded
+by ``timeout``: a publisher with ZooKeeper gone gets an error, not a hang.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
@@ -52,10 +61,33 @@ HEADER = "zklock_guard"
 UNTIL = ("start", "finish")
 MODES = ("dedupe", "reject")
 
-# Verdicts of :func:`verdict` on a guard found in place.
-OWN = "own"  # it names this very task: a retry or a republish of it takes it over
-STALE = "stale"  # its message's expires has passed: nobody can run it any more
-HELD = "held"  # another task of the key is queued (or running): dedupe or refuse
+#: How long a guard may stay unconfirmed (created, its message not yet known to be with the
+#: broker).  Publishers that find it wait that long at most; past it the guard is stale and
+#: the key is taken over (a duplicate if that publish did reach the broker: never a loss).
+PUBLISH_WINDOW = 10.0
+
+#: Bounds every ZooKeeper call of a guard when the caller gives none (seconds).
+DEFAULT_TIMEOUT = 10.0
+
+
+class Verdict(enum.Enum):
+    """What a publisher does about a guard found in place (:func:`verdict`)."""
+
+    OWN = "own"  # it names this very task: a retry or a republish of it takes it over
+    STALE = "stale"  # past its bound (or never confirmed in time): nobody will run it
+    HELD = "held"  # another task of the key is queued (or running): dedupe or refuse
+    UNCONFIRMED = "unconfirmed"  # its publish is under way: wait for it, then decide
+
+
+class Outcome(enum.Enum):
+    """What :func:`take` did."""
+
+    TAKEN = "taken"  # the guard is ours: publish
+    OWN = "own"  # ours already (a retry of the same id took it over)
+    HELD = "held"  # another's: dedupe or refuse
+
+
+OWN, STALE, HELD, UNCONFIRMED = Verdict.OWN, Verdict.STALE, Verdict.HELD, Verdict.UNCONFIRMED
 
 
 def folder(root: str) -> str:
@@ -70,14 +102,18 @@ def guard_path(root: str, task: str, key: str) -> str:
 
 @dataclass(frozen=True)
 class Guard:
-    """What a guard node holds: whose it is and until when it can matter."""
+    """What a guard node holds: whose it is, until when it can matter, and how much work
+    was deduped into it."""
 
     id: str
     task: str
     until: str
-    expires_at: float  # time.time() after which its message is discarded unrun
+    expires_at: float  # the guard's bound (time.time()): past it, a queued guard is stale
     retries: int = 0
     at: float = 0.0  # when it was published
+    confirmed: bool = True  # its message is with the broker (guards of older versions: yes)
+    publish_by: float = 0.0  # unconfirmed past this: its publisher never got through
+    deduped: int = 0  # publishes deduped into it (a lower bound under heavy contention)
 
     def dumps(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -88,15 +124,30 @@ class Guard:
             raw = json.loads(data.decode())
             return cls(id=str(raw["id"]), task=str(raw.get("task") or ""), until=str(raw.get("until") or "start"),
                        expires_at=float(raw["expires_at"]), retries=int(raw.get("retries") or 0),
-                       at=float(raw.get("at") or 0.0))
+                       at=float(raw.get("at") or 0.0), confirmed=bool(raw.get("confirmed", True)),
+                       publish_by=float(raw.get("publish_by") or 0.0), deduped=int(raw.get("deduped") or 0))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def names(self, task_id: str, retries: int) -> bool:
         return self.id == task_id and self.retries == retries
 
+    def ended_by(self, task_id: str, retries: int) -> bool:
+        """A run ends the guard of its own try or of an earlier one of its id (a retry whose
+        takeover failed left that one); never a later try's, which a retry just published."""
+        return self.id == task_id and self.retries <= retries
 
-def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False) -> str:
+
+def bound(now: float, eta: float | None, expires: float | None, staleness: float) -> float:
+    """A queued guard's bound (pure): the message's own ``expires`` when it has one (the worker
+    discards it then), else its ETA (or now) plus ``staleness``, so that neither a countdown
+    nor a backlog shorter than ``staleness`` makes it stale."""
+    if expires is not None:
+        return expires
+    return max(now, eta or now) + staleness
+
+
+def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False) -> Verdict:
     """What a publisher of ``task_id`` does about a guard it found in place (pure).
 
     ``running``: the guard is an ephemeral node (``lock_enqueue_until="finish"``, its task
@@ -107,145 +158,261 @@ def verdict(found: "Guard | None", task_id: str, now: float, running: bool = Fal
         return HELD
     if found.id == task_id:
         return OWN
-    if now >= found.expires_at and not running:
+    if running:
+        return HELD
+    if not found.confirmed:
+        return STALE if now >= found.publish_by else UNCONFIRMED
+    if now >= found.expires_at:
         return STALE
     return HELD
 
 
 @dataclass(frozen=True)
 class Taken:
-    """The outcome of :func:`take`: ``taken`` (published under our guard), or the guard in
-    the way (``held``: dedupe or refuse; ``own``: ours already)."""
+    """The outcome of :func:`take`, and the guard in the way when it is another's."""
 
-    outcome: str  # "taken", OWN or HELD
+    outcome: Outcome
     path: str | None = None
     found: Guard | None = None
 
 
-def take(client, paths: list[str], guard: Guard, attempts: int = 20) -> Taken:
-    """Create the guard at every path, all or none.  A stale guard in the way is deleted
-    (only the version we read) and the create tried again; our own is taken over."""
+class _Calls:
+    """Blocking kazoo calls, each bounded by one timeout (kazoo's own wait forever while the
+    client reconnects: a publish must fail within ``zklock_connect_timeout`` instead)."""
+
+    def __init__(self, client, timeout: float | None) -> None:
+        self.client, self.timeout = client, DEFAULT_TIMEOUT if timeout is None else timeout
+
+    def get(self, path: str, watch=None):
+        return self.client.get_async(path, watch=watch).get(timeout=self.timeout)
+
+    def sync(self, path: str) -> None:
+        self.client.sync_async(path).get(timeout=self.timeout)
+
+    def commit(self, txn) -> list:
+        return txn.commit_async().get(timeout=self.timeout)
+
+    def set(self, path: str, data: bytes, version: int):
+        return self.client.set_async(path, data, version=version).get(timeout=self.timeout)
+
+    def delete(self, path: str, version: int) -> None:
+        self.client.delete_async(path, version=version).get(timeout=self.timeout)
+
+    def ensure(self, path: str, acl) -> None:
+        self.client.ensure_path_async(path, acl=acl).get(timeout=self.timeout)
+
+    def read(self, path: str, watch=None):
+        """The guard at ``path`` (None if unreadable) and its stat; None when there is no node."""
+        try:
+            raw, stat = self.get(path, watch)
+        except NoNodeError:
+            return None
+        return Guard.loads(raw), stat
+
+
+def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: float | None = None) -> Taken:
+    """Create the guard (unconfirmed: :func:`confirm` once published) at every path, all or
+    none.  A stale guard in the way is deleted (only the version we read) and the create
+    tried again; our own is taken over; an unconfirmed one is waited for; another's held
+    guard counts one more deduped publish."""
+    calls = _Calls(client, timeout)
+    guard = replace(guard, confirmed=False, publish_by=time.time() + PUBLISH_WINDOW, deduped=0)
     data = guard.dumps()
     acl = kazoo_compat.acl_for(client, paths[0])
     # A read first: a storm of duplicates (the case this exists for) is answered without a
-    # write through the leader and its fsync.  ``sync`` first, so the read is not older than
+    # create through the leader and its fsync.  ``sync`` first, so the read is not older than
     # a guard's deletion at its task's start (a follower may lag): a publish after the start
     # is never deduped into it.  The create below decides between racing publishers.
-    client.sync(paths[0])
+    calls.sync(paths[0])
     for path in paths:
-        seen = _read(client, path)
-        if seen is not None and verdict(seen[0], guard.id, time.time(), bool(seen[1].ephemeralOwner)) == HELD:
-            return Taken(HELD, path, seen[0])
+        held = _settled(calls, path, guard.id)
+        if held is not None:
+            return held
     for _ in range(attempts):
         txn = client.transaction()
         for path in paths:
             txn.create(path, data, acl=acl)
-        results = txn.commit()
+        results = calls.commit(txn)
         failed = [(p, r) for p, r in zip(paths, results)
                   if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
         if not failed:
-            return Taken("taken")
+            return Taken(Outcome.TAKEN)
         path, error = failed[0]
         if isinstance(error, NoNodeError):
-            client.ensure_path(folder_of(path), acl=kazoo_compat.acl_for(client, folder_of(path)))
+            calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
             continue
         if not isinstance(error, NodeExistsError):
             raise error
-        read = _read(client, path)
+        read = calls.read(path)
         if read is None:
             continue  # gone meanwhile: try again
         found, stat = read
         seen = verdict(found, guard.id, time.time(), bool(stat.ephemeralOwner))
-        if seen == STALE:
-            _delete(client, path, stat.version)
-            continue
-        if seen == OWN:
-            if _take_over(client, path, stat, guard, acl):
-                rest = [p for p in paths if p != path]
-                if not rest:
-                    return Taken(OWN, path, found)
-                paths = rest
-                continue
-            continue
-        return Taken(HELD, path, found)
+        if seen is STALE:
+            _delete(calls, path, stat.version)
+        elif seen is OWN:
+            if _take_over(client, calls, path, stat, guard, acl):
+                paths = [p for p in paths if p != path]
+                if not paths:
+                    return Taken(Outcome.OWN, path, found)
+        elif seen is UNCONFIRMED:
+            held = _settled(calls, path, guard.id)
+            if held is not None:
+                return held
+        else:
+            _count_dedupe(calls, path, found, stat)
+            return Taken(Outcome.HELD, path, found)
     raise RuntimeError(f"could not take the enqueue guard {paths}: it kept changing under us")
 
 
-def _take_over(client, path: str, stat, guard: Guard, acl) -> bool:
+def _settled(calls: _Calls, path: str, task_id: str) -> Taken | None:
+    """Another's guard at ``path`` once its publish is settled: HELD (counted as deduped into),
+    or None when there is none in our way (no node, stale, or our own)."""
+    while True:
+        changed = calls.client.handler.event_object()
+        read = calls.read(path, watch=lambda _event: changed.set())
+        if read is None:
+            return None
+        found, stat = read
+        now = time.time()
+        seen = verdict(found, task_id, now, bool(stat.ephemeralOwner))
+        if seen is HELD:
+            _count_dedupe(calls, path, found, stat)
+            return Taken(Outcome.HELD, path, found)
+        if seen is not UNCONFIRMED:
+            return None
+        # Its publisher is between its create and the broker's answer: dedupe into it only
+        # once it is confirmed (its message may never be sent), take over if it never is.
+        changed.wait(max(0.0, min(found.publish_by - now, calls.timeout)) + 0.01)
+
+
+def _count_dedupe(calls: _Calls, path: str, found: Guard | None, stat, attempts: int = 3) -> None:
+    """One more publish served by the queued guard at ``path``.  Best effort (a lower bound):
+    the dedupe stands whether or not the count gets in, and a running guard counts nothing."""
+    for _ in range(attempts):
+        if found is None or stat.ephemeralOwner:
+            return
+        try:
+            calls.set(path, replace(found, deduped=found.deduped + 1).dumps(), stat.version)
+            return
+        except (BadVersionError, NoNodeError):
+            read = calls.read(path)
+            if read is None:
+                return
+            found, stat = read
+        except Exception:
+            return
+
+
+def confirm(client, paths: list[str], task_id: str, retries: int, timeout: float | None = None) -> None:
+    """Our message is with the broker: publishers that find the guard may now dedupe into it.
+    Leaves alone a guard that no longer names this try (its task started, or the key was
+    taken over past :data:`PUBLISH_WINDOW`)."""
+    calls = _Calls(client, timeout)
+    for path in paths:
+        for _ in range(20):
+            read = calls.read(path)
+            if read is None:
+                break
+            found, stat = read
+            if found is None or not found.names(task_id, retries) or found.confirmed:
+                break
+            try:
+                calls.set(path, replace(found, confirmed=True).dumps(), stat.version)
+                break
+            except BadVersionError:
+                continue
+            except NoNodeError:
+                break
+
+
+def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> bool:
     """Our own guard (a retry of the same task id): name the new message in it, as a
     persistent node — the run that retried ends, or dies, without taking it along."""
     txn = client.transaction()
     txn.delete(path, version=stat.version)
     txn.create(path, guard.dumps(), acl=acl)
-    return not any(isinstance(r, Exception) for r in txn.commit())
-
-
-def _read(client, path: str):
-    """The guard at ``path`` (None if unreadable) and its stat; None when there is no node."""
-    try:
-        raw, stat = client.get(path)
-    except NoNodeError:
-        return None
-    return Guard.loads(raw), stat
+    return not any(isinstance(r, Exception) for r in calls.commit(txn))
 
 
 def folder_of(path: str) -> str:
     return path.rsplit("/", 1)[0]
 
 
-def _delete(client, path: str, version: int) -> bool:
+def _delete(calls: _Calls, path: str, version: int) -> bool:
     try:
-        client.delete(path, version=version)
+        calls.delete(path, version=version)
         return True
     except (NoNodeError, BadVersionError):
         return False
 
 
-def release(client, paths: list[str], task_id: str, retries: int, running: bool = False) -> int:
-    """Delete the guards that name this run (task id and retry count); with ``running``,
-    only an ephemeral one of this client's session (a retry's persistent guard stays).
-    Returns how many went."""
-    gone = 0
+def release(client, paths: list[str], task_id: str, retries: int, running: bool = False,
+            timeout: float | None = None) -> list[Guard]:
+    """Delete the guards this run ends (:meth:`Guard.ended_by`); with ``running``, only an
+    ephemeral one of this client's session (a retry's persistent guard stays).  Returns the
+    guards that went (their ``deduped`` says how much work they served)."""
+    calls = _Calls(client, timeout)
+    gone = []
     session = kazoo_compat.session_id(client)
     for path in paths:
-        read = _read(client, path)
-        if read is None:
-            continue
-        found, stat = read
-        if found is None or not found.names(task_id, retries):
-            continue
-        if running and stat.ephemeralOwner != session:
-            continue
-        gone += _delete(client, path, stat.version)
+        for _ in range(20):
+            read = calls.read(path)
+            if read is None:
+                break
+            found, stat = read
+            if found is None or not found.ended_by(task_id, retries):
+                break
+            if running and stat.ephemeralOwner != session:
+                break
+            try:
+                calls.delete(path, version=stat.version)
+                gone.append(found)
+                break
+            except BadVersionError:
+                continue  # a dedupe counted itself in meanwhile: read again
+            except NoNodeError:
+                break
     return gone
 
 
-def start(client, paths: list[str], task_id: str, retries: int, until: str) -> None:
+def start(client, paths: list[str], task_id: str, retries: int, until: str, timeout: float | None = None) -> None:
     """The guarded task starts: ``start`` ends its guard now; ``finish`` turns it into an
-    ephemeral node of this session in one transaction (no instant without a guard)."""
+    ephemeral node of this session in one transaction (no instant without a guard).
+    Raises when ZooKeeper cannot say it is done: the body must not run past a guard that
+    would swallow the work arriving during the run."""
     if until != "finish":
-        release(client, paths, task_id, retries)
+        release(client, paths, task_id, retries, timeout=timeout)
         return
+    calls = _Calls(client, timeout)
     acl = kazoo_compat.acl_for(client, paths[0]) if paths else None
     for path in paths:
-        read = _read(client, path)
-        if read is None:
-            # A redelivered copy whose first run's worker died (its ephemeral guard went
-            # with it): guard this run again, unless another task of the key queued since.
-            # (expires_at bounds only a queued guard: a running one lasts as our session.)
-            guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
-            try:
-                client.create(path, guard.dumps(), acl=acl, ephemeral=True, makepath=True)
-            except NodeExistsError:
-                pass
-            continue
-        found, stat = read
-        if found is None or not found.names(task_id, retries) or stat.ephemeralOwner:
-            continue
-        txn = client.transaction()
-        txn.delete(path, version=stat.version)
-        txn.create(path, found.dumps(), acl=acl, ephemeral=True)
-        txn.commit()  # a failure means the guard changed meanwhile: it is not ours to move
+        for _ in range(20):
+            read = calls.read(path)
+            if read is None:
+                # A redelivered copy whose first run's worker died (its ephemeral guard went
+                # with it): guard this run again, unless another task of the key queued since.
+                # (expires_at bounds only a queued guard: a running one lasts as our session.)
+                guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
+                try:
+                    client.create_async(path, guard.dumps(), acl=acl, ephemeral=True).get(timeout=calls.timeout)
+                except NoNodeError:
+                    calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
+                    continue
+                except NodeExistsError:
+                    pass
+                break
+            found, stat = read
+            if found is None or not found.ended_by(task_id, retries) or stat.ephemeralOwner:
+                break
+            txn = client.transaction()
+            txn.delete(path, version=stat.version)
+            txn.create(path, replace(found, confirmed=True, retries=retries).dumps(), acl=acl, ephemeral=True)
+            if not any(isinstance(r, Exception) for r in calls.commit(txn)):
+                break
+            # The guard changed meanwhile (a dedupe counted itself in): read it again.
+        else:
+            raise RuntimeError(f"could not move the enqueue guard {path}: it kept changing under us")
 
 
 def guarded(request_or_headers: Any) -> dict | None:
@@ -276,7 +443,11 @@ def main() -> int:
     job = json.loads(sys.stdin.readline())
     client = connect(from_wire(job["settings"]))
     try:
-        release(client, list(job["paths"]), str(job["id"]), int(job.get("retries") or 0))
+        for gone in release(client, list(job["paths"]), str(job["id"]), int(job.get("retries") or 0)):
+            if gone.deduped:
+                logging.getLogger("celery_zklock.enqueue").warning(
+                    "celery-zklock: task %s ended unrun; %d publish(es) deduped into it went with it",
+                    gone.id, gone.deduped)
     finally:
         disconnect(client)
     return 0

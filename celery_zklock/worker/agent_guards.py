@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from ..engine import guards
 from .agent_requests import Wait
@@ -26,22 +27,34 @@ class EnqueueGuards:
 
     def _guard_op(self, fn, *args, after=None) -> None:
         """A guard's blocking ZooKeeper calls, off the event thread and in order on one
-        thread of their own (a task's end must not overtake its start); ``after`` then runs
-        on the event thread, whatever the outcome."""
+        thread of their own (a task's end must not overtake its start); ``after(error)`` then
+        runs on the event thread, whatever the outcome (``error`` is None when it was done)."""
         if self.guard_jobs is None:
             self.guard_jobs = queue.SimpleQueue()
             threading.Thread(target=self._guard_loop, name="zklock-agent-guards", daemon=True).start()
-        self.guard_jobs.put((fn, args, after))
+        self.guard_jobs.put((fn, args, after, 0))
 
     def _guard_loop(self) -> None:
         while True:
-            fn, args, after = self.guard_jobs.get()
+            fn, args, after, tries = self.guard_jobs.get()
+            error = None
             try:
-                fn(self.client, *args)
-            except Exception as exc:  # the message's expires still bounds the guard
+                done = fn(self.client, *args)
+            except Exception as exc:
+                error = exc
                 logger.warning("zklock agent: enqueue guard of %s not updated (%r)", args[1], exc)
+                if fn is guards.release and after is None and tries < _RELEASE_TRIES:
+                    # A guard left in place swallows every publish of its key: try again
+                    # (each try is bounded by the client's timeout), until its bound would.
+                    self.monitor.timers.call_at(time.monotonic() + 1.0, self.guard_jobs.put, (fn, args, None, tries + 1))
+            else:
+                if fn is guards.release:
+                    for gone in done or ():
+                        if gone.deduped:
+                            logger.warning("zklock agent: task %s ended unrun; %d publish(es) deduped into it went with it",
+                                           gone.id, gone.deduped)
             if after is not None:
-                self.post(after)
+                self.post(after, error)
 
     def _guard_decided(self, wait: Wait, verdict: str) -> None:
         """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
@@ -59,7 +72,14 @@ class EnqueueGuards:
             self._guard_op(guards.release, guard["paths"], wait.id, retries)
 
     def _guard_finished(self, wait: Wait) -> None:
-        """A granted request ran (or its process died): its running guard goes."""
+        """A granted request ran (or its process died before it could claim it): its running
+        guard goes; an undecided one's guard (never moved) goes too."""
+        if wait.verdict is not None and wait.verdict.get("verdict") == "shutdown":
+            return  # its message goes back to the broker, still queued under it
         guard, wait.guard = wait.guard, None
-        if guard is not None and wait.verdict is not None and wait.verdict.get("verdict") == "granted":
+        if guard is not None:
             self._guard_op(guards.release, guard["paths"], wait.id, int(guard.get("retries") or 0))
+
+
+#: How many times (about a second apart) the agent tries a guard's release again.
+_RELEASE_TRIES = 600

@@ -175,7 +175,7 @@ class RequestBook:
             wait.guard_moved = True
             guard = wait.guard
             self._guard_op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"],
-                           after=lambda: self._decide(wait, verdict))
+                           after=lambda error: self._guard_started(wait, verdict, error))
             return
         wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
         if verdict["verdict"] == "granted":
@@ -192,6 +192,15 @@ class RequestBook:
             if verdict["verdict"] != "granted":
                 self._forget(wait)
 
+    def _guard_started(self, wait: Wait, verdict: dict, error: BaseException | None) -> None:
+        """A grant whose guard could not be ended (or moved) is not told as granted: the body
+        would run past a guard that swallows the work published meanwhile.  Its locks go and
+        the pool process follows ``on_lock_unavailable`` (its retry takes the guard over)."""
+        if error is None:
+            return self._decide(wait, verdict)
+        self._let_go(wait)
+        self._decide(wait, {"verdict": "unavailable", "error": f"could not end the enqueue guard at the start: {error!r}"})
+
     def _cancel(self, request_id: str, why: str = "finished", in_pool: bool = False) -> None:
         """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
         ``finished`` by the pool without claiming (a grant nobody claimed is let go).
@@ -207,6 +216,10 @@ class RequestBook:
             return
         if why == "revoked":
             self._guard_decided(wait, "revoked")
+        elif why == "finished":
+            # Done in the pool without claiming (its process died before it could, or it ran
+            # in process): a guard moved at the grant, or never moved, must not outlive it.
+            self._guard_finished(wait)
         if not in_pool:
             if wait.claimer is None:
                 self._drop(wait)

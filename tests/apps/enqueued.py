@@ -67,3 +67,9 @@ def retrying(self, user, ms=0):
     if self.request.retries < 2:
         raise self.retry(countdown=0.1)
     return self.request.retries
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_timeout=1.0, on_lock_timeout="skip")
+def skipping(user, ms=0):
+    _record("skipping", str(user), ms)
+    return user

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from celery_zklock.engine import guards
-from celery_zklock.engine.guards import HELD, OWN, STALE, Guard, verdict
+from celery_zklock.engine.guards import HELD, OWN, STALE, UNCONFIRMED, Guard, bound, verdict
 
 
-def _g(task_id="a", expires_at=100.0, retries=0):
-    return Guard(task_id, "t", "start", expires_at, retries, 1.0)
+def _g(task_id="a", expires_at=100.0, retries=0, confirmed=True, publish_by=0.0):
+    return Guard(task_id, "t", "start", expires_at, retries, 1.0, confirmed=confirmed, publish_by=publish_by)
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,12 @@ def _g(task_id="a", expires_at=100.0, retries=0):
         (_g("a", expires_at=100.0), "b", 100.0, STALE, "its message has expired: nobody can run it"),
         (_g("a", expires_at=100.0), "b", 99.9, HELD, "not yet expired"),
         (None, "b", 1e12, HELD, "a node we cannot read is somebody else's: never deleted"),
+        (_g("a", confirmed=False, publish_by=60.0), "b", 50.0, UNCONFIRMED,
+         "its publish is under way: wait, never dedupe into a message that may not be sent"),
+        (_g("a", confirmed=False, publish_by=60.0), "b", 60.0, STALE, "never confirmed in time: its publisher died"),
+        (_g("a", expires_at=10.0, confirmed=False, publish_by=60.0), "b", 50.0, UNCONFIRMED,
+         "unconfirmed: the publish window decides, not the bound"),
+        (_g("a", confirmed=False, publish_by=60.0), "a", 50.0, OWN, "our own, even unconfirmed"),
     ],
 )
 def test_verdict(found, task_id, now, expected, why):
@@ -34,10 +40,43 @@ def test_verdict(found, task_id, now, expected, why):
         (_g("a", expires_at=100.0), "b", 500.0, HELD, "running past its message's expiry: the session bounds it"),
         (_g("a"), "a", 500.0, OWN, "a retry published by the running body: its own guard"),
         (_g("a"), "b", 50.0, HELD, "running, not expired: held, as queued"),
+        (_g("a", confirmed=False, publish_by=10.0), "b", 50.0, HELD,
+         "moved to the running session before its publisher confirmed it: running"),
     ],
 )
 def test_verdict_of_a_running_guard(found, task_id, now, expected, why):
     assert verdict(found, task_id, now, running=True) == expected, why
+
+
+@pytest.mark.parametrize(
+    "now, eta, expires, staleness, expected, why",
+    [
+        (1000.0, None, None, 3600.0, 4600.0, "no ETA: counted from the publish"),
+        (1000.0, 7000.0, None, 3.0, 7003.0, "a countdown longer than the bound: counted from the ETA (issue 40)"),
+        (1000.0, 500.0, None, 3.0, 1003.0, "an ETA in the past: from now"),
+        (1000.0, 7000.0, 1500.0, 3600.0, 1500.0, "the caller's own expires: the worker discards the message then"),
+    ],
+)
+def test_bound(now, eta, expires, staleness, expected, why):
+    assert bound(now, eta, expires, staleness) == expected, why
+
+
+@pytest.mark.parametrize(
+    "guard, task_id, retries, expected, why",
+    [
+        (_g("a", retries=1), "a", 1, True, "its own try"),
+        (_g("a", retries=1), "a", 2, True, "an earlier try's guard that the retry could not take over"),
+        (_g("a", retries=2), "a", 1, False, "a later try's: the run that retried must not end it"),
+        (_g("a", retries=0), "b", 0, False, "another task's"),
+    ],
+)
+def test_ended_by(guard, task_id, retries, expected, why):
+    assert guard.ended_by(task_id, retries) is expected, why
+
+
+def test_guards_of_earlier_versions_read_as_confirmed():
+    raw = b'{"id":"x","task":"t","until":"start","expires_at":5.0,"retries":0,"at":1.0}'
+    assert Guard.loads(raw).confirmed and Guard.loads(raw).deduped == 0
 
 
 @pytest.mark.parametrize("raw", [b"", b"not json", b"{}", b'{"id": "x"}', b'{"id": "x", "expires_at": "soon"}', b"[1]"])

@@ -1,0 +1,306 @@
+"""Enqueue-time singletons never lose work (issue 40): each path the review found, driven
+against a real ZooKeeper, Redis and ``celery worker`` where it can be.
+
+Every test here failed on the code before the fix (each says how); the README's enqueue
+table lists what each failure can cost, and for how long.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+from kazoo.security import make_acl
+
+from celery_zklock import LockUnavailable, config, enqueue
+from celery_zklock.engine import guards
+from support.workers import Worker
+from tests.lockutil import worker_env
+from tests.tcpproxy import TcpProxy
+
+
+@pytest.fixture(scope="module")
+def env(redis_server, zk_server):
+    yield worker_env(redis_server, zk_server, "celery-zklock-noloss")
+
+
+@pytest.fixture(scope="module")
+def mod(env):
+    import tests.apps.enqueued as m
+
+    return importlib.reload(m)
+
+
+@pytest.fixture(scope="module")
+def zk(env):
+    client = KazooClient(hosts=env["TEST_ZK_HOSTS"])
+    client.start(timeout=20)
+    yield client
+    client.stop()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def worker(mod, env):
+    w = Worker(env, "noloss", app="tests.apps.enqueued", concurrency=2)
+    w.start(mod.app)
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def short_bound(mod):
+    """zklock_enqueue_expires shortened to 3 s in this (the publishing) process."""
+    mod.app.conf.zklock_enqueue_expires = 3.0
+    config.reset_settings(mod.app)
+    mod.refresh.__dict__.pop("_zk_options", None)
+    yield 3.0
+    mod.app.conf.zklock_enqueue_expires = 3600.0
+    config.reset_settings(mod.app)
+    mod.refresh.__dict__.pop("_zk_options", None)
+
+
+def _key() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _guard(zk, mod, task, key):
+    try:
+        raw, stat = zk.get(guards.guard_path(mod.app.conf.zklock_root, task.name, f"user:{key}"))
+    except NoNodeError:
+        return None
+    return guards.Guard.loads(raw), stat
+
+
+def _runs(mod, key):
+    import json
+
+    return [r for r in (json.loads(x) for x in mod._r.lrange("enq:runs", 0, -1)) if r["key"] == key]
+
+
+def _until(cond, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ------------------------------------------------------------------ the confirmed loss
+def test_a_countdown_past_the_bound_runs(worker, mod, short_bound):
+    """Before: the publish added ``expires=3`` (the bound) to a message due in 6 s; the worker
+    logged 'Discarding revoked task' and the task was REVOKED, never run."""
+    key = _key()
+    result = mod.refresh.apply_async((key, 0), countdown=6)
+    assert result.get(timeout=30) == key
+    assert [r["id"] for r in _runs(mod, key)] == [result.id]
+
+
+def test_a_backlog_longer_than_the_bound_is_not_discarded(worker, mod, zk, short_bound):
+    """A queue no worker reads for longer than the bound: the message is not discarded when a
+    worker finally reads it.  Past the bound a new publish queues again (the README's stated
+    duplicate), and both run."""
+    key = _key()
+    queue = f"backlog-{key}"
+    first = mod.refresh.apply_async((key, 0), queue=queue)
+    assert mod.refresh.apply_async((key, 0), queue=queue).id == first.id  # deduped while trusted
+    time.sleep(short_bound + 0.5)
+    second = mod.refresh.apply_async((key, 0), queue=queue)
+    assert second.id != first.id  # the guard is past its bound: queued again, never lost
+    mod.app.control.add_consumer(queue, destination=[f"noloss@{socket.gethostname()}"], reply=True, timeout=10)
+    assert first.get(timeout=30) == key and second.get(timeout=30) == key
+    assert sorted(r["id"] for r in _runs(mod, key)) == sorted([first.id, second.id])
+
+
+def test_no_expires_is_added_to_the_message(mod, short_bound):
+    """What a worker reads off the message: no ``expires`` the caller did not ask for; the
+    caller's own is kept, and the guard's bound follows it."""
+    key = _key()
+    sent = []
+
+    def capture(headers=None, **_kw):
+        sent.append(headers)
+
+    from celery import signals
+
+    signals.before_task_publish.connect(capture, weak=False)
+    try:
+        mod.refresh.apply_async((key, 0), queue=f"nobody-{key}", countdown=60)
+        mod.refresh.apply_async((_key(), 0), queue=f"nobody-{key}", expires=30)
+    finally:
+        signals.before_task_publish.disconnect(capture)
+    assert sent[0]["expires"] is None and sent[1]["expires"] is not None
+
+
+# ------------------------------------------------------------------ finding 1: a retry with ZooKeeper gone
+def test_a_retry_is_published_when_zookeeper_is_unreachable(mod, env):
+    """``on_lock_unavailable="retry"`` calls Task.retry, which publishes through the guard.
+    Before: LockUnavailable there became Reject(requeue=False): the task was dropped.  Now the
+    retry is sent (its old guard names its id; its run ends it)."""
+    from celery import Celery
+    from celery.exceptions import Reject, Retry
+
+    from celery_zklock import ZkLockedTask
+
+    app = Celery("noloss-retry", set_as_current=False)
+    app.conf.update(broker_url=env["TEST_REDIS_URL"], zklock_hosts="127.0.0.1:1", zklock_connect_timeout=1.0,
+                    zklock_root=env["TEST_ZK_ROOT"])
+
+    @app.task(bind=True, base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe")
+    def job(self, user):
+        return user
+
+    key, task_id = _key(), str(uuid.uuid4())
+    job.push_request(id=task_id, args=(key,), kwargs={}, retries=0, called_directly=False, delivery_info={"routing_key": f"nobody-{key}"})
+    try:
+        with pytest.raises(Retry):
+            job.retry(countdown=0, queue=f"nobody-{key}", exc=LockUnavailable("ZooKeeper unreachable"))
+    except Reject:  # pragma: no cover - the bug
+        pytest.fail("the retry was rejected (dropped) because its guard needs ZooKeeper")
+    finally:
+        job.pop_request()
+    import redis
+
+    queued = redis.Redis.from_url(env["TEST_REDIS_URL"]).lrange(f"nobody-{key}", 0, -1)
+    assert len(queued) == 1 and task_id.encode() in queued[0]
+
+
+# ------------------------------------------------------------------ finding 3: ending the guard at the start fails
+def test_a_guard_that_cannot_end_at_the_start_keeps_the_body_from_running(env, zk):
+    """ZooKeeper refuses the guard's delete at the start (here: its folder's ACL denies it).
+    Before: the error was swallowed and the body ran, the guard outliving the start and
+    swallowing the publishes made during the run.  Now the body does not run
+    (``on_lock_unavailable``: here "fail")."""
+    from celery import Celery
+
+    from celery_zklock import ZkLockedTask
+
+    app = Celery("noloss-start", set_as_current=False)
+    app.conf.update(task_always_eager=True, zklock_hosts=env["TEST_ZK_HOSTS"], zklock_root=env["TEST_ZK_ROOT"],
+                    zklock_on_unavailable="fail", zklock_connect_timeout=3.0)
+    ran = []
+
+    @app.task(bind=True, base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", name=f"noloss.start.{_key()}")
+    def job(self, user):
+        ran.append(user)
+        return user
+
+    key, task_id = _key(), str(uuid.uuid4())
+    path = guards.guard_path(env["TEST_ZK_ROOT"], job.name, f"user:{key}")
+    zk.ensure_path(guards.folder_of(guards.folder_of(path)))
+    # Anyone may read and create in the task's folder, nobody may delete from it.
+    zk.create(guards.folder_of(path), acl=[make_acl("world", "anyone", read=True, create=True, admin=True)])
+    try:
+        zk.create(path, guards.Guard(task_id, job.name, "start", time.time() + 60).dumps())
+        header = {"paths": [path], "until": "start", "retries": 0}
+        result = job.apply((key,), task_id=task_id, headers={guards.HEADER: header})
+        assert ran == [] and isinstance(result.result, LockUnavailable), result.result
+    finally:
+        zk.set_acls(guards.folder_of(path), [make_acl("world", "anyone", all=True)])
+        zk.delete(guards.folder_of(path), recursive=True)
+
+
+# ------------------------------------------------------------------ finding 4: work deduped into a task that ends unrun
+def test_publishes_deduped_into_a_skipped_task_are_reported(worker, mod, zk):
+    """A queued task that ends by ``on_lock_timeout="skip"`` takes the publishes deduped into
+    it along: the worker says how many (a WARNING; an event and a metric where the task's
+    process decides)."""
+    key = _key()
+    holder = mod.refresh.delay(key, 4000)  # holds the key's execution lock
+    _until(lambda: _runs(mod, key), what="the holder to start")
+    skipped = mod.skipping.delay(key, 0)  # lock_timeout 1 s, on_lock_timeout="skip"
+    assert [mod.skipping.delay(key, 0).id for _ in range(3)] == [skipped.id] * 3
+    _until(lambda: _guard(zk, mod, mod.skipping, key) is None, 15, "the skipped task's guard to end")
+    _until(lambda: f"{skipped.id} ended unrun; 3 publish(es) deduped into it" in open(worker.log_path).read(), 10,
+           "the worker to report the deduped publishes")
+    assert holder.get(timeout=20) == key
+    assert mod.skipping.delay(key, 0).id != skipped.id  # free again: the next publish queues
+
+
+# ------------------------------------------------------------------ finding 5: the publisher dies between guard and publish
+def test_a_guard_whose_publisher_died_before_publishing_is_not_deduped_into(worker, mod, zk):
+    """A guard created and never published (its publisher died, or the create's reply was
+    lost): before, every publish for the bound (1 h) was deduped into a task that did not
+    exist.  Now such a guard is unconfirmed: publishers wait for it, then take the key over."""
+    key = _key()
+    path = guards.guard_path(mod.app.conf.zklock_root, mod.refresh.name, f"user:{key}")
+    ghost = guards.Guard("never-sent", mod.refresh.name, "start", time.time() + 3600, 0, time.time(),
+                         confirmed=False, publish_by=time.time() + 1.0)
+    zk.create(path, ghost.dumps(), makepath=True)
+    result = mod.refresh.delay(key, 0)
+    assert result.id != "never-sent" and result.get(timeout=20) == key
+
+
+def test_a_publish_waits_for_an_unconfirmed_guard_and_then_dedupes_into_it(mod, zk):
+    """The other side of the same rule: a publisher that finds a publish under way waits for
+    its confirmation, and then dedupes (no duplicate for a slow but live publisher)."""
+    key = _key()
+    path = guards.guard_path(mod.app.conf.zklock_root, mod.refresh.name, f"user:{key}")
+    slow = guards.Guard("slow-one", mod.refresh.name, "start", time.time() + 3600, 0, time.time(),
+                        confirmed=False, publish_by=time.time() + 8.0)
+    zk.create(path, slow.dumps(), makepath=True)
+    threading.Timer(0.5, lambda: guards.confirm(zk, [path], "slow-one", 0)).start()
+    assert mod.refresh.apply_async((key, 0), queue=f"nobody-{key}").id == "slow-one"
+    assert guards.Guard.loads(zk.get(path)[0]).deduped == 1
+
+
+# ------------------------------------------------------------------ finding 6: ZooKeeper gone after connecting
+def test_a_publish_with_zookeeper_gone_raises_within_the_connect_timeout(env):
+    """A publisher whose client was connected before the outage: before, ``sync()`` and
+    ``get()`` waited for ZooKeeper to come back, so ``apply_async`` hung."""
+    from celery import Celery
+
+    from celery_zklock import ZkLockedTask
+
+    with TcpProxy.to(env["TEST_ZK_HOSTS"]) as proxy:
+        app = Celery("noloss-gone", set_as_current=False)
+        app.conf.update(broker_url=env["TEST_REDIS_URL"], zklock_hosts=proxy.hosts, zklock_connect_timeout=2.0,
+                        zklock_root=env["TEST_ZK_ROOT"], zklock_session_timeout=20.0)
+
+        @app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe")
+        def job(user):
+            return user
+
+        key = _key()
+        job.apply_async((key,), queue=f"nobody-{key}")  # connected
+        proxy.hold()
+        outcome = []
+        t = threading.Thread(target=lambda: outcome.append(_raised(job.apply_async, (_key(),), queue=f"nobody-{key}")),
+                             daemon=True)
+        t.start()
+        t.join(30)
+        proxy.release_held()
+        assert outcome and isinstance(outcome[0], LockUnavailable), outcome or "apply_async still blocked after 30 s"
+
+
+def _raised(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    return None
+
+
+# ------------------------------------------------------------------ finding 7: a naive datetime
+@pytest.mark.parametrize("tz", [None, "America/New_York", "Asia/Tokyo"])
+def test_a_naive_datetime_is_read_as_the_worker_reads_it(tz):
+    """The guard's bound and the worker's discard agree on a naive ``expires``: both read it
+    through Celery's ``maybe_make_aware(value, app.conf.timezone)`` (celery.worker.request)."""
+    from celery import Celery
+    from celery.utils.time import maybe_make_aware
+
+    app = Celery("tz", set_as_current=False)
+    app.conf.timezone = tz
+    naive = datetime.datetime(2030, 1, 2, 3, 4, 5)
+    assert enqueue._instant(naive, app, 0.0) == maybe_make_aware(naive, app.conf.timezone).timestamp()
+    assert enqueue._instant(naive.isoformat(), app, 0.0) == maybe_make_aware(naive, app.conf.timezone).timestamp()
+    assert enqueue._instant(5, app, 100.0) == 105.0
