@@ -14,10 +14,10 @@ import os
 import time
 
 from celery.states import STARTED
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 from celery.utils.log import get_task_logger
 
-from . import metrics, prerun
+from . import enqueue, metrics, prerun
 from .config import ZkSettings
 from .engine.client import get_client
 from .engine.identity import Identity
@@ -116,11 +116,19 @@ class LockAcquisition:
             logger.info("worker shutting down: task %s goes back to the broker (lock %s)", self.request.id, label)
             self.signature_from_request(self.request).apply_async()
             raise Ignore()
-        if verdict["verdict"] == "timeout":
-            self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
         if verdict["verdict"] != "granted":
-            self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
-                              opts, label, False)
+            try:
+                if verdict["verdict"] == "timeout":
+                    self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
+                self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
+                                  opts, label, False)
+            except Retry:
+                raise  # the retry took its enqueue guard over: publishes dedupe into it
+            except BaseException as exc:
+                # Skipped or failed on its lock: its enqueue guard (left to this process by
+                # the agent) ends here, with the work deduped into it reported.
+                enqueue.finished(self, self.request, opts, ran=False, why=f"{verdict['verdict']}: {type(exc).__name__}")
+                raise
         lock = agent_lock.AgentLock(
             link, self.request.id, verdict["tokens"], grace=opts.session_timeout / 3.0,
             release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,

@@ -83,7 +83,7 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
     for path, rows in guards_found.items():
         g = rows[0]
         click.echo(f"{path}\n    enqueue guard ({g['guard']})  {g['for_s']:>8.1f}s  task={g['task']} task_id={g['task_id']}"
-                   f"  expires in {g['expires_in_s']:.0f}s")
+                   f"  stale in {g['expires_in_s']:.0f}s  deduped={g['deduped']}")
     for path, rows in report.items():
         click.echo(path)
         for r in rows:
@@ -124,12 +124,13 @@ def add_local_waiters(report: dict, waiting: dict[str, list[dict]]) -> dict:
 
 def guard_report(client, root: str, key: str | None = None, prefix: str | None = None) -> dict:
     """{guard path: [guard]}: the enqueue guards (``lock_enqueue``) in place, each ``queued``
-    (a persistent node: its message waits in the broker) or ``running`` (an ephemeral node of
+    (a persistent node: its message waits in the broker), ``publishing`` (not yet confirmed
+    sent) or ``running`` (an ephemeral node of
     the session running it, ``lock_enqueue_until="finish"``), with its age and expiry."""
     base = guards.folder(root)
     try:
         names = [f"{t}/{k}" for t in sorted(client.get_children(base)) for k in sorted(client.get_children(f"{base}/{t}"))
-                 if (key is None or k == encode_key(key)) and (not prefix or k.startswith(encode_key(prefix)))]
+                 if "#" not in k and (key is None or k == encode_key(key)) and (not prefix or k.startswith(encode_key(prefix)))]
     except NoNodeError:
         return {}
     now = time.time()
@@ -140,8 +141,9 @@ def guard_report(client, root: str, key: str | None = None, prefix: str | None =
         except NoNodeError:
             continue
         g = guards.Guard.loads(raw)
+        state = "running" if stat.ephemeralOwner else "queued" if g is None or g.confirmed else "publishing"
         found[f"{base}/{name}"] = [{
-            "node": name, "position": 0, "holder": False, "guard": "running" if stat.ephemeralOwner else "queued",
+            "node": name, "position": 0, "holder": False, "guard": state, "deduped": guards.dedupes(client, f"{base}/{name}"),
             "for_s": round(now - stat.ctime / 1000.0, 3), "task": g.task if g else None,
             "task_id": g.id if g else None, "expires_in_s": round(g.expires_at - now, 3) if g else 0.0,
             "until": g.until if g else None, "data": None if g else raw.decode("utf-8", "replace"),

@@ -23,6 +23,7 @@ UNAVAILABLE_POLICIES = ("retry", "fail")
 WAIT_PLACES = ("worker", "pool")
 ENQUEUE_MODES = ("dedupe", "reject")
 ENQUEUE_UNTIL = ("start", "finish")
+ENQUEUE_UNRUN = ("report", "republish")
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)(:\d{1,5})?$")
 
@@ -210,6 +211,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_cohort_hold", 0.5, _positive, "Waiting in the worker: while another contender queues for a key, how long (s) this worker's tasks may keep passing it among themselves before it passes on."),
         Setting("zklock_enqueue", None, _enqueue_mode, "Enqueue-time singletons: None (no check at publish), 'dedupe' (a publish while a task of the same key is queued returns that task's AsyncResult and sends nothing) or 'reject' (raises AlreadyQueued).", "lock_enqueue"),
         Setting("zklock_enqueue_until", "start", _choice(ENQUEUE_UNTIL), "How long a guarded task keeps its key from new publishes: 'start' (while queued; work arriving during a run is queued once) or 'finish' (queued or running: at most one in flight).", "lock_enqueue_until"),
+        Setting("zklock_enqueue_unrun", "republish", _choice(ENQUEUE_UNRUN), "A guarded task that ends unrun (skipped or failed on its lock) after publishes were deduped into it: 'republish' (publish it once more, as a new task with the same arguments and queue, so the deduped work runs) or 'report' (only say so). Both log a WARNING, send the event task-lock-unrun and count zklock_enqueue_unrun_deduped_total.", "lock_enqueue_unrun"),
         Setting("zklock_enqueue_expires", 3600.0, _positive, "How long after its message's ETA (or publish) a queued enqueue guard is trusted (s): past it, the next publish queues again (a guard whose message the broker lost ends then). Never added to the message as an expires."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
     )

@@ -143,9 +143,14 @@ def _quietly(fn, *args) -> None:
         logger.warning("celery-zklock: enqueue guard not updated (%r); its bound ends it", exc)
 
 
-def unrun(task, request, gone: list, why: str) -> None:
+#: Marks a task republished by ``lock_enqueue_unrun="republish"``: it is not republished again.
+REPUBLISHED = "zklock_republished"
+
+
+def unrun(task, request, gone: list, why: str, opts) -> None:
     """A guarded task ended without running: say how much deduped work went with it
-    (event ``task-lock-unrun``, metric ``zklock_enqueue_unrun_deduped_total``, a WARNING)."""
+    (a WARNING, the event ``task-lock-unrun``, the metric ``zklock_enqueue_unrun_deduped_total``)
+    and, with ``lock_enqueue_unrun="republish"``, publish it once more."""
     deduped = sum(g.deduped for g in gone)
     if not deduped:
         return
@@ -157,6 +162,20 @@ def unrun(task, request, gone: list, why: str) -> None:
             task.send_event("task-lock-unrun", why=why, deduped=deduped)
         except Exception as exc:  # monitoring must never break the task
             logger.debug("could not send task-lock-unrun: %r", exc)
+    if opts.enqueue_unrun == "republish" and not (getattr(request, "headers", None) or {}).get(REPUBLISHED):
+        _republish(task, request)
+
+
+def _republish(task, request) -> None:
+    """The deduped work, once: a new task with the same arguments and queue (never an
+    error in the ending task: its own outcome stands)."""
+    try:
+        routing = {k: v for k, v in task.signature_from_request(request).options.items()
+                   if k in ("queue", "exchange", "routing_key", "priority") and v is not None}
+        again = task.apply_async(request.args, request.kwargs, headers={REPUBLISHED: True}, **routing)
+        logger.warning("celery-zklock: %s[%s] republished as %s for the work deduped into it", task.name, request.id, again.id)
+    except Exception as exc:
+        logger.error("celery-zklock: could not republish %s[%s] (%r): its deduped work is lost", task.name, request.id, exc)
 
 
 # ------------------------------------------------------------------ in the running process
@@ -189,7 +208,7 @@ def finished(task, request, opts, ran: bool = True, why: str = "") -> None:
         _later(opts, header["paths"], request.id, retries)
         return
     if not ran:
-        unrun(task, request, gone, why)
+        unrun(task, request, gone, why, opts)
 
 
 def _later(opts, paths: list[str], task_id: str, retries: int, every: float = 1.0) -> None:

@@ -197,8 +197,10 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
                 try:
                     lock, waited, early = self._lock_in_process(req, direct, opts, inner_label if nested else label,
                                                                 take if nested else paths, on_lost, started)
+                except Retry:
+                    raise  # the retry took its enqueue guard over: publishes dedupe into it
                 except BaseException as exc:
-                    if guarded:  # ends unrun (a retry took its guard over: that one stays)
+                    if guarded:  # ends unrun
                         enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
                     raise
                 if lock is None:

@@ -212,18 +212,48 @@ def test_a_guard_that_cannot_end_at_the_start_keeps_the_body_from_running(env, z
 # ------------------------------------------------------------------ finding 4: work deduped into a task that ends unrun
 def test_publishes_deduped_into_a_skipped_task_are_reported(worker, mod, zk):
     """A queued task that ends by ``on_lock_timeout="skip"`` takes the publishes deduped into
-    it along: the worker says how many (a WARNING; an event and a metric where the task's
-    process decides)."""
+    it along: before, nothing said so.  Now its process says how many (a WARNING, the event
+    ``task-lock-unrun`` and a metric)."""
     key = _key()
     holder = mod.refresh.delay(key, 4000)  # holds the key's execution lock
     _until(lambda: _runs(mod, key), what="the holder to start")
-    skipped = mod.skipping.delay(key, 0)  # lock_timeout 1 s, on_lock_timeout="skip"
+    skipped = mod.skipping.delay(key, 0)  # lock_timeout 1 s, on_lock_timeout="skip", lock_enqueue_unrun="report"
     assert [mod.skipping.delay(key, 0).id for _ in range(3)] == [skipped.id] * 3
     _until(lambda: _guard(zk, mod, mod.skipping, key) is None, 15, "the skipped task's guard to end")
-    _until(lambda: f"{skipped.id} ended unrun; 3 publish(es) deduped into it" in open(worker.log_path).read(), 10,
-           "the worker to report the deduped publishes")
+    _until(lambda: f"{skipped.id}] ended unrun (timeout: Ignore); 3 publish(es) deduped into it"
+           in open(worker.log_path).read(), 10, "the worker to report the deduped publishes")
     assert holder.get(timeout=20) == key
     assert mod.skipping.delay(key, 0).id != skipped.id  # free again: the next publish queues
+
+
+def test_lock_enqueue_unrun_republish_runs_the_deduped_work_once(worker, mod, zk):
+    """``lock_enqueue_unrun="republish"`` (the default): the skipped task is published once more, as a new
+    task with the same arguments, and that one runs (it is not republished again).  The holder
+    keeps the key 3 s: the first waits 2 s and is skipped, its republished copy gets the key."""
+    key = _key()
+    holder = mod.refresh.delay(key, 3000)
+    _until(lambda: _runs(mod, key), what="the holder to start")
+    skipped = mod.republishing.delay(key, 0)
+    assert mod.republishing.delay(key, 0).id == skipped.id
+    assert holder.get(timeout=20) == key
+    again = _until(lambda: [r for r in _runs(mod, key) if r["kind"] == "republishing"], 20, "the republished run")
+    assert [r["id"] for r in again] != [skipped.id] and len(again) == 1
+    time.sleep(1.0)
+    assert len([r for r in _runs(mod, key) if r["kind"] == "republishing"]) == 1
+
+
+# ------------------------------------------------------------------ finding 2: the pool process dies before its claim
+def test_a_finish_guard_ends_when_the_pool_process_dies_before_claiming(worker, mod, zk):
+    """``until="finish"``, waiting in the worker: the guard moved to the agent's session at the
+    grant; the pool process died before it claimed the request (here: in ``before_start``).
+    Before, the ``finished`` path dropped the request and kept the guard for the agent's
+    whole life (until the worker restarts): every publish of the key was deduped away."""
+    key = _key()
+    lost = mod.dying.delay(key, 0)
+    lost.get(timeout=30, propagate=False)  # WorkerLostError: Celery's own outcome for it
+    _until(lambda: _guard(zk, mod, mod.dying, key) is None, 10, "the dead request's guard to end")
+    again = mod.dying.delay(key, 0)
+    assert again.id != lost.id and again.get(timeout=30) == key
 
 
 # ------------------------------------------------------------------ finding 5: the publisher dies between guard and publish
@@ -250,7 +280,7 @@ def test_a_publish_waits_for_an_unconfirmed_guard_and_then_dedupes_into_it(mod, 
     zk.create(path, slow.dumps(), makepath=True)
     threading.Timer(0.5, lambda: guards.confirm(zk, [path], "slow-one", 0)).start()
     assert mod.refresh.apply_async((key, 0), queue=f"nobody-{key}").id == "slow-one"
-    assert guards.Guard.loads(zk.get(path)[0]).deduped == 1
+    assert guards.dedupes(zk, path) == 1
 
 
 # ------------------------------------------------------------------ finding 6: ZooKeeper gone after connecting

@@ -43,40 +43,18 @@ import enum
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
-from ..keys import encode_key
 from . import kazoo_compat
-
-#: The guards' folder under ``zklock_root``.  A leading dot: no key encodes to it
-#: (:func:`celery_zklock.keys.encode_key` escapes one), so it never meets a lock path.
-FOLDER = ".enqueue"
-
-#: The message header (and so the request attribute) that carries a guarded task's guard.
-HEADER = "zklock_guard"
-
-UNTIL = ("start", "finish")
-MODES = ("dedupe", "reject")
-
-#: How long a guard may stay unconfirmed (created, its message not yet known to be with the
-#: broker).  Publishers that find it wait that long at most; past it the guard is stale and
-#: the key is taken over (a duplicate if that publish did reach the broker: never a loss).
-PUBLISH_WINDOW = 10.0
+from .guard_rules import (  # noqa: F401  (the rules, re-exported: callers know one module)
+    FOLDER, HEADER, HELD, MODES, OWN, PUBLISH_WINDOW, STALE, UNCONFIRMED, UNTIL, Guard, Verdict, bound, folder,
+    guard_path, guarded, verdict,
+)
 
 #: Bounds every ZooKeeper call of a guard when the caller gives none (seconds).
 DEFAULT_TIMEOUT = 10.0
-
-
-class Verdict(enum.Enum):
-    """What a publisher does about a guard found in place (:func:`verdict`)."""
-
-    OWN = "own"  # it names this very task: a retry or a republish of it takes it over
-    STALE = "stale"  # past its bound (or never confirmed in time): nobody will run it
-    HELD = "held"  # another task of the key is queued (or running): dedupe or refuse
-    UNCONFIRMED = "unconfirmed"  # its publish is under way: wait for it, then decide
 
 
 class Outcome(enum.Enum):
@@ -85,86 +63,6 @@ class Outcome(enum.Enum):
     TAKEN = "taken"  # the guard is ours: publish
     OWN = "own"  # ours already (a retry of the same id took it over)
     HELD = "held"  # another's: dedupe or refuse
-
-
-OWN, STALE, HELD, UNCONFIRMED = Verdict.OWN, Verdict.STALE, Verdict.HELD, Verdict.UNCONFIRMED
-
-
-def folder(root: str) -> str:
-    return f"{root.rstrip('/')}/{FOLDER}"
-
-
-def guard_path(root: str, task: str, key: str) -> str:
-    """One guard per task name and key: ``refresh`` for user 42 does not dedupe into
-    ``bill`` for user 42, even where both serialize on the same lock key."""
-    return f"{folder(root)}/{encode_key(task)}/{encode_key(key)}"
-
-
-@dataclass(frozen=True)
-class Guard:
-    """What a guard node holds: whose it is, until when it can matter, and how much work
-    was deduped into it."""
-
-    id: str
-    task: str
-    until: str
-    expires_at: float  # the guard's bound (time.time()): past it, a queued guard is stale
-    retries: int = 0
-    at: float = 0.0  # when it was published
-    confirmed: bool = True  # its message is with the broker (guards of older versions: yes)
-    publish_by: float = 0.0  # unconfirmed past this: its publisher never got through
-    deduped: int = 0  # publishes deduped into it (a lower bound under heavy contention)
-
-    def dumps(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def loads(cls, data: bytes) -> "Guard | None":
-        try:
-            raw = json.loads(data.decode())
-            return cls(id=str(raw["id"]), task=str(raw.get("task") or ""), until=str(raw.get("until") or "start"),
-                       expires_at=float(raw["expires_at"]), retries=int(raw.get("retries") or 0),
-                       at=float(raw.get("at") or 0.0), confirmed=bool(raw.get("confirmed", True)),
-                       publish_by=float(raw.get("publish_by") or 0.0), deduped=int(raw.get("deduped") or 0))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-
-    def names(self, task_id: str, retries: int) -> bool:
-        return self.id == task_id and self.retries == retries
-
-    def ended_by(self, task_id: str, retries: int) -> bool:
-        """A run ends the guard of its own try or of an earlier one of its id (a retry whose
-        takeover failed left that one); never a later try's, which a retry just published."""
-        return self.id == task_id and self.retries <= retries
-
-
-def bound(now: float, eta: float | None, expires: float | None, staleness: float) -> float:
-    """A queued guard's bound (pure): the message's own ``expires`` when it has one (the worker
-    discards it then), else its ETA (or now) plus ``staleness``, so that neither a countdown
-    nor a backlog shorter than ``staleness`` makes it stale."""
-    if expires is not None:
-        return expires
-    return max(now, eta or now) + staleness
-
-
-def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False) -> Verdict:
-    """What a publisher of ``task_id`` does about a guard it found in place (pure).
-
-    ``running``: the guard is an ephemeral node (``lock_enqueue_until="finish"``, its task
-    running): its bound is the running worker's session, not ``expires_at``, which bounds
-    only a queued guard whose message the broker may have lost.  A node we cannot read as
-    a guard is somebody else's: held, never deleted."""
-    if found is None:
-        return HELD
-    if found.id == task_id:
-        return OWN
-    if running:
-        return HELD
-    if not found.confirmed:
-        return STALE if now >= found.publish_by else UNCONFIRMED
-    if now >= found.expires_at:
-        return STALE
-    return HELD
 
 
 @dataclass(frozen=True)
@@ -287,21 +185,72 @@ def _settled(calls: _Calls, path: str, task_id: str) -> Taken | None:
 
 
 def _count_dedupe(calls: _Calls, path: str, found: Guard | None, stat, attempts: int = 3) -> None:
-    """One more publish served by the queued guard at ``path``.  Best effort (a lower bound):
-    the dedupe stands whether or not the count gets in, and a running guard counts nothing."""
+    """One more publish served by the queued guard at ``path``, counted in its counter node
+    (:func:`counter_path`), never in the guard itself: the guard's version then changes only
+    by its own task's moves, which a storm of dedupes would otherwise starve.  Best effort
+    (a lower bound): the dedupe stands whether or not the count gets in; a running guard
+    counts nothing."""
+    if found is None or stat.ephemeralOwner:
+        return
+    where = counter_path(path)
     for _ in range(attempts):
-        if found is None or stat.ephemeralOwner:
-            return
         try:
-            calls.set(path, replace(found, deduped=found.deduped + 1).dumps(), stat.version)
-            return
-        except (BadVersionError, NoNodeError):
-            read = calls.read(path)
-            if read is None:
+            try:
+                raw, cstat = calls.get(where)
+            except NoNodeError:
+                calls.client.create_async(where, _count(stat.czxid, 1), acl=kazoo_compat.acl_for(calls.client, where)
+                                          ).get(timeout=calls.timeout)
                 return
-            found, stat = read
+            guard_zxid, n = _read_count(raw)
+            n = n + 1 if guard_zxid == stat.czxid else 1  # a counter of an older guard of the key starts over
+            calls.set(where, _count(stat.czxid, n), cstat.version)
+            return
+        except (BadVersionError, NodeExistsError, NoNodeError):
+            continue
         except Exception:
             return
+
+
+def counter_path(path: str) -> str:
+    """The deduped-publish counter beside a guard: ``#`` never occurs in an encoded key."""
+    return f"{path}#deduped"
+
+
+def _count(guard_zxid: int, n: int) -> bytes:
+    return json.dumps({"guard": guard_zxid, "n": n}, separators=(",", ":")).encode()
+
+
+def _read_count(raw: bytes) -> tuple[int, int]:
+    try:
+        data = json.loads(raw.decode())
+        return int(data["guard"]), int(data["n"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return -1, 0
+
+
+def dedupes(client, path: str, timeout: float | None = None) -> int:
+    """How many publishes were deduped into the queued guard at ``path`` so far (0 if none)."""
+    calls = _Calls(client, timeout)
+    try:
+        _raw, stat = calls.get(path)
+        counted_zxid, n = _read_count(calls.get(counter_path(path))[0])
+    except NoNodeError:
+        return 0
+    return n if counted_zxid == stat.czxid else 0
+
+
+def _take_count(calls: _Calls, path: str, guard_zxid: int) -> int:
+    """The count of the guard (czxid ``guard_zxid``) just deleted at ``path``; its counter goes
+    unless it already counts a newer guard of the key.  Best effort."""
+    where = counter_path(path)
+    try:
+        raw, cstat = calls.get(where)
+        counted_zxid, n = _read_count(raw)
+        if counted_zxid <= guard_zxid:
+            calls.delete(where, cstat.version)
+        return n if counted_zxid == guard_zxid else 0
+    except Exception:
+        return 0
 
 
 def confirm(client, paths: list[str], task_id: str, retries: int, timeout: float | None = None) -> None:
@@ -351,7 +300,8 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
             timeout: float | None = None) -> list[Guard]:
     """Delete the guards this run ends (:meth:`Guard.ended_by`); with ``running``, only an
     ephemeral one of this client's session (a retry's persistent guard stays).  Returns the
-    guards that went (their ``deduped`` says how much work they served)."""
+    guards that went, with ``deduped``: how many publishes each one served.  Raises when
+    ZooKeeper cannot say it is done."""
     calls = _Calls(client, timeout)
     gone = []
     session = kazoo_compat.session_id(client)
@@ -367,12 +317,15 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
                 break
             try:
                 calls.delete(path, version=stat.version)
-                gone.append(found)
-                break
             except BadVersionError:
-                continue  # a dedupe counted itself in meanwhile: read again
+                continue  # its publisher confirmed it meanwhile: read again
             except NoNodeError:
                 break
+            deduped = 0 if stat.ephemeralOwner else _take_count(calls, path, stat.czxid)
+            gone.append(replace(found, deduped=deduped))
+            break
+        else:
+            raise RuntimeError(f"could not end the enqueue guard {path}: it kept changing under us")
     return gone
 
 
@@ -409,25 +362,11 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
             txn.delete(path, version=stat.version)
             txn.create(path, replace(found, confirmed=True, retries=retries).dumps(), acl=acl, ephemeral=True)
             if not any(isinstance(r, Exception) for r in calls.commit(txn)):
+                _take_count(calls, path, stat.czxid)  # the queued guard's count: its work runs now
                 break
             # The guard changed meanwhile (a dedupe counted itself in): read it again.
         else:
             raise RuntimeError(f"could not move the enqueue guard {path}: it kept changing under us")
-
-
-def guarded(request_or_headers: Any) -> dict | None:
-    """The guard header of a request (a Celery Request, a task's request Context, or a
-    message's headers dict), if its task was published under a guard."""
-    if isinstance(request_or_headers, dict):
-        value = request_or_headers.get(HEADER)
-    else:
-        value = getattr(request_or_headers, HEADER, None)
-        if value is None:
-            headers = getattr(request_or_headers, "request_dict", None) or getattr(request_or_headers, "headers", None)
-            value = headers.get(HEADER) if isinstance(headers, dict) else None
-    if isinstance(value, dict) and isinstance(value.get("paths"), list) and value.get("until") in UNTIL:
-        return value
-    return None
 
 
 def main() -> int:

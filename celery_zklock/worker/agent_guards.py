@@ -58,10 +58,13 @@ class EnqueueGuards:
 
     def _guard_decided(self, wait: Wait, verdict: str) -> None:
         """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
-        node of our session (``finish``); not to run, it ends.  ``shutdown`` leaves it: the
-        message goes back to the broker, still queued."""
+        node of our session (``finish``); revoked, it ends.  ``shutdown`` leaves it: the
+        message goes back to the broker, still queued.  ``timeout`` and ``unavailable`` leave
+        it to the pool process that follows the task's policy: its retry takes the guard
+        over (no instant for a duplicate), or it ends it and reports the work deduped into
+        it (:func:`celery_zklock.enqueue.unrun`); unclaimed, ``finished`` ends it here."""
         guard = wait.guard
-        if guard is None or verdict == "shutdown":
+        if guard is None or verdict in ("shutdown", "timeout", "unavailable"):
             return
         retries = int(guard.get("retries") or 0)
         if verdict == "granted":  # moved by _decide already

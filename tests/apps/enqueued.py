@@ -69,7 +69,27 @@ def retrying(self, user, ms=0):
     return self.request.retries
 
 
-@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_timeout=1.0, on_lock_timeout="skip")
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_timeout=1.0, on_lock_timeout="skip",
+          lock_enqueue_unrun="report")
 def skipping(user, ms=0):
     _record("skipping", str(user), ms)
+    return user
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_timeout=2.0, on_lock_timeout="skip")
+def republishing(user, ms=0):
+    _record("republishing", str(user), ms)
+    return user
+
+
+def _die_the_first_time(self, task_id, args, kwargs):
+    """Before ``__call__`` (so before the pool process claims its lock from the agent)."""
+    if _r.set(f"enq:died:{args[0]}", 1, nx=True, ex=600):
+        os._exit(1)
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_enqueue_until="finish",
+          before_start=_die_the_first_time)
+def dying(user, ms=0):
+    _record("dying", str(user), ms)
     return user
