@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "FairLock": "engine.lock",
     "MultiLock": "engine.lock",
+    "KazooLock": "engine.kazoo_lock",
     "Contender": "engine.lock",
     "contenders": "engine.lock",
     "ZkLockError": "errors",
@@ -59,6 +60,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .errors import AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
     from .keys import encode_key
+    from .engine.kazoo_lock import KazooLock
     from .engine.lock import Contender, FairLock, MultiLock, contenders
     from .states import LOCK_WAITING, SKIPPED
     from .task import HeldLock, ZkLockedTask, current_lock, lock_configured_tasks, lock_path

@@ -6,3 +6,28 @@ it is tested and benchmarked on its own (``FairLock`` against kazoo's ``Lock``).
 only the base modules (errors, settings, keys); the worker side and the Celery glue build on
 it, never the other way round (``tests/test_structure.py``).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562), as the package's own names are: importing one engine
+# module (the worker-loss reaper's path) must not import the blocking API with it.
+_EXPORTS = {"FairLock": "lock", "MultiLock": "lock", "KazooLock": "kazoo_lock"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_zklock.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .kazoo_lock import KazooLock
+    from .lock import FairLock, MultiLock

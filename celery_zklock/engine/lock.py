@@ -19,6 +19,7 @@ from ..errors import LockLost, LockReentered
 from . import kazoo_compat, znodes
 from .contenders import contenders
 from .internals import LockInternals, State
+from .owner import current_owner
 from .session import DELETED, EXPIRED, GONE
 from .znodes import Contender
 
@@ -41,10 +42,17 @@ class FairLock:
     Re-entrant as Curator's ``InterProcessMutex``: the thread (or greenlet) that holds it
     may acquire it again, at once, and each acquire needs its release; the lock frees on
     the last one.  ``reentrant=False`` makes such a re-entry raise :class:`LockReentered`
-    instead.  Another thread is not the owner: its acquire waits, as anyone else's would
-    (one instance carries one hold, so it first waits for the owner to let go; create
-    one ``FairLock`` per thread for each to queue in ZooKeeper at once — they may all share
-    one started :class:`~kazoo.client.KazooClient`).
+    instead.  The owner is the thread or greenlet itself
+    (:func:`~celery_zklock.engine.owner.current_owner`), never its id, which the runtime
+    hands to later threads.  Another thread is not the owner: its acquire waits, as anyone
+    else's would (one instance carries one hold, so it first waits for the owner to let go;
+    create one ``FairLock`` per thread for each to queue in ZooKeeper at once — they may
+    all share one started :class:`~kazoo.client.KazooClient`).
+
+    An owner that ends while holding leaves its hold (and its node) in place until a
+    release or the session's end: a later acquire from another thread waits for it like
+    anyone else's, up to its deadline (a try-once returns False).  Any thread may release
+    it; see :meth:`release`.
 
     ``on_lost(lock)`` is called, outside kazoo's connection thread, when a held lock is
     lost: session expired, our node deleted, or not verifiable after a reconnection.
@@ -68,7 +76,7 @@ class FairLock:
         self.on_lost = on_lost
         self.on_wait = on_wait
         self.reentrant = reentrant
-        self._owner: int | None = None  # thread/greenlet ident of the acquirer, from acquire to last release
+        self._owner: object | None = None  # current_owner() of the acquirer, from acquire to last release
         self._entries = 0  # the owner's acquires beyond the first, each owed a release
         self._free = threading.Condition()
         self._internals = LockInternals(
@@ -152,8 +160,8 @@ class FairLock:
         if kazoo_compat.is_stopped(self.client):
             raise ValueError("the KazooClient is not started (or was stopped): call client.start() before acquiring")
         deadline = None if timeout is None else time.monotonic() + timeout
-        me = threading.get_ident()  # the greenlet's under gevent/eventlet monkey-patching
-        if self._owner == me:
+        me = current_owner()  # held by reference and compared by identity: never recycled
+        if self._owner is me:
             if self._entries == 0 and self.state in (State.IDLE, State.LOST):
                 self._let_go_of_ownership()  # its hold ended, lost, without a release: a new one
             else:
@@ -180,7 +188,7 @@ class FairLock:
         self._entries += 1
         return True
 
-    def _take_ownership(self, me: int, deadline: float | None) -> bool:
+    def _take_ownership(self, me: object, deadline: float | None) -> bool:
         """Another thread's hold on this instance ends first (bounded by the deadline)."""
         with self._free:
             while self._owner is not None:
@@ -258,6 +266,13 @@ class FairLock:
         Returns True if a held lock was released (with ``wait=True``: and proven held to
         the end); False if there was nothing to release (never acquired, already released,
         already lost) or, with ``wait=True``, if the node turned out to be gone.
+
+        Any thread may call it, not only the owner (as kazoo's ``Lock`` and
+        ``threading.Lock`` allow; Curator's ``InterProcessMutex`` raises): the hold counts
+        acquires and releases, whoever makes them, so a re-entered hold still needs one
+        release per acquire.  Why not raise: a hold whose owner ended without releasing
+        must be releasable before its session ends, and callers release from a helper
+        thread to bound a release while ZooKeeper is unreachable (the fault tests do).
         """
         if self._entries > 0:  # a re-entry's release: the outermost hold goes on
             self._entries -= 1

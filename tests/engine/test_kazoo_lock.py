@@ -1,0 +1,84 @@
+"""KazooLock where it differs from kazoo's Lock on purpose, and what it adds (kazoo's own
+suite, in test_kazoo_suite.py, covers where it is the same)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kazoo.exceptions import LockTimeout
+from kazoo.recipe.lock import Lock
+
+from celery_zklock import KazooLock
+from tests.lockutil import children
+
+
+@pytest.fixture
+def path(request):
+    return f"/t/{request.node.name.replace('[', '_').replace(']', '')}"
+
+
+def test_no_persistent_locks_and_no_unknown_patterns(zk_client, path):
+    lock = KazooLock(zk_client, path, "me")
+    with pytest.raises(ValueError, match="no persistent locks"):
+        lock.acquire(ephemeral=False)
+    assert children(zk_client, path) == [] and not lock.is_acquired
+    with pytest.raises(ValueError, match="not supported"):
+        KazooLock(zk_client, path, extra_lock_patterns=["__rlock__"])
+    KazooLock(zk_client, path, extra_lock_patterns=["-lock-", "__lock__"])  # ordered anyway
+
+
+def test_what_it_adds_token_is_held_and_the_release_proof(zk_client, path):
+    lock = KazooLock(zk_client, path, "me")
+    assert lock.token is None and not lock.is_held and lock.contenders() == []
+    with lock as held:
+        assert held is lock and lock.is_acquired and lock.is_held
+        first = lock.token
+        assert lock.contenders() == ["me"] and lock.node.endswith("-lock-0000000000")
+    assert not lock.is_acquired and lock.token is None
+    assert lock.acquire() and lock.token > first
+    zk_client.delete(f"{path}/{lock.node}")  # an operator (or an expired session) took it away
+    deadline = time.monotonic() + 5
+    while lock.is_acquired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not lock.is_acquired and lock.lost_reason  # kazoo's would still say True
+    assert lock.release() is False  # not held to the end: the work was not exclusive
+
+
+def test_the_holders_second_acquire_is_false_at_once(zk_client, path):
+    """kazoo's Lock waits out the timeout (or forever) for a release that cannot come."""
+    lock = KazooLock(zk_client, path)
+    assert lock.acquire()
+    started = time.monotonic()
+    assert lock.acquire(timeout=5) is False and lock.acquire() is False
+    assert time.monotonic() - started < 1 and lock.is_acquired
+    assert lock.release() and not lock.is_acquired
+
+
+def test_timeout_bounds_the_whole_acquire_and_leaves_no_node(zk_client, path):
+    holder = KazooLock(zk_client, path, "holder")
+    assert holder.acquire()
+    waiter = KazooLock(zk_client, path, "waiter")
+    started = time.monotonic()
+    with pytest.raises(LockTimeout):
+        waiter.acquire(timeout=0.5)
+    assert 0.4 < time.monotonic() - started < 2
+    assert waiter.acquire(blocking=False) is False
+    assert holder.contenders() == ["holder"]
+    holder.release()
+
+
+def test_kazoo_locks_on_the_same_path_need_the_curator_pattern(zk_client, path):
+    """Switching some processes only: kazoo's Lock sees our (Curator-named) nodes when given
+    extra_lock_patterns=["-lock-"]; without it, it does not (docs/engine.md says so)."""
+    ours = KazooLock(zk_client, path, "ours")
+    assert ours.acquire()
+    assert Lock(zk_client, path, "aware", extra_lock_patterns=["-lock-"]).acquire(blocking=False) is False
+    blind = Lock(zk_client, path, "blind")
+    assert blind.acquire(blocking=False) is True  # the hazard: both "hold"
+    blind.release()
+    ours.release()
+    theirs = Lock(zk_client, path, "theirs")
+    assert theirs.acquire()
+    assert KazooLock(zk_client, path).acquire(blocking=False) is False  # we always see kazoo's
+    theirs.release()
