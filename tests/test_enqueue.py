@@ -15,11 +15,11 @@ import uuid
 
 import pytest
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
 
 from celery_zklock import AlreadyQueued
 from celery_zklock.engine import guards
 from support.workers import Worker
+from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs, until as _until
 from tests.lockutil import worker_env
 
 
@@ -50,34 +50,6 @@ def worker(mod, env):
     w.start(mod.app)
     yield w
     w.stop()
-
-
-def _key() -> str:
-    return uuid.uuid4().hex[:8]
-
-
-def _guard(zk, mod, task, key):
-    path = guards.guard_path(mod.app.conf.zklock_root, task.name, f"user:{key}")
-    try:
-        raw, stat = zk.get(path)
-    except NoNodeError:
-        return None
-    return guards.Guard.loads(raw), stat
-
-
-def _runs(mod, key=None):
-    rows = [json.loads(x) for x in mod._r.lrange("enq:runs", 0, -1)]
-    return [r for r in rows if key is None or r["key"] == key]
-
-
-def _until(cond, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_dedupe_while_queued_returns_the_queued_task(worker, mod, zk):

@@ -16,12 +16,12 @@ import uuid
 
 import pytest
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
 from kazoo.security import make_acl
 
 from celery_zklock import LockUnavailable, config, enqueue
 from celery_zklock.engine import guards
 from support.workers import Worker
+from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs, until as _until
 from tests.lockutil import worker_env
 from tests.tcpproxy import TcpProxy
 
@@ -65,34 +65,6 @@ def short_bound(mod):
     mod.app.conf.zklock_enqueue_expires = 3600.0
     config.reset_settings(mod.app)
     mod.refresh.__dict__.pop("_zk_options", None)
-
-
-def _key() -> str:
-    return uuid.uuid4().hex[:8]
-
-
-def _guard(zk, mod, task, key):
-    try:
-        raw, stat = zk.get(guards.guard_path(mod.app.conf.zklock_root, task.name, f"user:{key}"))
-    except NoNodeError:
-        return None
-    return guards.Guard.loads(raw), stat
-
-
-def _runs(mod, key):
-    import json
-
-    return [r for r in (json.loads(x) for x in mod._r.lrange("enq:runs", 0, -1)) if r["key"] == key]
-
-
-def _until(cond, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ------------------------------------------------------------------ the confirmed loss

@@ -253,26 +253,36 @@ def _take_count(calls: _Calls, path: str, guard_zxid: int) -> int:
         return 0
 
 
+def _settle(calls: _Calls, path: str, step, what: str) -> None:
+    """Apply ``step`` to the guard at ``path`` (its read: (guard, stat), or None) until it says
+    it is done; a version-checked write that lost to another writer (BadVersion, or False
+    from ``step``) is tried again on a fresh read.  Raises when it never settles."""
+    for _ in range(20):
+        try:
+            if step(calls.read(path)):
+                return
+        except BadVersionError:
+            continue
+    raise RuntimeError(f"could not {what} the enqueue guard {path}: it kept changing under us")
+
+
 def confirm(client, paths: list[str], task_id: str, retries: int, timeout: float | None = None) -> None:
     """Our message is with the broker: publishers that find the guard may now dedupe into it.
     Leaves alone a guard that no longer names this try (its task started, or the key was
     taken over past :data:`PUBLISH_WINDOW`)."""
     calls = _Calls(client, timeout)
-    for path in paths:
-        for _ in range(20):
-            read = calls.read(path)
-            if read is None:
-                break
-            found, stat = read
-            if found is None or not found.names(task_id, retries) or found.confirmed:
-                break
+
+    def step(read) -> bool:
+        found, stat = read if read is not None else (None, None)
+        if found is not None and found.names(task_id, retries) and not found.confirmed:
             try:
                 calls.set(path, replace(found, confirmed=True).dumps(), stat.version)
-                break
-            except BadVersionError:
-                continue
             except NoNodeError:
-                break
+                pass  # its task started meanwhile
+        return True
+
+    for path in paths:
+        _settle(calls, path, step, "confirm")
 
 
 def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> bool:
@@ -305,27 +315,21 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
     calls = _Calls(client, timeout)
     gone = []
     session = kazoo_compat.session_id(client)
+
+    def step(read) -> bool:
+        found, stat = read if read is not None else (None, None)
+        if found is None or not found.ended_by(task_id, retries) or (running and stat.ephemeralOwner != session):
+            return True
+        try:
+            calls.delete(path, version=stat.version)  # BadVersion: its publisher confirmed it meanwhile
+        except NoNodeError:
+            return True
+        deduped = 0 if stat.ephemeralOwner else _take_count(calls, path, stat.czxid)
+        gone.append(replace(found, deduped=deduped))
+        return True
+
     for path in paths:
-        for _ in range(20):
-            read = calls.read(path)
-            if read is None:
-                break
-            found, stat = read
-            if found is None or not found.ended_by(task_id, retries):
-                break
-            if running and stat.ephemeralOwner != session:
-                break
-            try:
-                calls.delete(path, version=stat.version)
-            except BadVersionError:
-                continue  # its publisher confirmed it meanwhile: read again
-            except NoNodeError:
-                break
-            deduped = 0 if stat.ephemeralOwner else _take_count(calls, path, stat.czxid)
-            gone.append(replace(found, deduped=deduped))
-            break
-        else:
-            raise RuntimeError(f"could not end the enqueue guard {path}: it kept changing under us")
+        _settle(calls, path, step, "end")
     return gone
 
 
@@ -339,34 +343,34 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
         return
     calls = _Calls(client, timeout)
     acl = kazoo_compat.acl_for(client, paths[0]) if paths else None
+
+    def step(read) -> bool:
+        if read is None:
+            # A redelivered copy whose first run's worker died (its ephemeral guard went
+            # with it): guard this run again, unless another task of the key queued since.
+            # (expires_at bounds only a queued guard: a running one lasts as our session.)
+            guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
+            try:
+                client.create_async(path, guard.dumps(), acl=acl, ephemeral=True).get(timeout=calls.timeout)
+            except NoNodeError:
+                calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
+                return False
+            except NodeExistsError:
+                pass
+            return True
+        found, stat = read
+        if found is None or not found.ended_by(task_id, retries) or stat.ephemeralOwner:
+            return True
+        txn = client.transaction()
+        txn.delete(path, version=stat.version)
+        txn.create(path, replace(found, confirmed=True, retries=retries).dumps(), acl=acl, ephemeral=True)
+        if any(isinstance(r, Exception) for r in calls.commit(txn)):
+            return False  # the guard changed meanwhile (its publisher confirmed it): read again
+        _take_count(calls, path, stat.czxid)  # the queued guard's count: its work runs now
+        return True
+
     for path in paths:
-        for _ in range(20):
-            read = calls.read(path)
-            if read is None:
-                # A redelivered copy whose first run's worker died (its ephemeral guard went
-                # with it): guard this run again, unless another task of the key queued since.
-                # (expires_at bounds only a queued guard: a running one lasts as our session.)
-                guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
-                try:
-                    client.create_async(path, guard.dumps(), acl=acl, ephemeral=True).get(timeout=calls.timeout)
-                except NoNodeError:
-                    calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
-                    continue
-                except NodeExistsError:
-                    pass
-                break
-            found, stat = read
-            if found is None or not found.ended_by(task_id, retries) or stat.ephemeralOwner:
-                break
-            txn = client.transaction()
-            txn.delete(path, version=stat.version)
-            txn.create(path, replace(found, confirmed=True, retries=retries).dumps(), acl=acl, ephemeral=True)
-            if not any(isinstance(r, Exception) for r in calls.commit(txn)):
-                _take_count(calls, path, stat.czxid)  # the queued guard's count: its work runs now
-                break
-            # The guard changed meanwhile (a dedupe counted itself in): read it again.
-        else:
-            raise RuntimeError(f"could not move the enqueue guard {path}: it kept changing under us")
+        _settle(calls, path, step, "move")
 
 
 def main() -> int:
