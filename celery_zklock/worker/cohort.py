@@ -28,7 +28,8 @@ Neither holder always waits for that write (a *lease*, ``cohort_rules.fresh``): 
 expires a session only after hearing nothing from it for the session timeout, so a write
 *sent* at ``t`` that succeeded proves our session alive until at least ``t + session
 timeout``; and our node goes only with the session or by our own delete (an operator's
-force-delete is seen by the holder's watch on its node, which marks the node lost).  While
+force-delete is seen by the holder's watch on its node, which marks the node lost: each
+write to the node fires that one-shot watch, and the holder sets it again).  While
 such a proof is younger than ``cohort_rules.FRESH_MAX`` and the connection is up, the next
 holder is granted at once and the leaving one's release is proven at once
 (:data:`~celery_zklock.engine.session.LEASED`); a write runs beside the next body and renews
