@@ -363,7 +363,11 @@ class Cohort:
         try:
             children = result.get()
         except Exception:
-            return  # connection trouble: the session monitor decides what the node is worth
+            # No read, so no watch: a contender that came now would never be seen, and the
+            # streak would run unbounded.  Count the key as contended (the safe side): this
+            # node's streak is bounded, and the next node of ours reads the queue afresh.
+            slot.foreign = True
+            return
         ours = {s.attempt.node for s in self.slots}
         slot.foreign = any(c not in ours and sequence_key(c) is not None for c in children)
 
