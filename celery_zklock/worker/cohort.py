@@ -351,9 +351,13 @@ class Cohort:
             self.host.post(look)
 
         def look() -> None:
-            if slot in self.slots and slot.held and not slot.foreign:
-                on_ready(client.get_children_async(self.path, watch=changed),
-                         lambda result: self.host.post(self._seen, slot, result))
+            if slot not in self.slots or slot.foreign:
+                return
+            if not slot.held:
+                slot.foreign = True  # suspended: no read now, and a fired watch is used up
+                return
+            on_ready(client.get_children_async(self.path, watch=changed),
+                     lambda result: self.host.post(self._seen, slot, result))
 
         look()
 
