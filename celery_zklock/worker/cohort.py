@@ -28,7 +28,8 @@ Neither holder always waits for that write (a *lease*, ``cohort_rules.fresh``): 
 expires a session only after hearing nothing from it for the session timeout, so a write
 *sent* at ``t`` that succeeded proves our session alive until at least ``t + session
 timeout``; and our node goes only with the session or by our own delete (an operator's
-force-delete is seen by the holder's watch on its node, which marks the node lost).  While
+force-delete is seen by the holder's watch on its node, which marks the node lost: each
+write to the node fires that one-shot watch, and the holder sets it again).  While
 such a proof is younger than ``cohort_rules.FRESH_MAX`` and the connection is up, the next
 holder is granted at once and the leaving one's release is proven at once
 (:data:`~celery_zklock.engine.session.LEASED`); a write runs beside the next body and renews
@@ -45,7 +46,6 @@ Everything here runs on the agent's one event thread; ZooKeeper callbacks are po
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -55,6 +55,7 @@ from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews
+from .wait_queue import WaitQueue
 
 
 @dataclass(eq=False)
@@ -89,7 +90,7 @@ class Cohort:
     host: Any  # the Agent: client, settings, post(), and the on_* callbacks below
     path: str
     max_holders: int
-    queue: deque = field(default_factory=deque)
+    queue: WaitQueue = field(default_factory=WaitQueue)  # our waiters, in arrival order
     slots: list = field(default_factory=list)
     overdue: list = field(default_factory=list)  # waiters with wait.expired set, still queued
 
@@ -97,17 +98,15 @@ class Cohort:
     def join(self, wait) -> None:
         self.queue.append(wait)
         self.pump()
-        if self.queue and self.queue[-1] is wait:  # not granted (the deque is scanned by no one:
-            index = len(self.queue) - 1           # a backlog of thousands costs O(1) per join)
+        if self.queue.last() is wait:  # not granted (the queue is scanned by no one:
+            index = len(self.queue) - 1  # a backlog of thousands costs O(1) per join)
             if index >= self._fresh():
                 self.host.on_queued(wait, index + self._busy())  # it waits for a holder of ours
         self._tell_next()
 
     def leave(self, wait) -> bool:
         """Stop waiting (timeout, cancel, revoke, a lost peer).  True if it was queued here."""
-        try:
-            self.queue.remove(wait)
-        except ValueError:
+        if not self.queue.remove(wait):
             return False
         self.pump()
         self._tell_next()
@@ -119,7 +118,7 @@ class Cohort:
         of 0 means "try once": that answer decides)."""
         if wait not in self.queue:
             return False
-        if self.queue.index(wait) < self._fresh():
+        if self.queue.within(wait, self._fresh()):
             wait.expired = True
             self.overdue.append(wait)
             return False
@@ -212,7 +211,7 @@ class Cohort:
     def _next_waiter(self):
         """The first in line.  One whose deadline passed is still here only because a fresh
         node's first answer decides for it ("try once"): a grant is its answer."""
-        return self.queue[0] if self.queue else None
+        return self.queue.first()
 
     def _grant(self, slot: Slot, wait, reserved: bool = False) -> None:
         if not reserved:
@@ -232,7 +231,7 @@ class Cohort:
         on, whether anyone else queues for the key matters (the streak bound)."""
         busy = [s for s in self.slots if s.holder is not None]
         if self.queue and busy:
-            self.host.on_next(self.queue[0])
+            self.host.on_next(self.queue.first())
             for slot in busy:
                 if not slot.watching:
                     slot.watching = True
@@ -262,7 +261,7 @@ class Cohort:
         # returns: the slot is complete by then.
         slot = Slot(None)
         post = self.host.post
-        internals = LockInternals(self.host.client, self.path, self.max_holders, self.queue[0].identity,
+        internals = LockInternals(self.host.client, self.path, self.max_holders, self.queue.first().identity,
                                   on_lost=lambda: post(self._slot_lost, slot))
         slot.attempt = internals.attempt(
             None, on_wait=lambda position: post(self._answered, slot), on_next=lambda: post(self._zk_next, slot))
@@ -324,7 +323,7 @@ class Cohort:
         for wait in list(self.overdue):
             if wait not in self.queue:
                 self.overdue.remove(wait)
-            elif self.queue.index(wait) >= fresh:
+            elif not self.queue.within(wait, fresh):
                 self.overdue.remove(wait)
                 self.queue.remove(wait)
                 self.host.on_timed_out(wait, self.path)
@@ -332,7 +331,7 @@ class Cohort:
     def _zk_next(self, slot: Slot) -> None:
         """The node has only holders ahead of it in ZooKeeper: its first waiter is next."""
         if slot in self.slots and slot.holder is None and self.queue:
-            self.host.on_next(self.queue[0])
+            self.host.on_next(self.queue.first())
 
     def _slot_lost(self, slot: Slot) -> None:
         slot.lost = True
@@ -352,9 +351,13 @@ class Cohort:
             self.host.post(look)
 
         def look() -> None:
-            if slot in self.slots and slot.held and not slot.foreign:
-                on_ready(client.get_children_async(self.path, watch=changed),
-                         lambda result: self.host.post(self._seen, slot, result))
+            if slot not in self.slots or slot.foreign:
+                return
+            if not slot.held:
+                slot.foreign = True  # suspended: no read now, and a fired watch is used up
+                return
+            on_ready(client.get_children_async(self.path, watch=changed),
+                     lambda result: self.host.post(self._seen, slot, result))
 
         look()
 
@@ -362,7 +365,11 @@ class Cohort:
         try:
             children = result.get()
         except Exception:
-            return  # connection trouble: the session monitor decides what the node is worth
+            # No read, so no watch: a contender that came now would never be seen, and the
+            # streak would run unbounded.  Count the key as contended (the safe side): this
+            # node's streak is bounded, and the next node of ours reads the queue afresh.
+            slot.foreign = True
+            return
         ours = {s.attempt.node for s in self.slots}
         slot.foreign = any(c not in ours and sequence_key(c) is not None for c in children)
 

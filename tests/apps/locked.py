@@ -145,6 +145,22 @@ def lose_interrupt(key, ms=3000):
     return "body returned"
 
 
+@app.task(base=ZkLockedTask, lock_key="k:{key}", on_lock_lost="interrupt")
+def hold_interrupt(key, ms=3000, tag=None):
+    """A hold that records its token on arrival, and when its body ends or is interrupted."""
+    token, start = current_lock().token, time.time()
+    _r.rpush("arrivals", json.dumps({"tag": tag, "start": start, "token": token}))
+    deadline = start + ms / 1000
+    try:
+        while time.time() < deadline:
+            time.sleep(0.01)
+    except BaseException:
+        _record("interrupted", key, tag, start, time.time(), token)
+        raise
+    _record("hold", key, tag, start, time.time(), token)
+    return token
+
+
 @app.task(base=ZkLockedTask, lock_key="k:{key}", acks_late=True)
 def hold_late(key, ms=20, tag=None):
     start = time.time()

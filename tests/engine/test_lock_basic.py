@@ -215,6 +215,32 @@ def test_node_deleted_behind_our_back_is_detected_as_lost(zk_client, zk_server, 
     lock.release()
 
 
+def test_node_deleted_after_writes_to_it_is_detected_as_lost(zk_client, zk_server, path):
+    """A data watch is one-shot and a write to the node fires it too (the cohort's lease
+    writes to a held node): the holder sets it again, so a delete after writes is seen
+    (issue 35, finding 1: before, the first write used the watch up)."""
+    from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
+
+    lost = threading.Event()
+    lock = FairLock(zk_client, path, on_lost=lambda lk: lost.set())
+    lock.acquire()
+    time.sleep(OWN_WATCH_WITHIN * 5)  # the holder's watch on its node is set by now
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    try:
+        for i in range(3):
+            other.set(lock.node, b"write %d" % i)
+            time.sleep(0.05)
+        assert not lost.is_set()
+        other.delete(lock.node)  # an operator's forced unlock
+        assert lost.wait(1.0), "the holder was not told its node was deleted"
+    finally:
+        other.stop()
+        other.close()
+    assert not lock.is_held()
+    lock.release()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -4,13 +4,14 @@ stay strictly increasing cluster-wide, and other contenders get their turn withi
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 
 import pytest
 
-from celery_zklock import FairLock
+from celery_zklock import FairLock, LockLost
 from support.workers import Worker
 from tests.lockutil import children, overlapping
 from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
@@ -143,5 +144,44 @@ def test_a_foreign_contender_gets_its_turn_within_the_streak_bound(mod, env, zk_
             assert all(r["token"] < token for r in rows if r["end"] <= granted)
             assert all(r["token"] > token for r in rows if r["start"] >= granted)
         assert any(r["start"] >= granted for r in rows)  # the worker went on after it
+    finally:
+        w.stop()
+
+
+def test_a_force_delete_after_a_local_handoff_interrupts_the_holder(mod, env, zk_client):
+    """Issue 35, finding 1: the lease's write to the node fires the holder's data watch
+    (NodeDataChanged), which used to be the end of it.  One worker, three 3 s holds on one
+    key (on_lock_lost="interrupt"); an operator deletes the node 0.8 s into the second hold,
+    which the node was handed on to locally: that holder is told within about a second
+    and interrupted, and the third hold takes a new node, with a larger token."""
+    w = Worker(env, "coh-force", concurrency=2).start(mod.app)
+    try:
+        key = f"coh-{uuid.uuid4().hex[:6]}"
+        path = f"{env['TEST_ZK_ROOT']}/k:{key}"
+        results = [mod.hold_interrupt.delay(key, 3000, i) for i in range(3)]
+        def arrived():
+            return {row["tag"]: row for row in map(json.loads, mod._r.lrange("arrivals", 0, -1))}
+
+        deadline = time.monotonic() + 30
+        while 1 not in arrived():
+            assert time.monotonic() < deadline, "the second hold never started"
+            time.sleep(0.01)
+        second = arrived()[1]
+        time.sleep(max(0.0, second["start"] + 0.8 - time.time()))
+        assert second["token"] >> 8 == arrived()[0]["token"] >> 8, "not a local handoff: the test proves nothing"
+        deleted_at = time.time()
+        for name in children(zk_client, path):  # as `celery zklock release KEY --node N --yes` does
+            zk_client.delete(f"{path}/{name}")
+        assert results[0].get(timeout=30) == arrived()[0]["token"]
+        with pytest.raises(LockLost):
+            results[1].get(timeout=30)
+        third = results[2].get(timeout=30)
+        rows = {(r["kind"], r["tag"]): r for r in history(mod)}
+        if ("hold", 1) in rows:
+            ran_on = rows[("hold", 1)]["end"] - deleted_at
+            raise AssertionError(f"not interrupted: the body ran to its end {ran_on:.2f} s after the delete")
+        told = rows[("interrupted", 1)]["end"] - deleted_at
+        assert told < 1.2, f"the holder learned of the delete {told:.2f} s after it"
+        assert third > second["token"] and third >> 8 != second["token"] >> 8, "the third hold did not take a new node"
     finally:
         w.stop()

@@ -5,7 +5,8 @@ owned by our session) on reconnection; LOST when the session expires, the node i
 deleted, or the suspension outlasts a third of the session timeout (kazoo cannot learn
 of an expiry while cut off and notices the cut only after two thirds of it).
 
-A holder also watches its own node, to learn when an operator or the reaper deletes it.
+A holder also watches its own node, to learn when an operator or the reaper deletes it
+(and sets it again after each write to the node, which uses the one-shot watch up).
 That watch is set :data:`OWN_WATCH_WITHIN` after the grant, in one batch for every lock
 of the client, not with the grant: a hold shorter than that never pays for the request
 and its notification (a third of an uncontended acquire+release), and a deletion in the
@@ -53,26 +54,36 @@ class Holding:
             self._verify(self.monitor.epoch)
 
     def _watch_own_node(self) -> None:
-        """Learn at once if our node is deleted behind our back (operator, reaper, expiry)."""
+        """Learn at once if our node is deleted behind our back (operator, reaper, expiry).
+
+        The watch is one-shot, and a write to the node fires it too (NodeDataChanged): the
+        cohort's lease writes to a held node, so a change sets it again — one ``exists`` per
+        fired watch, none per hold.  One watcher per hold, so a watch set again after a
+        reconnection (kazoo keeps the old one) is not doubled."""
         node, session = self.node, self.session
+        if self._own_watcher is None or self._own_watcher[:2] != (node, session):
+            self._own_watcher = (node, session, partial(self._own_node_changed, node, session))
+        kazoo_compat.on_ready(self.client.exists_async(f"{self.lk.path}/{node}", watch=self._own_watcher[2]),
+                              partial(self._own_node_checked, node, session))
 
-        def changed(event) -> None:
+    def _own_node_changed(self, node, session, event) -> None:
+        with self._guard:
+            if self.node != node or self.session != session:
+                return
             if event.type == EventType.DELETED:
-                with self._guard:
-                    if self.node == node and self.session == session:
-                        self._mark_lost("lock node was deleted")
+                self._mark_lost("lock node was deleted")
+            elif event.type == EventType.CHANGED and self.state is State.HELD:
+                self._watch_own_node()  # written to (the lease): the watch is used up
 
-        def checked(result) -> None:
-            try:
-                missing = result.get() is None
-            except Exception:
-                return  # connection trouble: the monitor takes over
-            if missing:
-                with self._guard:
-                    if self.node == node and self.session == session:
-                        self._mark_lost("lock node was deleted")
-
-        kazoo_compat.on_ready(self.client.exists_async(f"{self.lk.path}/{node}", watch=changed), checked)
+    def _own_node_checked(self, node, session, result) -> None:
+        try:
+            missing = result.get() is None
+        except Exception:
+            return  # connection trouble: the monitor takes over
+        if missing:
+            with self._guard:
+                if self.node == node and self.session == session:
+                    self._mark_lost("lock node was deleted")
 
     def on_connection(self, state: str, epoch: int) -> None:
         """From the :class:`SessionMonitor`, on kazoo's connection thread: flags and async requests only."""

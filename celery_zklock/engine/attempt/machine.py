@@ -50,6 +50,7 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
         self._waited = False
         self._deadline_timer = None
         self._deadline_passed = False
+        self._own_watcher = None  # (node, session, watcher): the holder's watch on its node
 
     def start(self, deadline: float | None) -> None:
         with self._guard:

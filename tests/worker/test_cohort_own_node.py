@@ -1,0 +1,49 @@
+"""A holder's watch on its own node outlives the cohort's writes to it, against a real ZooKeeper.
+
+Why (issue 35, finding 1): a ZooKeeper data watch is one-shot and fires on ``setData`` as
+well as on a delete.  A local handoff writes to the node (the lease), which used the
+holder's watch up; the watch was never set again, so an operator's force-delete of the
+node under the next holder went unseen until its release.  The agent's event thread is
+this test (see :mod:`tests.worker.test_cohort_replies`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from tests.worker.test_cohort_replies import Host, _wait
+
+from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
+from celery_zklock.engine.session import WRITTEN
+from celery_zklock.worker.cohort import Cohort
+
+
+def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_client):
+    host = Host(zk_client)
+    zk_client.ensure_path("/cohort-own-node")
+    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
+    first, second, third = (_wait(cohort, name) for name in ("first", "second", "third"))
+
+    cohort.join(first)
+    host.run(lambda: host.grants)
+    time.sleep(OWN_WATCH_WITHIN * 5)  # the holder's watch on its node is set by now
+    cohort.join(second)
+    host.run(lambda: True)
+    [slot] = cohort.slots
+    assert cohort.release(first).get(timeout=10) == WRITTEN  # the handoff's write fires the watch
+    host.run(lambda: len(host.grants) == 2)
+    assert slot.holder is second and slot.held
+
+    for _ in range(3):  # and every later write (the lease's renewals) fires it again
+        zk_client.set(slot.node_path, b"renewed")
+    time.sleep(0.1)
+    zk_client.delete(slot.node_path)  # `celery zklock release KEY --node N --yes`
+    host.run(lambda: second.lost, timeout=2.0)
+
+    cohort.join(third)
+    assert cohort.release(second) == "lost"
+    host.run(lambda: len(host.grants) == 3)
+    assert host.grants[2][1] != host.grants[1][1] and host.grants[2][2] > host.grants[1][2]
+    cohort.release(third).get(timeout=10)
+    host.run(lambda: cohort.idle)

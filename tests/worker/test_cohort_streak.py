@@ -1,0 +1,119 @@
+"""The streak bound survives a failed read of the key's queue, against a real ZooKeeper.
+
+Why (issue 35, finding 3): a node passes among our own tasks without bound until another
+contender is seen queueing for the key, and the cohort learns that by reading the key's
+children with a watch.  A read that failed was dropped, and no watch was left: the
+contender that came next was never seen, and the streak ran to the node's token space (256
+holds), with no time bound either, instead of ``zklock_cohort_handoffs``.  Here the read
+fails for want of READ permission on the key's node (an ACL set for the moment of the read),
+and a Curator-named contender queues once it is restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from kazoo.security import OPEN_ACL_UNSAFE, make_acl
+
+from kazoo.client import KazooClient
+
+from tests.tcpproxy import TcpProxy, wait_for
+from tests.worker.test_cohort_replies import Host, _wait
+
+from celery_zklock.worker.cohort import Cohort
+
+
+def _holding(cohort: Cohort) -> bool:
+    return any(s.holder is not None for s in cohort.slots)
+
+
+def _streak(cohort: Cohort, host: Host, waits: list) -> list[str]:
+    """Let each holder go in turn while the node passes on: the nodes of the holds so far."""
+    held = len(host.grants)
+    while held < len(waits) and _holding(cohort):
+        cohort.release(waits[held - 1])
+        host.run(lambda: len(host.grants) > held or not _holding(cohort))
+        held = len(host.grants)
+    return [node for _id, node, _token in host.grants]
+
+
+def test_a_failed_read_of_the_queue_keeps_the_streak_bounded(zk_client):
+    host = Host(zk_client)
+    host.settings = dataclasses.replace(host.settings, cohort_handoffs=8, cohort_hold=60.0)  # the count bounds it
+    zk_client.ensure_path("/cohort-streak")
+    path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
+    cohort = Cohort(host, path, 1)
+    waits = [_wait(cohort, f"w{i}") for i in range(20)]
+
+    cohort.join(waits[0])
+    host.run(lambda: host.grants)
+    zk_client.set_acls(path, [make_acl("world", "anyone", create=True, delete=True, write=True, admin=True)])
+    cohort.join(waits[1])  # the first waiter behind our holder: the cohort reads the key's queue, and fails
+    time.sleep(0.2)
+    host.run(lambda: True)
+    zk_client.set_acls(path, OPEN_ACL_UNSAFE)
+    foreign = zk_client.create(f"{path}/_c_{uuid.uuid4()}-lock-", ephemeral=True, sequence=True)
+    for wait in waits[2:]:
+        cohort.join(wait)
+
+    nodes = _streak(cohort, host, waits)
+    assert len(nodes) == 8 and set(nodes) == {nodes[0]}, (
+        f"{len(nodes)} holds in a row on our node while {foreign} queued (bound: 8)")
+
+    zk_client.delete(foreign)  # the contender's turn ends: our new node, queued behind it, holds
+    host.run(lambda: len(host.grants) == 9)
+    assert host.grants[8][1] != nodes[0] and host.grants[8][2] > host.grants[7][2]
+    for wait in waits[9:]:
+        cohort.leave(wait)
+    cohort.release(waits[8]).get(timeout=10)
+    host.run(lambda: cohort.idle)
+
+
+def test_a_queue_change_seen_while_suspended_keeps_the_streak_bounded(zk_server, zk_client):
+    """The key's queue changes (a contender queues) and the child watch fires; before the
+    agent's thread reads the queue, the connection drops: the node is suspended, the read
+    was skipped, and the used-up watch was never set again.  Here the cut is the proxy's."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        client = KazooClient(hosts=proxy.hosts, timeout=10.0,
+                             connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 0.2})
+        client.start(timeout=30)
+        try:
+            host = Host(client)
+            host.settings = dataclasses.replace(host.settings, cohort_handoffs=4, cohort_hold=60.0)
+            zk_client.ensure_path("/cohort-streak")
+            path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
+            cohort = Cohort(host, path, 1)
+            waits = [_wait(cohort, f"w{i}") for i in range(10)]
+            cohort.join(waits[0])
+            host.run(lambda: host.grants)
+            for wait in waits[1:]:
+                cohort.join(wait)  # our holder has waiters behind it: the cohort watches the queue
+            time.sleep(0.1)
+            host.run(lambda: True)
+            [slot] = cohort.slots
+            assert not slot.foreign
+
+            foreign = zk_client.create(f"{path}/_c_{uuid.uuid4()}-lock-", ephemeral=True, sequence=True)
+            assert wait_for(lambda: host.events, 5.0), "the child watch did not fire"
+            proxy.hold()
+            assert wait_for(lambda: not slot.held, 5.0), "the node was not suspended"
+            host.run(lambda: True)  # the agent's thread gets to the fired watch now
+            proxy.release_held()
+            assert wait_for(lambda: slot.held, 5.0), "the node was not verified again"
+            host.run(lambda: True)
+
+            nodes = _streak(cohort, host, waits)
+            assert len(nodes) == 4 and set(nodes) == {nodes[0]}, (
+                f"{len(nodes)} holds in a row on our node while {foreign} queued (bound: 4)")
+            zk_client.delete(foreign)
+            host.run(lambda: len(host.grants) == 5)
+            assert host.grants[4][1] != nodes[0]
+            for wait in waits[5:]:
+                cohort.leave(wait)
+            cohort.release(waits[4]).get(timeout=10)
+            host.run(lambda: cohort.idle)
+        finally:
+            client.stop()
+            client.close()
