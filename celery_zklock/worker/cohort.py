@@ -51,6 +51,7 @@ from itertools import islice
 from typing import Any
 
 from ..engine.internals import Attempt, LockInternals, State
+from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
@@ -149,7 +150,7 @@ class Cohort:
             # reserved and granted on the reply: never on the agent's belief alone.
             self.queue.remove(nxt)
             now = self.clock()
-            if fresh(slot.confirmed, now, self.host.settings.session_timeout):
+            if fresh(slot.confirmed, now, kazoo_compat.session_timeout(self.host.client)):
                 if renews(slot.confirmed, now, slot.writing > 0):
                     self._write(slot, nxt.identity)
                 self._grant(slot, nxt, reserved=True)
