@@ -45,6 +45,21 @@ class ClaimDesk:
         if wait.verdict["verdict"] != "granted":
             self._forget(wait)
 
+    def _unclaim(self, peer: Connection, request_id: str) -> None:
+        """The claimer stopped waiting for its claim's answer and locks in-process instead.
+
+        Why: a busy agent may answer a claim after the pool process's claim timeout; the
+        grant then belongs to a connection that went on without it, and its node would hold
+        the key for every worker (the in-process lock queues behind it) until that process
+        exits.  The claim came first on the same connection, so it is decided here already;
+        only that claimer's request is let go.  Its enqueue guard is left to the pool
+        process, which now locks guarded in-process (:mod:`celery_zklock.task`)."""
+        wait = self.waits.get(request_id)
+        if wait is None or wait.done or wait.claimer is not peer:
+            return  # not claimed by it ("unknown": it owes nothing here)
+        wait.guard = None
+        self._drop(wait)
+
     def _release(self, peer: Connection, request_id: str) -> None:
         """Let go of a claimed request's locks; the answer says whether each one was proven
         held to the end (the delete, or the local handoff's write, found our node).
