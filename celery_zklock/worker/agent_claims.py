@@ -12,6 +12,7 @@ thread, like everything in it.
 from __future__ import annotations
 
 from ..engine.internals import State
+from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import DELETED, LEASED, WRITTEN
 from .agent_link import Connection
@@ -130,7 +131,9 @@ class ClaimDesk:
         if message["verdict"] == "granted":
             state = self._state(wait)
             wait.shown_held = state["held"]
-            message = {**message, **state}
+            # The session the server granted, which may be shorter than the one asked for:
+            # the claimer trusts our silence for a third of it (agent_lock.silence_grace).
+            message = {**message, **state, "session_timeout": kazoo_compat.session_timeout(self.client)}
         wait.claimer.send(message)
 
 

@@ -188,6 +188,17 @@ class AgentLock:
         return self.lost_reason is None
 
 
+def silence_grace(requested: float, verdict: dict) -> float:
+    """How long a claimer trusts its lock while the agent is silent: a third of the agent's
+    session timeout, as negotiated with its server (the grant's ``session_timeout``), and
+    never more than a third of the one asked for.  Why the negotiated one: a frozen agent's
+    session expires after *that*, and a server's ``maxSessionTimeout`` may have cut it
+    short; trusting a third of the request could outlast the session itself."""
+    granted = verdict.get("session_timeout")
+    session = requested if granted is None else min(requested, float(granted))
+    return session / 3.0
+
+
 def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
     """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
 

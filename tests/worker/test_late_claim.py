@@ -28,15 +28,20 @@ from celery_zklock.worker.agent import Agent
 from celery_zklock.worker.agent_link import ENV, Connection
 
 
-@pytest.fixture
-def agent(zk_server, tmp_path):
-    path = str(tmp_path / "agent.sock")
-    agent = Agent(ZkSettings(hosts=zk_server.hosts), path)
+def start_agent(settings: ZkSettings, path: str) -> Agent:
+    """An agent serving on ``path`` from threads of this process (stop: ``agent.stopped.set()``)."""
+    agent = Agent(settings, path)
     threading.Thread(target=agent.serve, daemon=True).start()
     deadline = time.monotonic() + 10
     while not os.path.exists(path):
         assert time.monotonic() < deadline, "the agent did not listen"
         time.sleep(0.01)
+    return agent
+
+
+@pytest.fixture
+def agent(zk_server, tmp_path):
+    agent = start_agent(ZkSettings(hosts=zk_server.hosts), str(tmp_path / "agent.sock"))
     yield agent
     agent.stopped.set()
 

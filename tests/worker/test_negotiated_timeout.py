@@ -11,9 +11,13 @@ from __future__ import annotations
 import pytest
 from kazoo.client import KazooClient
 
+from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
 from celery_zklock.engine.session import LEASED, WRITTEN
 from celery_zklock.testing_servers import ZooKeeperServer
+from celery_zklock.worker import agent_lock
+from celery_zklock.worker.agent_link import ENV, Connection
+from tests.worker.test_late_claim import _answer, start_agent
 from tests.worker.test_lease_clock import Clock, _held_with_a_young_proof
 
 
@@ -51,3 +55,39 @@ def test_the_lease_follows_the_negotiated_session_timeout(short_client):
     host.run(lambda: len(host.grants) == 3)
     cohort.release(third)
     host.run(lambda: cohort.idle)
+
+
+@pytest.mark.parametrize(
+    "requested, verdict, grace, why",
+    [
+        (9.0, {"session_timeout": 0.6}, 0.2, "the server granted less: a third of that"),
+        (9.0, {"session_timeout": 30.0}, 3.0, "granted more: the request still bounds it"),
+        (9.0, {}, 3.0, "an agent that does not say: a third of the request"),
+    ],
+)
+def test_silence_grace(requested, verdict, grace, why):
+    assert agent_lock.silence_grace(requested, verdict) == pytest.approx(grace), why
+
+
+def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(short_session_server, tmp_path,
+                                                                                monkeypatch):
+    """A pool process stops trusting its lock after a third of the session timeout of agent
+    silence (the agent frozen: its session may expire meanwhile).  Asked for 10 s, granted
+    0.4 s: the claim says so, and the grace is 0.13 s, not 3.3 s."""
+    agent = start_agent(ZkSettings(hosts=short_session_server.hosts, session_timeout=10.0),
+                        str(tmp_path / "agent.sock"))
+    try:
+        main = Connection.open(agent.path)
+        main.send({"op": "hello", "role": "main"})
+        main.send({"op": "wait", "id": "r1", "paths": ["/negotiated/k"], "timeout": None, "identity": "r1"})
+        _answer(main, "granted", "r1")
+        monkeypatch.setenv(ENV, agent.path)
+        monkeypatch.setattr(agent_lock, "_link", None)
+        link, verdict = agent_lock.claim("r1", 5.0)
+        assert verdict["verdict"] == "granted"
+        assert verdict["session_timeout"] == pytest.approx(0.4)
+        assert agent_lock.silence_grace(10.0, verdict) == pytest.approx(0.4 / 3)
+        link.conn.send({"op": "release", "id": "r1"})
+        main.close()
+    finally:
+        agent.stopped.set()
