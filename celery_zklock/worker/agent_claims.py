@@ -11,12 +11,16 @@ thread, like everything in it.
 
 from __future__ import annotations
 
+import logging
+
 from ..engine.internals import State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import DELETED, LEASED, WRITTEN
 from .agent_link import Connection
 from .agent_requests import Wait
+
+logger = logging.getLogger("celery_zklock.worker.agent")
 
 #: Outcomes of a release that prove the lock was held to the end.
 PROOFS = (DELETED, WRITTEN, LEASED)
@@ -60,6 +64,8 @@ class ClaimDesk:
             return  # not claimed by it ("unknown": it owes nothing here)
         wait.guard = None
         self._drop(wait)
+        logger.warning("zklock agent: request %s: its pool process stopped waiting for the claim's answer "
+                       "(this agent answered late: busy?) and locks in-process; its lock here is let go", request_id)
 
     def _release(self, peer: Connection, request_id: str) -> None:
         """Let go of a claimed request's locks; the answer says whether each one was proven
