@@ -130,7 +130,7 @@ class LockAcquisition:
                 enqueue.finished(self, self.request, opts, ran=False, why=f"{verdict['verdict']}: {type(exc).__name__}")
                 raise
         lock = agent_lock.AgentLock(
-            link, self.request.id, verdict["tokens"], grace=opts.session_timeout / 3.0,
+            link, self.request.id, verdict["tokens"], grace=agent_lock.silence_grace(opts.session_timeout, verdict),
             release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,
         )
         if lock.suspended_reason is not None or lock.lost_reason is not None:

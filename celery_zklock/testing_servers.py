@@ -101,6 +101,7 @@ class ZooKeeperServer:
     max_client_cnxns: int = 0
     tls: TlsMaterial | None = field(default=None, repr=False)
     sasl_users: dict[str, str] | None = field(default=None, repr=False)
+    extra_config: dict[str, str] = field(default_factory=dict)  # more zoo.cfg lines (minSessionTimeout...)
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _own_workdir: bool = field(default=False, repr=False)
 
@@ -143,6 +144,7 @@ class ZooKeeperServer:
             "admin.enableServer=false",
             f"forceSync={'yes' if self.fsync else 'no'}",
             "autopurge.purgeInterval=0",
+            *(f"{k}={v}" for k, v in self.extra_config.items()),
         ]
         if self.peers:
             with open(os.path.join(data, "myid"), "w") as f:

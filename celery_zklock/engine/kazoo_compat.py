@@ -15,6 +15,7 @@ from typing import Callable
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import EXCEPTIONS
+from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Create2, MultiHeader, Transaction, int_struct, read_string, stat_struct
 from kazoo.protocol.states import ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
@@ -53,8 +54,40 @@ def on_ready(result, callback: Callable) -> None:
 
 
 def session_timeout(client: KazooClient) -> float:
-    """The session timeout in seconds (negotiated with the server once connected)."""
-    return client._session_timeout / 1000.0
+    """The session timeout in seconds: the one the server *negotiated* once connected, the
+    requested one before.
+
+    Why: a server clamps the client's wish to [minSessionTimeout, maxSessionTimeout], and
+    the lease (:func:`celery_zklock.worker.cohort_rules.fresh`) must not outlive the session
+    the server actually keeps.  kazoo 2.11 keeps only the wish (``client._session_timeout``);
+    the negotiated value is a local of ``ConnectionHandler._connect``, recorded by the
+    wrapper below."""
+    negotiated = getattr(client, _NEGOTIATED, None)
+    return (negotiated if negotiated is not None else client._session_timeout) / 1000.0
+
+
+_NEGOTIATED = "_zklock_negotiated_ms"
+
+
+def _record_negotiated_timeout() -> None:
+    """Wrap kazoo's ``ConnectionHandler._connect`` (once per process) to keep the session
+    timeout each connection negotiates on its client.  It returns ``read_timeout``, which is
+    ``negotiated * 2 / 3`` (kazoo 2.11, ``connection.py``): the negotiated milliseconds come
+    back from it exactly.  Nothing else of kazoo's connect changes."""
+    original = ConnectionHandler._connect
+    if getattr(original, "_zklock_records", False):
+        return
+
+    def _connect(self, host, hostip, port):
+        read_timeout, connect_timeout = original(self, host, hostip, port)
+        setattr(self.client, _NEGOTIATED, round(read_timeout * 3 / 2))
+        return read_timeout, connect_timeout
+
+    _connect._zklock_records = True
+    ConnectionHandler._connect = _connect
+
+
+_record_negotiated_timeout()
 
 
 def is_stopped(client: KazooClient) -> bool:

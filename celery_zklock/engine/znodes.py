@@ -15,13 +15,18 @@ and sequence flags): :mod:`celery_zklock.engine.kazoo_compat` sends the ``create
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
+from enum import Enum
 from typing import Iterable, NamedTuple
 
 from kazoo.exceptions import NoAuthError, NodeExistsError
 
+from ..errors import ZkLockError
 from . import kazoo_compat
+
+logger = logging.getLogger("celery_zklock.engine")
 
 #: Sequence markers we order by, first match wins (Curator, then kazoo).
 LOCK_MARKERS = ("-lock-", "__lock__")
@@ -49,7 +54,62 @@ def fencing_token(czxid: int, grant: int = 0) -> int:
     """
     if not 0 <= grant < MAX_GRANTS_PER_NODE:
         raise ValueError(f"grant must be in [0, {MAX_GRANTS_PER_NODE}), got {grant}")
-    return (czxid << STREAK_BITS) | grant
+    token = (czxid << STREAK_BITS) | grant
+    checked = token_range(token)
+    if checked is TokenRange.INEXACT:
+        raise TokenOutOfRange(
+            f"fencing token {token} (czxid {czxid:#x}, leader epoch {czxid >> 32}) is not below 2^53: "
+            "a reader holding it as a double (JSON, Lua) could not tell it from its neighbours, so no "
+            "lock is granted on it.  The ensemble has used its 8,192 leader epochs: reset its zxids "
+            "(a new ensemble) before locking again.")
+    if checked is TokenRange.NEARING:
+        _warn_nearing(token, czxid)
+    return token
+
+
+#: Tokens are exact as IEEE doubles (how JSON in JavaScript and Lua in Redis hold numbers)
+#: only below this: czxid < 2^45, the first 8,192 leader epochs of an ensemble.
+TOKEN_BOUND = 1 << 53
+
+#: Tokens from here on are warned about: leader epoch 4,096, half of the epochs used, so an
+#: operator has the other half (years, at one election a day) to plan a new ensemble.
+TOKEN_WARN_AT = 1 << 52
+
+
+class TokenRange(Enum):
+    """Where a fencing token stands against :data:`TOKEN_BOUND`."""
+
+    EXACT = "exact"
+    NEARING = "exact, past half of the leader epochs below 2^53"
+    INEXACT = "not exact as a double: refused"
+
+
+def token_range(token: int) -> TokenRange:
+    """Where ``token`` stands: pure, table-tested (``tests/engine/test_token_bound.py``).
+    Both bounds are multiples of :data:`MAX_GRANTS_PER_NODE`, so a node's first token
+    decides for every grant through it."""
+    if token >= TOKEN_BOUND:
+        return TokenRange.INEXACT
+    if token >= TOKEN_WARN_AT:
+        return TokenRange.NEARING
+    return TokenRange.EXACT
+
+
+class TokenOutOfRange(ZkLockError, ValueError):
+    """A fencing token would be 2^53 or more: not exact as a double, so never handed out."""
+
+
+_warned = False
+
+
+def _warn_nearing(token: int, czxid: int) -> None:
+    global _warned
+    if not _warned:  # once per process: every grant from here on is past the mark
+        _warned = True
+        logger.warning(
+            "celery-zklock: fencing token %d (leader epoch %d of 8,192) is past 2^52; tokens stop being exact "
+            "as doubles at 2^53 (epoch 8,192), and locks are then refused: plan a new ZooKeeper ensemble "
+            "(fresh zxids) before then", token, czxid >> 32)
 
 
 def node_prefix(uuid_hex: str) -> str:

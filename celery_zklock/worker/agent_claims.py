@@ -11,11 +11,16 @@ thread, like everything in it.
 
 from __future__ import annotations
 
+import logging
+
 from ..engine.internals import State
+from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import DELETED, LEASED, WRITTEN
 from .agent_link import Connection
 from .agent_requests import Wait
+
+logger = logging.getLogger("celery_zklock.worker.agent")
 
 #: Outcomes of a release that prove the lock was held to the end.
 PROOFS = (DELETED, WRITTEN, LEASED)
@@ -44,6 +49,23 @@ class ClaimDesk:
         self._send_verdict(wait)
         if wait.verdict["verdict"] != "granted":
             self._forget(wait)
+
+    def _unclaim(self, peer: Connection, request_id: str) -> None:
+        """The claimer stopped waiting for its claim's answer and locks in-process instead.
+
+        Why: a busy agent may answer a claim after the pool process's claim timeout; the
+        grant then belongs to a connection that went on without it, and its node would hold
+        the key for every worker (the in-process lock queues behind it) until that process
+        exits.  The claim came first on the same connection, so it is decided here already;
+        only that claimer's request is let go.  Its enqueue guard is left to the pool
+        process, which now locks guarded in-process (:mod:`celery_zklock.task`)."""
+        wait = self.waits.get(request_id)
+        if wait is None or wait.done or wait.claimer is not peer:
+            return  # not claimed by it ("unknown": it owes nothing here)
+        wait.guard = None
+        self._drop(wait)
+        logger.warning("zklock agent: request %s: its pool process stopped waiting for the claim's answer "
+                       "(this agent answered late: busy?) and locks in-process; its lock here is let go", request_id)
 
     def _release(self, peer: Connection, request_id: str) -> None:
         """Let go of a claimed request's locks; the answer says whether each one was proven
@@ -115,7 +137,9 @@ class ClaimDesk:
         if message["verdict"] == "granted":
             state = self._state(wait)
             wait.shown_held = state["held"]
-            message = {**message, **state}
+            # The session the server granted, which may be shorter than the one asked for:
+            # the claimer trusts our silence for a third of it (agent_lock.silence_grace).
+            message = {**message, **state, "session_timeout": kazoo_compat.session_timeout(self.client)}
         wait.claimer.send(message)
 
 

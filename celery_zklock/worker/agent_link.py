@@ -27,10 +27,13 @@ Requests (``op``) and the agent's answers:
   the pool as it is; it locks in-process there;
 * pool -> agent ``claim`` {id}: "I run this request"; answered by ``claimed`` {id,
   verdict: granted/timeout/unavailable/revoked/shutdown/unknown, tokens, nodes, holders,
-  error}, or first by ``claimed`` {verdict: pending} for a request next in line, whose
+  error, and for a grant held, lost, reason and the agent's negotiated session_timeout}, or first by ``claimed`` {verdict: pending} for a request next in line, whose
   verdict follows when decided; from then on the lock belongs to that connection.
   ``unknown`` (no such request, or one neither decided nor next in line) makes the pool
   process lock in-process;
+* pool -> agent ``unclaim`` {id}: the claim's answer did not come in time (a busy agent)
+  and the pool process locks in-process instead: the agent lets go of that request's
+  locks, however it was answered meanwhile (no answer);
 * pool -> agent ``release`` {id}: answered by ``released`` {id, proven, reason};
 * agent -> pool ``state`` {id, held, reason}: the lock became unsafe (suspended), safe
   again, or lost;

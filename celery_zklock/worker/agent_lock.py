@@ -188,18 +188,38 @@ class AgentLock:
         return self.lost_reason is None
 
 
+def silence_grace(requested: float, verdict: dict) -> float:
+    """How long a claimer trusts its lock while the agent is silent: a third of the agent's
+    session timeout, as negotiated with its server (the grant's ``session_timeout``), and
+    never more than a third of the one asked for.  Why the negotiated one: a frozen agent's
+    session expires after *that*, and a server's ``maxSessionTimeout`` may have cut it
+    short; trusting a third of the request could outlast the session itself."""
+    granted = verdict.get("session_timeout")
+    session = requested if granted is None else min(requested, float(granted))
+    return session / 3.0
+
+
 def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
     """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
 
     A request handed over while next in line is ``pending``: wait here for its verdict
     (the release ahead of it, its deadline, or its revocation); the agent's heartbeat
     keeps the link alive, and a dead agent ends the wait (the request then locks
-    in-process: its node died with the agent's session)."""
+    in-process: its node died with the agent's session).  A first answer that does not
+    come within ``timeout`` is withdrawn (``unclaim``) before the request locks in-process."""
     current = link()
     if current is None:
         return None
     reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout,
                          until=lambda r: r.get("verdict") != "pending")
+    if reply is None and current.alive:
+        # No answer in time (a busy agent): this process locks in-process now, so the
+        # agent must let go of whatever it decides for the claim (a late grant would hold
+        # the key, with this process queued behind it).  Sent before locking: the agent
+        # reads it after the claim, on the same connection.
+        current.conn.send({"op": "unclaim", "id": request_id})
+        with current._guard:
+            current._early.pop(request_id, None)
     if reply is None or reply.get("verdict") == "unknown":
         return None
     return current, reply

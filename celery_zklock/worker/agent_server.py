@@ -119,6 +119,8 @@ class AgentServer:
                 self._cancel(request_id, "finished")
         elif op == "claim":
             self._claim(peer, msg["id"])
+        elif op == "unclaim":
+            self._unclaim(peer, msg["id"])
         elif op == "release":
             self._release(peer, msg["id"])
         elif op == "unguard":

@@ -30,8 +30,9 @@ expires a session only after hearing nothing from it for the session timeout, so
 timeout``; and our node goes only with the session or by our own delete (an operator's
 force-delete is seen by the holder's watch on its node, which marks the node lost: each
 write to the node fires that one-shot watch, and the holder sets it again).  While
-such a proof is younger than ``cohort_rules.FRESH_MAX`` and the connection is up, the next
-holder is granted at once and the leaving one's release is proven at once
+such a proof is younger than ``cohort_rules.FRESH_MAX`` (its age read on the lease clock,
+which counts a host's suspend as ZooKeeper's clock does: :mod:`~celery_zklock.worker.lease_clock`)
+and the connection is up, the next holder is granted at once and the leaving one's release is proven at once
 (:data:`~celery_zklock.engine.session.LEASED`); a write runs beside the next body and renews
 the lease, once it is ``cohort_rules.RENEW_AFTER`` old and none is in flight
 (``cohort_rules.renews``).  So a hot key's handoff costs no ZooKeeper round trip, and about
@@ -45,17 +46,18 @@ Everything here runs on the agent's one event thread; ZooKeeper callbacks are po
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 from ..engine.internals import Attempt, LockInternals, State
+from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews
 from .wait_queue import WaitQueue
+from .lease_clock import Clock, lease_clock
 
 
 @dataclass(eq=False)
@@ -93,6 +95,7 @@ class Cohort:
     queue: WaitQueue = field(default_factory=WaitQueue)  # our waiters, in arrival order
     slots: list = field(default_factory=list)
     overdue: list = field(default_factory=list)  # waiters with wait.expired set, still queued
+    clock: Clock = lease_clock  # every lease and streak age is read from it (it counts a suspend)
 
     # ------------------------------------------------------------------ requests
     def join(self, wait) -> None:
@@ -137,7 +140,7 @@ class Cohort:
             return "lost"
         nxt = self._next_waiter()
         if (nxt is not None and slot.held and passes_locally(
-                slot.grants, slot.since or 0.0, time.monotonic(), slot.foreign,
+                slot.grants, slot.since or 0.0, self.clock(), slot.foreign,
                 self.host.settings.cohort_handoffs, self.host.settings.cohort_hold)):
             # The node is ours to pass on only if ZooKeeper confirms it still is: the write
             # goes through the leader, so it succeeds only while our session and node live
@@ -145,8 +148,8 @@ class Cohort:
             # the next holder starts now (see the module's docstring); otherwise it is
             # reserved and granted on the reply: never on the agent's belief alone.
             self.queue.remove(nxt)
-            now = time.monotonic()
-            if fresh(slot.confirmed, now, self.host.settings.session_timeout):
+            now = self.clock()
+            if fresh(slot.confirmed, now, kazoo_compat.session_timeout(self.host.client)):
                 if renews(slot.confirmed, now, slot.writing > 0):
                     self._write(slot, nxt.identity)
                 self._grant(slot, nxt, reserved=True)
@@ -217,7 +220,7 @@ class Cohort:
         if not reserved:
             self.queue.remove(wait)
         if slot.since is None:
-            slot.since = time.monotonic()
+            slot.since = self.clock()
             if slot.attempt.lk.identifier != wait.identity:  # created for a waiter that left
                 self._write(slot, wait.identity)
         token = fencing_token(slot.attempt.czxid, slot.grants)
@@ -239,7 +242,7 @@ class Cohort:
 
     def _write(self, slot: Slot, identity: bytes):
         """Name ``identity`` in the node; its success is a proof of the node as of the send."""
-        sent = time.monotonic()
+        sent = self.clock()
         slot.writing += 1
         written = guaranteed_set(slot.attempt.monitor, slot.node_path, identity, slot.attempt.session)
         on_ready(written, lambda result: self.host.post(self._wrote, slot, sent, result))

@@ -13,7 +13,7 @@ from ..engine.znodes import MAX_GRANTS_PER_NODE
 
 #: How old (s) the newest proof that a node is ours may be for a local handoff to skip the
 #: round trip.  Far below any session timeout ZooKeeper negotiates (at least 2 ticks: 4 s by
-#: default; kazoo does not expose the negotiated value, so the bound is absolute), so a holder
+#: default), and :func:`fresh` also keeps it under a tenth of the *negotiated* one, so a holder
 #: granted on it has nearly the whole session timeout, as one granted on a reply has.  A hot
 #: key's handoffs come every few ms and keep the proof young; a holder of 50 ms or more
 #: waits for its own write, which then costs under 2% of its hold.
@@ -24,7 +24,9 @@ def fresh(confirmed: float | None, now: float, session_timeout: float) -> bool:
     """May a local handoff grant at once on a write sent at ``confirmed`` that succeeded?
 
     Only while that proof is younger than :data:`FRESH_MAX` and than a tenth of the session
-    timeout (a user's very short timeout keeps nearly all of it for the holder)."""
+    timeout (a short one keeps nearly all of it for the holder).  ``session_timeout`` is the
+    one the server negotiated (:func:`celery_zklock.engine.kazoo_compat.session_timeout`),
+    not the one asked for: a server's ``maxSessionTimeout`` may have granted less."""
     if confirmed is None:
         return False
     return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)

@@ -143,7 +143,11 @@ class Creating:
                 self.cleanup = self._delete(name, session)
                 return self._settle_cleanup()
             self.node, self.czxid, self.session = name, stat.czxid, session
-            self.token = znodes.fencing_token(stat.czxid)
+            try:
+                self.token = znodes.fencing_token(stat.czxid)
+            except znodes.TokenOutOfRange as exc:  # never an inexact token: our node goes
+                self._give_up(exc)
+                return self._settle_cleanup()
             if listed is None and znodes.sequence_of(name) == 0:
                 return self._decide([name])
             if listed is not None:

@@ -87,5 +87,9 @@ class Ghosts:
             if keep is None:
                 return self._send_create()
             self.node, self.czxid, self.session = keep[0], keep[1].czxid, session
-            self.token = znodes.fencing_token(self.czxid)
+            try:
+                self.token = znodes.fencing_token(self.czxid)
+            except znodes.TokenOutOfRange as exc:  # never an inexact token: our node goes
+                self._give_up(exc)
+                return self._settle_cleanup()
             self._decide(children)

@@ -1,0 +1,93 @@
+"""The lease follows the *negotiated* session timeout, not the requested one (issue 35, finding 6).
+
+Why: ZooKeeper clamps a client's wish to [minSessionTimeout, maxSessionTimeout] (2 and 20
+ticks by default); the lease (``cohort_rules.fresh``) is bounded by a tenth of the session
+timeout, and one computed from the wish outlives a shorter session the server granted.
+Against a real ZooKeeper configured with a ``maxSessionTimeout`` below the request.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kazoo.client import KazooClient
+
+from celery_zklock.config import ZkSettings
+from celery_zklock.engine import kazoo_compat
+from celery_zklock.engine.session import LEASED, WRITTEN
+from celery_zklock.testing_servers import ZooKeeperServer
+from celery_zklock.worker import agent_lock
+from celery_zklock.worker.agent_link import ENV, Connection
+from tests.worker.test_late_claim import _answer, start_agent
+from tests.worker.test_lease_clock import Clock, _held_with_a_young_proof
+
+
+@pytest.fixture(scope="module")
+def short_session_server():
+    """A server that grants at most 400 ms sessions (tickTime 200: the least it may grant too)."""
+    server = ZooKeeperServer(extra_config={"maxSessionTimeout": "400"}).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def short_client(short_session_server):
+    client = KazooClient(hosts=short_session_server.hosts, timeout=10.0)  # asks for 10 s
+    client.start(timeout=15)
+    yield client
+    client.stop()
+    client.close()
+
+
+def test_the_negotiated_session_timeout_is_read_not_the_requested_one(short_client):
+    assert kazoo_compat.session_timeout(short_client) == pytest.approx(0.4)
+
+
+def test_the_lease_follows_the_negotiated_session_timeout(short_client):
+    """Asked for 10 s, granted 0.4 s: the lease is a tenth of 0.4 s (40 ms), not FRESH_MAX
+    (50 ms); a proof 45 ms old no longer lets a handoff skip the round trip."""
+    clock = Clock()
+    host, cohort, second, third = _held_with_a_young_proof(short_client, clock)
+    assert host.settings.session_timeout == 10.0
+    clock.now += 0.045
+    proof = cohort.release(second)
+    assert proof is not LEASED
+    assert proof.get(timeout=10) == WRITTEN
+    host.run(lambda: len(host.grants) == 3)
+    cohort.release(third)
+    host.run(lambda: cohort.idle)
+
+
+@pytest.mark.parametrize(
+    "requested, verdict, grace, why",
+    [
+        (9.0, {"session_timeout": 0.6}, 0.2, "the server granted less: a third of that"),
+        (9.0, {"session_timeout": 30.0}, 3.0, "granted more: the request still bounds it"),
+        (9.0, {}, 3.0, "an agent that does not say: a third of the request"),
+    ],
+)
+def test_silence_grace(requested, verdict, grace, why):
+    assert agent_lock.silence_grace(requested, verdict) == pytest.approx(grace), why
+
+
+def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(short_session_server, tmp_path,
+                                                                                monkeypatch):
+    """A pool process stops trusting its lock after a third of the session timeout of agent
+    silence (the agent frozen: its session may expire meanwhile).  Asked for 10 s, granted
+    0.4 s: the claim says so, and the grace is 0.13 s, not 3.3 s."""
+    agent = start_agent(ZkSettings(hosts=short_session_server.hosts, session_timeout=10.0),
+                        str(tmp_path / "agent.sock"))
+    try:
+        main = Connection.open(agent.path)
+        main.send({"op": "hello", "role": "main"})
+        main.send({"op": "wait", "id": "r1", "paths": ["/negotiated/k"], "timeout": None, "identity": "r1"})
+        _answer(main, "granted", "r1")
+        monkeypatch.setenv(ENV, agent.path)
+        monkeypatch.setattr(agent_lock, "_link", None)
+        link, verdict = agent_lock.claim("r1", 5.0)
+        assert verdict["verdict"] == "granted"
+        assert verdict["session_timeout"] == pytest.approx(0.4)
+        assert agent_lock.silence_grace(10.0, verdict) == pytest.approx(0.4 / 3)
+        link.conn.send({"op": "release", "id": "r1"})
+        main.close()
+    finally:
+        agent.stopped.set()
