@@ -24,8 +24,9 @@ Why no work is lost (issue 40):
   message's own ``expires`` when the caller gave one.  The message itself is never given an
   ``expires`` it did not ask for: a backlog longer than the bound costs a duplicate (the next
   publish queues again), never the queued task.
-* Each publish deduped into a queued guard is counted in it, so a task that then ends unrun
-  says how much work went with it (:func:`release` returns the guards it ended).
+* Each publish deduped into a queued guard is counted beside it
+  (:mod:`~celery_zklock.engine.guard_counts`), so a task that then ends unrun says how much
+  work went with it (:func:`release` returns the guards it ended, with their counts).
 
 A guard names its task id *and* its retry count: a retry republishes the same id, takes over
 its own guard (never refused by it), and the run that retried can no longer delete it; a
@@ -47,7 +48,8 @@ from dataclasses import dataclass, replace
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
-from . import kazoo_compat
+from . import guard_counts, kazoo_compat
+from .guard_counts import dedupes  # noqa: F401  (re-exported)
 from .guard_rules import (  # noqa: F401  (the rules, re-exported: callers know one module)
     FOLDER, HEADER, HELD, MODES, OWN, PUBLISH_WINDOW, STALE, UNCONFIRMED, UNTIL, Guard, Verdict, bound, folder,
     guard_path, guarded, verdict,
@@ -121,11 +123,25 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
     # create through the leader and its fsync.  ``sync`` first, so the read is not older than
     # a guard's deletion at its task's start (a follower may lag): a publish after the start
     # is never deduped into it.  The create below decides between racing publishers.
-    calls.sync(paths[0])
-    for path in paths:
-        held = _settled(calls, path, guard.id)
-        if held is not None:
-            return held
+    # The sync and the reads are pipelined (one round trip): a session's requests are
+    # answered in order, so the reads see what the sync saw.
+    synced = client.sync_async(paths[0])
+    reads = [client.get_async(path) for path in paths]
+    synced.get(timeout=calls.timeout)
+    for path, pending in zip(paths, reads):
+        try:
+            raw, stat = pending.get(timeout=calls.timeout)
+        except NoNodeError:
+            continue
+        found = Guard.loads(raw)
+        seen = verdict(found, guard.id, time.time(), bool(stat.ephemeralOwner))
+        if seen is HELD:
+            guard_counts.count_dedupe(client, path, stat)
+            return Taken(Outcome.HELD, path, found)
+        if seen is UNCONFIRMED:
+            held = _settled(calls, path, guard.id)
+            if held is not None:
+                return held
     for _ in range(attempts):
         txn = client.transaction()
         for path in paths:
@@ -158,7 +174,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
             if held is not None:
                 return held
         else:
-            _count_dedupe(calls, path, found, stat)
+            guard_counts.count_dedupe(client, path, stat)
             return Taken(Outcome.HELD, path, found)
     raise RuntimeError(f"could not take the enqueue guard {paths}: it kept changing under us")
 
@@ -175,82 +191,13 @@ def _settled(calls: _Calls, path: str, task_id: str) -> Taken | None:
         now = time.time()
         seen = verdict(found, task_id, now, bool(stat.ephemeralOwner))
         if seen is HELD:
-            _count_dedupe(calls, path, found, stat)
+            guard_counts.count_dedupe(calls.client, path, stat)
             return Taken(Outcome.HELD, path, found)
         if seen is not UNCONFIRMED:
             return None
         # Its publisher is between its create and the broker's answer: dedupe into it only
         # once it is confirmed (its message may never be sent), take over if it never is.
         changed.wait(max(0.0, min(found.publish_by - now, calls.timeout)) + 0.01)
-
-
-def _count_dedupe(calls: _Calls, path: str, found: Guard | None, stat, attempts: int = 3) -> None:
-    """One more publish served by the queued guard at ``path``, counted in its counter node
-    (:func:`counter_path`), never in the guard itself: the guard's version then changes only
-    by its own task's moves, which a storm of dedupes would otherwise starve.  Best effort
-    (a lower bound): the dedupe stands whether or not the count gets in; a running guard
-    counts nothing."""
-    if found is None or stat.ephemeralOwner:
-        return
-    where = counter_path(path)
-    for _ in range(attempts):
-        try:
-            try:
-                raw, cstat = calls.get(where)
-            except NoNodeError:
-                calls.client.create_async(where, _count(stat.czxid, 1), acl=kazoo_compat.acl_for(calls.client, where)
-                                          ).get(timeout=calls.timeout)
-                return
-            guard_zxid, n = _read_count(raw)
-            n = n + 1 if guard_zxid == stat.czxid else 1  # a counter of an older guard of the key starts over
-            calls.set(where, _count(stat.czxid, n), cstat.version)
-            return
-        except (BadVersionError, NodeExistsError, NoNodeError):
-            continue
-        except Exception:
-            return
-
-
-def counter_path(path: str) -> str:
-    """The deduped-publish counter beside a guard: ``#`` never occurs in an encoded key."""
-    return f"{path}#deduped"
-
-
-def _count(guard_zxid: int, n: int) -> bytes:
-    return json.dumps({"guard": guard_zxid, "n": n}, separators=(",", ":")).encode()
-
-
-def _read_count(raw: bytes) -> tuple[int, int]:
-    try:
-        data = json.loads(raw.decode())
-        return int(data["guard"]), int(data["n"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return -1, 0
-
-
-def dedupes(client, path: str, timeout: float | None = None) -> int:
-    """How many publishes were deduped into the queued guard at ``path`` so far (0 if none)."""
-    calls = _Calls(client, timeout)
-    try:
-        _raw, stat = calls.get(path)
-        counted_zxid, n = _read_count(calls.get(counter_path(path))[0])
-    except NoNodeError:
-        return 0
-    return n if counted_zxid == stat.czxid else 0
-
-
-def _take_count(calls: _Calls, path: str, guard_zxid: int) -> int:
-    """The count of the guard (czxid ``guard_zxid``) just deleted at ``path``; its counter goes
-    unless it already counts a newer guard of the key.  Best effort."""
-    where = counter_path(path)
-    try:
-        raw, cstat = calls.get(where)
-        counted_zxid, n = _read_count(raw)
-        if counted_zxid <= guard_zxid:
-            calls.delete(where, cstat.version)
-        return n if counted_zxid == guard_zxid else 0
-    except Exception:
-        return 0
 
 
 def _settle(calls: _Calls, path: str, step, what: str) -> None:
@@ -266,23 +213,20 @@ def _settle(calls: _Calls, path: str, step, what: str) -> None:
     raise RuntimeError(f"could not {what} the enqueue guard {path}: it kept changing under us")
 
 
-def confirm(client, paths: list[str], task_id: str, retries: int, timeout: float | None = None) -> None:
+def confirm(client, paths: list[str], guard: Guard, timeout: float | None = None) -> None:
     """Our message is with the broker: publishers that find the guard may now dedupe into it.
-    Leaves alone a guard that no longer names this try (its task started, or the key was
-    taken over past :data:`PUBLISH_WINDOW`)."""
-    calls = _Calls(client, timeout)
-
-    def step(read) -> bool:
-        found, stat = read if read is not None else (None, None)
-        if found is not None and found.names(task_id, retries) and not found.confirmed:
-            try:
-                calls.set(path, replace(found, confirmed=True).dumps(), stat.version)
-            except NoNodeError:
-                pass  # its task started meanwhile
-        return True
-
-    for path in paths:
-        _settle(calls, path, step, "confirm")
+    One conditional write per path, all pipelined: the guard :func:`take` created (or took
+    over) is at version 0 until its task starts, which ends it (NoNode) or moves it (a new
+    node, ours, at version 0 again, where writing ours confirmed changes nothing).  Only a
+    publish slower than :data:`PUBLISH_WINDOW` can find another publisher's guard at
+    version 0 in its place; confirming ours over it then costs a duplicate, never a loss."""
+    data = replace(guard, confirmed=True, publish_by=0.0).dumps()
+    writes = [client.set_async(path, data, version=0) for path in paths]
+    for pending in writes:
+        try:
+            pending.get(timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+        except (BadVersionError, NoNodeError):
+            pass  # its task started (and its guard moved on) meanwhile
 
 
 def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> bool:
@@ -324,7 +268,7 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
             calls.delete(path, version=stat.version)  # BadVersion: its publisher confirmed it meanwhile
         except NoNodeError:
             return True
-        deduped = 0 if stat.ephemeralOwner else _take_count(calls, path, stat.czxid)
+        deduped = 0 if stat.ephemeralOwner else guard_counts.take(client, path, stat.czxid, calls.timeout)
         gone.append(replace(found, deduped=deduped))
         return True
 
@@ -366,7 +310,7 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
         txn.create(path, replace(found, confirmed=True, retries=retries).dumps(), acl=acl, ephemeral=True)
         if any(isinstance(r, Exception) for r in calls.commit(txn)):
             return False  # the guard changed meanwhile (its publisher confirmed it): read again
-        _take_count(calls, path, stat.czxid)  # the queued guard's count: its work runs now
+        guard_counts.take(client, path, stat.czxid, calls.timeout)  # the queued guard's count: its work runs now
         return True
 
     for path in paths:
