@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 _EXPORTS = {
     "FairLock": "engine.lock",
     "MultiLock": "engine.lock",
@@ -45,6 +43,11 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # declared once, in pyproject.toml; read on first use (no import cost)
+        from importlib.metadata import version
+
+        globals()[name] = value = version("celery-zklock")
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'celery_zklock' has no attribute {name!r}")
@@ -54,10 +57,11 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, "__version__"})
 
 
 if TYPE_CHECKING:
+    __version__: str
     from .errors import AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
     from .keys import encode_key
     from .engine.kazoo_lock import KazooLock
