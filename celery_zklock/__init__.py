@@ -44,9 +44,12 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":  # declared once, in pyproject.toml; read on first use (no import cost)
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        globals()[name] = value = version("celery-zklock")
+        try:
+            globals()[name] = value = version("celery-zklock")
+        except PackageNotFoundError as exc:  # a source tree on sys.path, never installed
+            raise AttributeError("celery_zklock.__version__: the celery-zklock distribution is not installed") from exc
         return value
     module = _EXPORTS.get(name)
     if module is None:

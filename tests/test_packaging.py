@@ -79,6 +79,23 @@ def test_the_dists_are_named_by_the_one_declared_version(dists):
     assert VERSION not in init, "the version is declared in pyproject.toml only"
 
 
+def test_version_is_read_from_the_installed_metadata(monkeypatch):
+    import importlib.metadata
+
+    import celery_zklock
+
+    monkeypatch.delitem(vars(celery_zklock), "__version__", raising=False)
+    assert celery_zklock.__version__ == importlib.metadata.version("celery-zklock")
+    assert "__version__" in dir(celery_zklock)
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.delitem(vars(celery_zklock), "__version__")
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert getattr(celery_zklock, "__version__", None) is None  # an AttributeError, as for any missing name
+
+
 def test_the_wheel_ships_the_library_and_its_type_marker_only(dists):
     names = zipfile.ZipFile(dists["wheel"]).namelist()
     assert "celery_zklock/py.typed" in names
