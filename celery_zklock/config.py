@@ -258,18 +258,75 @@ ZkSettings = dataclasses.make_dataclass(
 )
 
 
+def _namespace(conf: Any) -> str | None:
+    """The prefix Celery reads settings under (``"CELERY_"`` after
+    ``config_from_object("django.conf:settings", namespace="CELERY")``), or None."""
+    prefix = vars(conf).get("prefix") if hasattr(conf, "__dict__") else None
+    return prefix if isinstance(prefix, str) and prefix else None
+
+
+def written_name(name: str, prefix: str | None) -> str:
+    """How a user writes setting ``name`` under Celery's namespace ``prefix``:
+    ``CELERY_ZKLOCK_HOSTS`` for ``zklock_hosts`` under ``CELERY_`` (Celery's own
+    ``match_case``: the whole key takes the namespace's case)."""
+    if not prefix:
+        return name
+    key = prefix + name
+    return key.upper() if prefix.isupper() else key.lower()
+
+
+def _suggest_key(key: str, known: list[str]) -> str:
+    """A suggestion among ``known`` spellings, case-insensitively (``CELERY_zklock_hosts``
+    -> ``CELERY_ZKLOCK_HOSTS``)."""
+    by_lower = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" Did you mean {by_lower[close[0]]!r}?" if close else ""
+
+
+def _source_key(conf: Any, name: str, prefix: str | None) -> str:
+    """The key, as the user wrote it, that Celery reads setting ``name`` from
+    (the namespaced spelling wins where Celery's lookup gives it precedence)."""
+    candidates = [written_name(name, prefix), name] if prefix else [name]
+    for mapping in getattr(conf, "maps", None) or [conf]:
+        for key in candidates:
+            try:
+                if key in mapping:
+                    return key
+            except TypeError:
+                continue
+    return name
+
+
 def load_settings(conf: Any) -> ZkSettings:
     """Read and validate every ``zklock_*`` setting of ``conf`` (``app.conf``).
 
     Unknown ``zklock_*`` keys are errors with a suggestion: a typo must not silently fall
-    back to a default (e.g. ``zklock_host`` leaving the lock on the wrong ensemble).
+    back to a default (e.g. ``zklock_host`` leaving the lock on the wrong ensemble).  The
+    same holds under a Celery namespace (``config_from_object(..., namespace="CELERY")``,
+    as Django projects do): ``CELERY_ZKLOCK_HOST`` is refused, suggesting
+    ``CELERY_ZKLOCK_HOSTS``, and every error names the key as the user wrote it.
     """
-    for key in list(getattr(conf, "keys", lambda: [])()):
-        if isinstance(key, str) and key.lower().startswith("zklock_") and key not in SETTINGS:
-            raise ConfigurationError(f"unknown setting {key!r}.{suggest(key, list(SETTINGS))} Known: {', '.join(SETTINGS)}")
-    return ZkSettings(**{
-        s.field: check_setting(name, conf.get(name, s.default), f"setting {name}") for name, s in SETTINGS.items()
-    })
+    keys = [k for k in list(getattr(conf, "keys", lambda: [])()) if isinstance(k, str)]
+    prefix = _namespace(conf)  # read after keys(): that finalizes a pending app.conf
+    spaced = f"{prefix}zklock_".lower() if prefix else None
+    known = {written_name(name, prefix) for name in SETTINGS} | set(SETTINGS)
+    for key in keys:
+        lowered = key.lower()
+        if key in known:
+            continue
+        if spaced and lowered.startswith(spaced):
+            names = [written_name(name, prefix) for name in SETTINGS]
+        elif lowered.startswith("zklock_"):
+            names = list(SETTINGS)
+        else:
+            continue
+        raise ConfigurationError(f"unknown setting {key!r}.{_suggest_key(key, names)} Known: {', '.join(names)}")
+    values = {}
+    for name, s in SETTINGS.items():
+        shown = _source_key(conf, name, prefix)
+        where = f"setting {name}" if shown == name else f"setting {shown} ({name})"
+        values[s.field] = check_setting(name, conf.get(name, s.default), where)
+    return ZkSettings(**values)
 
 
 def to_wire(settings: ZkSettings) -> dict:

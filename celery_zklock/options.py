@@ -73,17 +73,60 @@ def celery_task_options() -> frozenset[str]:
     return frozenset(names)
 
 
-def check_option_names(cls: type, base: type, where: str) -> None:
-    """Reject a class attribute that looks like a lock option but is none.
+#: What a keyword that shadows one of ZkLockedTask's methods most likely meant.
+_MEANT = {"lock_keys": "lock_key", "lock_paths": "lock_key", "_lock_spec": "lock_key"}
 
-    Known: the lock options, Celery's own options, and anything ``base`` (ZkLockedTask)
-    defines, so a subclass may override ``lock_keys`` or ``lock_options``.  Anything else
-    is the user's own attribute, as Celery allows — unless its name starts like a lock
-    option or is a near miss of one, which is a typo that would silently change locking.
+
+def _is_routine(value: Any) -> bool:
+    """A function, or what a class body makes of one (staticmethod, classmethod, property)."""
+    return inspect.isroutine(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
+def own_attributes(base: type) -> dict[str, Any]:
+    """The attributes ``base`` (ZkLockedTask) and its lock mixins define that
+    :class:`celery.Task` does not, minus the lock options: its methods and internals."""
+    from celery import Task
+
+    celery_names = set(dir(Task))
+    return {
+        name: inspect.getattr_static(base, name)
+        for name in dir(base)
+        if name not in celery_names and name not in LOCK_OPTIONS and not name.startswith("__")
+    }
+
+
+def check_option_names(cls: type, base: type, where: str) -> None:
+    """Reject a class attribute that looks like a lock option but is none, or that would
+    shadow one of ``base``'s (ZkLockedTask's) own methods or internals.
+
+    Known: the lock options, Celery's own options, and the user's own attributes, as
+    Celery allows — unless the name starts like a lock option or is a near miss of one,
+    a typo that would silently change locking.
+
+    The rule for a name ZkLockedTask (or a lock mixin) defines and Celery's Task does not
+    (``lock_keys``, ``lock_paths``, ``lock_options``, ``_locked_call``...): a function
+    (or staticmethod, classmethod, property) replacing one of its methods is an override
+    (``class MyTask(ZkLockedTask): def lock_keys(self, args, kwargs): ...``) and is kept;
+    anything else is an error, since a decorator keyword such as ``lock_keys="x"`` would
+    replace the method and fail every run (``'str' object is not callable``).  The
+    internal data attributes (``_lock_spec``...) may not be set by a subclass at all.
     """
     known = celery_task_options()
-    for attr in vars(cls):
-        if attr in LOCK_OPTIONS or attr in known or attr.startswith("__") or hasattr(base, attr):
+    internals = own_attributes(base)
+    for attr, value in vars(cls).items():
+        if attr in LOCK_OPTIONS or attr.startswith("__"):
+            continue
+        if attr in internals:
+            mine = internals[attr]
+            if _is_routine(mine) and _is_routine(value):
+                continue  # an override of a method
+            kind = "a method" if _is_routine(mine) else "an internal attribute"
+            close = [_MEANT[attr]] if attr in _MEANT else difflib.get_close_matches(attr, LOCK_OPTIONS, n=1, cutoff=0.8)
+            hint = f" did you mean {close[0]!r}?" if close else f" the lock options are: {', '.join(LOCK_OPTIONS)}."
+            raise ConfigurationError(
+                f"{where}: {attr} is {kind} of ZkLockedTask, not a lock option (a decorator keyword or class "
+                f"attribute {attr}={value!r} would replace it);{hint}")
+        if attr in known or hasattr(base, attr):
             continue
         close = difflib.get_close_matches(attr, LOCK_OPTIONS, n=1, cutoff=0.8)
         if attr.startswith(_LOCKISH_PREFIXES) or close:

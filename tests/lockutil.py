@@ -54,11 +54,11 @@ def locked_app(env: dict[str, str]):
         importlib.reload(module)
 
 
-def worker_refuses(env: dict[str, str], name: str) -> str:
-    """Start a worker that must refuse to start; its log (for the reason)."""
+def worker_refuses(env: dict[str, str], name: str, app: str = "tests.apps.locked") -> str:
+    """Start a worker (of ``app``) that must refuse to start; its log (for the reason)."""
     from support.workers import Worker
 
-    worker = Worker(env, name, concurrency=1)
+    worker = Worker(env, name, concurrency=1, app=app)
     worker.start()
     try:
         assert worker.proc.wait(60) != 0, "the worker started"

@@ -294,3 +294,73 @@ def test_subclass_may_override_zklocked_task_methods():
 def test_user_attributes_unlike_lock_options_are_kept():
     cls = type("Buy", (ZkLockedTask,), {"my_flag": True, "run": lambda self: None})
     assert cls.my_flag is True
+
+
+def _shadowable_names() -> list[str]:
+    """Every public and private attribute name ZkLockedTask (and its lock mixins) defines
+    that celery.Task does not, minus the declared lock options (from dir(), not a list)."""
+    from celery import Task
+
+    from celery_zklock.options import LOCK_OPTIONS
+
+    names = sorted(n for n in dir(ZkLockedTask) if n not in dir(Task) and n not in LOCK_OPTIONS and not n.startswith("__"))
+    assert {"lock_keys", "lock_paths", "lock_options", "_locked_call", "_lock_spec"} <= set(names)
+    return names
+
+
+@pytest.mark.parametrize("name", _shadowable_names())
+def test_a_keyword_shadowing_zklockedtask_is_refused_at_registration(name):
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, lock_key="order:{order_id}", **{name: "order:{order_id}"})
+    def buy(order_id):
+        return order_id
+
+    with pytest.raises(ConfigurationError) as info:
+        app.finalize()
+    assert f"buy: {name} is " in str(info.value) and "of ZkLockedTask, not a lock option" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["lock_keys", "lock_paths"])
+def test_the_plural_says_what_was_meant(name):
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, **{name: "order:{order_id}"})
+    def buy(order_id):
+        return order_id
+
+    with pytest.raises(ConfigurationError) as info:
+        app.finalize()
+    assert f"{name} is a method of ZkLockedTask, not a lock option" in str(info.value)
+    assert "did you mean 'lock_key'?" in str(info.value)
+
+
+def test_a_subclass_may_still_override_a_method():
+    class PerTenant(ZkLockedTask):
+        def lock_keys(self, args, kwargs):
+            return [f"tenant:{kwargs['tenant']}"]
+
+        @property
+        def _retry(self):  # any routine replacing a routine is an override
+            return ZkLockedTask._retry
+
+    app = make_app()
+
+    @app.task(base=PerTenant, shared=False)
+    def sync(tenant):
+        return tenant
+
+    app.finalize()
+    assert app.tasks[f"{__name__}.sync"].lock_keys((), {"tenant": "a"}) == ["tenant:a"]
+
+
+def test_a_bad_key_field_names_the_parameters_at_registration():
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, lock_key="order:{order}")
+    def place(order_id):
+        return order_id
+
+    with pytest.raises(ConfigurationError) as info:
+        app.finalize()
+    assert "names {order}, which is not a parameter" in str(info.value) and "order_id" in str(info.value)
