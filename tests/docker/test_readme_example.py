@@ -1,6 +1,7 @@
-"""The README's pytest-celery example, copied into an empty folder and run with pytest, as a
-user would.  Only this machine's differences are appended to its conftest.py: no registry
-(the Redis image built here) and the sandbox's /.dockerenv (see conftest.py)."""
+"""The pytest-celery example of docs/testing.md (moved there from the README), copied into an
+empty folder and run with pytest, as a user would.  Only this machine's differences are
+appended to its conftest.py: no registry (the Redis image built here) and the sandbox's
+/.dockerenv (see conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ def default_redis_backend_image():
 
 def readme_files() -> dict[str, str]:
     """{file name: source} of the section's python blocks that start with ``# <name>.py``."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "testing.md")) as f:
         text = f.read()
     section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     files = {}
