@@ -39,7 +39,7 @@ LOCK_EVENTS = ("task-lock-waiting", "task-lock-acquired", "task-lock-released", 
 
 def _client(settings):
     try:
-        return connect(settings)
+        return connect(settings, summarize_retries=True)
     except LockUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
