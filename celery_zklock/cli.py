@@ -22,7 +22,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 # so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
 from . import task  # noqa: F401
 from .config import load_settings
-from .engine import guards
+from .engine import guard_counts, guards
 from .engine.client import connect, disconnect
 from .engine.identity import Identity
 from .engine.lock import contenders
@@ -39,7 +39,7 @@ LOCK_EVENTS = ("task-lock-waiting", "task-lock-acquired", "task-lock-released", 
 
 def _client(settings):
     try:
-        return connect(settings)
+        return connect(settings, summarize_retries=True)
     except LockUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -80,10 +80,7 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
         return _echo_json({**report, **guards_found})
     if not report:
         click.echo("no locks held or waited for")
-    for path, rows in guards_found.items():
-        g = rows[0]
-        click.echo(f"{path}\n    enqueue guard ({g['guard']})  {g['for_s']:>8.1f}s  task={g['task']} task_id={g['task_id']}"
-                   f"  stale in {g['expires_in_s']:.0f}s  deduped={g['deduped']}")
+    _echo_guards(guards_found)
     for path, rows in report.items():
         click.echo(path)
         for r in rows:
@@ -91,6 +88,13 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
             what = "HOLDS" if r["holder"] else "waits"
             where = r["node"] or "(in its worker: lock cohorting)"
             click.echo(f"  {r['position']:>3} {what}  {r['for_s']:>8.1f}s  {where}  {who or r['data']}")
+
+
+def _echo_guards(found: dict) -> None:
+    for path, rows in found.items():
+        g = rows[0]
+        click.echo(f"{path}\n    enqueue guard ({g['guard']})  {g['for_s']:>8.1f}s  task={g['task']} task_id={g['task_id']}"
+                   f"  stale in {g['expires_in_s']:.0f}s  deduped={g['deduped']}")
 
 
 def local_waiters(app, timeout: float = 1.0) -> dict[str, list[dict]]:
@@ -122,17 +126,27 @@ def add_local_waiters(report: dict, waiting: dict[str, list[dict]]) -> dict:
     return report
 
 
-def guard_report(client, root: str, key: str | None = None, prefix: str | None = None) -> dict:
+def guard_report(client, root: str, key: str | None = None, prefix: str | None = None, task: str | None = None) -> dict:
     """{guard path: [guard]}: the enqueue guards (``lock_enqueue``) in place, each ``queued``
     (a persistent node: its message waits in the broker), ``publishing`` (not yet confirmed
     sent) or ``running`` (an ephemeral node of
-    the session running it, ``lock_enqueue_until="finish"``), with its age and expiry."""
+    the session running it, ``lock_enqueue_until="finish"``), with its age and expiry;
+    only those of ``task`` (a task name) when given."""
     base = guards.folder(root)
+    names = []
     try:
-        names = [f"{t}/{k}" for t in sorted(client.get_children(base)) for k in sorted(client.get_children(f"{base}/{t}"))
-                 if "#" not in k and (key is None or k == encode_key(key)) and (not prefix or k.startswith(encode_key(prefix)))]
+        tasks = sorted(client.get_children(base))
     except NoNodeError:
         return {}
+    for t in tasks:
+        if task is not None and t != encode_key(task):
+            continue
+        try:
+            keys = sorted(client.get_children(f"{base}/{t}"))
+        except NoNodeError:
+            continue
+        names += [f"{t}/{k}" for k in keys if "#" not in k and (key is None or k == encode_key(key))
+                  and (not prefix or k.startswith(encode_key(prefix)))]
     now = time.time()
     found = {}
     for name in names:
@@ -183,6 +197,84 @@ def lock_report(client, root: str, key: str | None = None, prefix: str | None = 
             })
         report[path] = rows
     return report
+
+
+# ------------------------------------------------------------------ guards
+@zklock.command("guards", cls=CeleryCommand)
+@click.option("--task", "task_name", help="Only the guards of this task name.")
+@click.option("--key", help="Only the guards of this lock key.")
+@click.option("--clear", is_flag=True, help="Delete the guards (and their deduped counters), printing each.")
+@click.option("--force", is_flag=True, help="With --clear: also delete running guards (their task is running now).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def guards_command(ctx: click.Context, task_name: str | None, key: str | None, clear: bool, force: bool,
+                   as_json: bool) -> None:
+    """List the enqueue guards (``lock_enqueue``), or delete them with --clear.
+
+    After ``celery purge`` the guards of the purged messages stay until they expire
+    (``zklock_enqueue_expires``), and publishes of their keys are deduped into tasks that no
+    longer exist: ``--clear`` removes them.  A running guard (an ephemeral node: its task is
+    running now, ``lock_enqueue_until="finish"``) is kept unless --force: its session ends it
+    when the task ends, and deleting it lets a second run of the key be queued meanwhile."""
+    if force and not clear:
+        raise click.UsageError("--force only goes with --clear")
+    settings = load_settings(ctx.obj.app.conf)
+    client = _client(settings)
+    removed, kept = [], []
+    try:
+        try:
+            found = guard_report(client, settings.root, key=key, task=task_name)
+            if clear:
+                for path, rows in found.items():
+                    g = rows[0]
+                    if g["guard"] == "running" and not force:
+                        kept.append(path)
+                        continue
+                    if _delete_guard(client, path, g["task_id"]):
+                        removed.append(path)
+        except NoAuthError:
+            raise click.ClickException(str(no_auth_error(guards.folder(settings.root), "clearing enqueue guards"
+                                                          if clear else "reading the enqueue guards"))) from None
+    finally:
+        disconnect(client)
+    if not clear:
+        if as_json:
+            return _echo_json(found)
+        if not found:
+            click.echo("no enqueue guards")
+        return _echo_guards(found)
+    if as_json:
+        _echo_json({"removed": removed, "kept": kept})
+    else:
+        for path in removed:
+            g = found[path][0]
+            click.echo(f"removed {path} ({g['guard']}, task={g['task']} task_id={g['task_id']}, deduped={g['deduped']})")
+        if not removed:
+            click.echo("no enqueue guards removed")
+    for path in kept:
+        g = found[path][0]
+        click.echo(f"kept {path}: a running guard (task {g['task']} id {g['task_id']} is running now, and its "
+                   f"worker's session ends the guard when it ends); deleting it lets a second run of the key be "
+                   f"queued meanwhile: use --force for that", err=True)
+    if kept:
+        ctx.exit(1)
+
+
+def _delete_guard(client, path: str, task_id: str | None) -> bool:
+    """Delete the guard at ``path`` if it still names ``task_id`` (the one listed), and its
+    deduped counter; False if it went or changed meanwhile (its task started, a new publish)."""
+    from kazoo.exceptions import BadVersionError
+
+    try:
+        raw, stat = client.get(path)
+        g = guards.Guard.loads(raw)
+        if (g.id if g else None) != task_id:
+            return False
+        client.delete(path, version=stat.version)
+    except (NoNodeError, BadVersionError):
+        return False
+    guard_counts.take(client, path, stat.czxid, timeout=10.0)
+    return True
 
 
 # ------------------------------------------------------------------ path

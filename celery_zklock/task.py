@@ -66,9 +66,10 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         where = f"task {_name(cls)}"
-        check_option_names(cls, ZkLockedTask, where)
-        check_option_values({k: v for k, v in vars(cls).items() if k in LOCK_OPTIONS}, where)
-        cls._lock_spec = compile_key(cls.__dict__.get("lock_key", cls.lock_key), _body(cls), _name(cls))
+        with worker_loss.configuration_exits():  # a worker starting stops with the message alone
+            check_option_names(cls, ZkLockedTask, where)
+            check_option_values({k: v for k, v in vars(cls).items() if k in LOCK_OPTIONS}, where)
+            cls._lock_spec = compile_key(cls.__dict__.get("lock_key", cls.lock_key), _body(cls), _name(cls))
 
     # -------------------------------------------------------------- option resolution
     def lock_options(self) -> ZkSettings:

@@ -21,6 +21,7 @@ import os
 import select
 import sys
 import threading
+import time
 
 from kazoo.client import KazooClient
 from kazoo.handlers.threading import SequentialThreadingHandler
@@ -122,22 +123,61 @@ def new_client(settings: ZkSettings, handler=None) -> KazooClient:
     return client
 
 
-def connect(settings: ZkSettings, handler=None) -> KazooClient:
+class RetrySummary(logging.Filter):
+    """Counts and holds back kazoo's per-attempt connection warnings ("Connection dropped:
+    ... Connection refused", one every retry) while installed on the ``kazoo.client`` logger,
+    so that an unreachable ensemble is reported in one line, not a flood."""
+
+    NOISE = ("Connection dropped", "Connection time-out", "Transition to CONNECTING", "Failed connecting to Zookeeper",
+             "Cannot resolve")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts = 0
+        self.last = ""
+        self.started = time.monotonic()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING or not isinstance(record.msg, str) or not record.msg.startswith(self.NOISE):
+            return True
+        if record.msg.startswith(("Connection dropped", "Connection time-out", "Cannot resolve")):
+            self.attempts += 1
+            self.last = record.getMessage()
+        return False
+
+    def line(self, hosts: str) -> str:
+        return (f"ZooKeeper at {hosts} unreachable after {self.attempts} attempt(s) in "
+                f"{time.monotonic() - self.started:.1f} s: {self.last or 'no answer'}")
+
+
+def connect(settings: ZkSettings, handler=None, summarize_retries: bool = False) -> KazooClient:
     """A started client for ``settings``, or :class:`LockUnavailable` saying what to fix.
 
     The one place a connection is opened: the worker's tasks, the worker-start check, the
     reaper and the CLI all fail with the same message naming ``zklock_hosts``.
+    ``summarize_retries`` (the worker-start probe, ``celery zklock`` commands): kazoo's
+    per-attempt warnings are held back while this call connects, and a failure says how
+    many attempts failed and how; kazoo's logging is untouched before and after.
     """
     client = new_client(settings, handler=handler)
+    summary = RetrySummary() if summarize_retries else None
+    kazoo_log = logging.getLogger("kazoo.client")
+    if summary is not None:
+        kazoo_log.addFilter(summary)
     try:
-        client.start(timeout=settings.connect_timeout)
-    except Exception as exc:
-        disconnect(client)
-        why = tls_diagnosis(settings)  # a TLS failure says which setting and file to fix
-        raise LockUnavailable(
-            f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
-            f"({type(exc).__name__}: {exc}); " + (why or "start the ensemble or fix zklock_hosts")
-        ) from exc
+        try:
+            client.start(timeout=settings.connect_timeout)
+        except Exception as exc:
+            disconnect(client)  # with the filter still on: the attempts it stops stay quiet
+            why = tls_diagnosis(settings)  # a TLS failure says which setting and file to fix
+            what = summary.line(settings.hosts) if summary is not None and summary.attempts else f"{type(exc).__name__}: {exc}"
+            raise LockUnavailable(
+                f"cannot reach ZooKeeper at zklock_hosts={settings.hosts!r} within {settings.connect_timeout}s "
+                f"({what}); " + (why or "start the ensemble or fix zklock_hosts")
+            ) from exc
+    finally:
+        if summary is not None:
+            kazoo_log.removeFilter(summary)
     why = auth_problem(client, settings)
     if why:
         disconnect(client)

@@ -13,6 +13,7 @@ documents per-task ``Request`` classes for this purpose.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -96,6 +97,40 @@ class LockAwareRequest(Request):
                 _reap_async(self)  # waits for the pool to kill the child first
 
 
+#: True while a worker or beat imports its task modules and finalizes its app (Celery's
+#: ``import_modules`` signal until ``worker_init``/``beat_init``): a task's bad option there
+#: ends the process with the message alone (:func:`configuration_exits`).
+_starting = False
+
+
+@contextlib.contextmanager
+def configuration_exits():
+    """While a worker starts, turn a ConfigurationError (a task's ``lock_key`` naming no
+    parameter, a bad option) into SystemExit with its message: Celery builds the tasks
+    inside ``app.finalize()`` deep in ``WorkController.__init__``, before any signal we
+    could answer with a clean exit, and the bare exception would bury the one useful line
+    at the end of a 40-line traceback (Celery's own ImproperlyConfigured does the same).
+    Outside a worker's start the error is raised as it is."""
+    from ..errors import ConfigurationError
+
+    try:
+        yield
+    except ConfigurationError as exc:
+        if _starting:
+            raise SystemExit(f"celery-zklock: configuration error: {exc}") from None
+        raise
+
+
+def _on_import_modules(sender=None, **_):
+    global _starting
+    _starting = True
+
+
+def _started(**_):
+    global _starting
+    _starting = False
+
+
 #: Called with the app at worker start, before validation (``by_config`` locks the tasks
 #: ``zklock_tasks`` names): a ConfigurationError there stops the worker like any other.
 before_validation: list = []
@@ -129,7 +164,7 @@ def validate_app(app) -> bool:
     if not locked:
         return False
     try:
-        client = connect(settings)
+        client = connect(settings, summarize_retries=True)
     except LockUnavailable as exc:
         raise SystemExit(f"celery-zklock: {exc}; {len(locked)} locked task(s) would otherwise run unprotected.") from None
     try:
@@ -145,8 +180,21 @@ def validate_app(app) -> bool:
             ) from None
     finally:
         disconnect(client)
-    logger.info("celery-zklock: %d locked task(s), ZooKeeper %s reachable", len(locked), settings.hosts)
+    app._zklock_locked_count = len(locked)
     return True
+
+
+def start_line(settings, locked: int, agent_pid: int | None) -> str:
+    """The worker's one INFO line at start: what it locks, where, and how its tasks wait.
+    Hosts strings carry no credentials; the auth settings are never printed."""
+    if agent_pid is not None:
+        waits = f"zklock_wait_in='worker' (the lock agent, pid {agent_pid})"
+    elif settings.wait_in == "worker":
+        waits = "zklock_wait_in='worker' (no agent for this pool: each task waits in its own thread or greenlet)"
+    else:
+        waits = f"zklock_wait_in={settings.wait_in!r} (in the pool process)"
+    return (f"celery-zklock: {locked} locked task(s); ZooKeeper {settings.hosts} reachable, root {settings.root}, "
+            f"session timeout {settings.session_timeout:g}s; waiting mode {waits}")
 
 
 class FastChildLossStep(bootsteps.StartStopStep):
@@ -188,6 +236,7 @@ class FastChildLossStep(bootsteps.StartStopStep):
 
 
 def _on_worker_init(sender=None, **_):
+    _started()
     app = getattr(sender, "app", None)
     if app is not None:
         if FastChildLossStep not in app.steps["consumer"]:
@@ -195,9 +244,21 @@ def _on_worker_init(sender=None, **_):
         if getattr(sender, "task_events", False):
             # `-E` reaches the WorkController, not app.conf; pool children read app.conf.
             app.conf.worker_send_task_events = True
-        if validate_app(app) and worker_queue.start_agent(sender, app._zklock_settings):
+        if not validate_app(app):
+            return
+        if worker_queue.start_agent(sender, app._zklock_settings):
             if worker_queue.WaitOutsidePool not in app.steps["consumer"]:
                 app.steps["consumer"].add(worker_queue.WaitOutsidePool)
+        agent = worker_queue.running_agent()
+        app._zklock_start_line = start_line(app._zklock_settings, app._zklock_locked_count,
+                                            agent.proc.pid if agent else None)
+
+
+def _after_setup(sender=None, instance=None, **_):
+    """Logged here, not at ``worker_init``: Celery sets up the worker's logging in between."""
+    line = getattr(getattr(instance, "app", None), "_zklock_start_line", None)
+    if line:
+        logger.info(line)
 
 
 def _on_shutdown(**_):
@@ -212,6 +273,9 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    signals.import_modules.connect(_on_import_modules, weak=False)
+    signals.beat_init.connect(_started, weak=False)
     signals.worker_init.connect(_on_worker_init, weak=False)
+    signals.celeryd_after_setup.connect(_after_setup, weak=False)
     signals.worker_process_shutdown.connect(_on_shutdown, weak=False)
     signals.worker_shutdown.connect(_on_shutdown, weak=False)

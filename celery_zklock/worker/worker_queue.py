@@ -45,6 +45,7 @@ from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
 from .agent_link import HEARTBEAT, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
+from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
 from .pool_handoff import hand_over_early, handoff_slots, pool_size, run_next
 
 logger = get_logger("celery_zklock.worker")
@@ -255,13 +256,21 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         for tref in self.timers:
             tref.cancel()
         self.timers = []
+        returned = failed = 0
         for request_id, req in list(self.held.items()):
             self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
             self._not_waiting(request_id, req)
             try:
                 req.reject(requeue=True)
+                returned += 1
             except Exception as exc:
+                failed += 1
                 logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
+        if returned or failed or self.early or not getattr(self, "_stop_logged", False):
+            self._stop_logged = True  # Celery calls stop, then shutdown: one line, not two
+            logger.info("celery-zklock: stopping: %d waiting task(s) went back to the broker%s%s", returned,
+                        f", {failed} could not (see above)" if failed else "",
+                        f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
         self.held.clear()
         self.counted.clear()
         self.paths.clear()
