@@ -42,6 +42,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_readme_quickstart_runs_as_written(tmp_path, zk_server, redis_server):
+    run_readme_quickstart(tmp_path, zk_server, redis_server)
+
+
+def run_readme_quickstart(tmp_path, zk_server, redis_server, python: str = sys.executable, path: str = ROOT) -> None:
+    """The quickstart's files written as the README shows them, its worker and ``celery zklock``
+    commands run with ``python`` (this checkout's on ``path``, or an installed wheel's with
+    ``path=""``), its tasks called from here."""
     section = readme_section("Quickstart")
     blocks = code_blocks(section, "python")
     assert blocks, "no python code block under '## Quickstart'"
@@ -65,8 +72,8 @@ def test_readme_quickstart_runs_as_written(tmp_path, zk_server, redis_server):
                 for line in block.splitlines() if line.strip().startswith("celery ")]
     worker_cmd = next(c for c in commands if "worker" in c)
     node = f"quickstart-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
-    argv = [sys.executable, "-m", *worker_cmd, "-n", f"{node}@%h", "--without-gossip", "--without-mingle",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in (tmp_path, path) if p])}
+    argv = [python, "-m", *worker_cmd, "-n", f"{node}@%h", "--without-gossip", "--without-mingle",
             "--without-heartbeat", "-l", "info"]
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
@@ -88,7 +95,7 @@ def test_readme_quickstart_runs_as_written(tmp_path, zk_server, redis_server):
 
         # the README's other commands: `celery -A proj.tasks zklock path order:42` and `... status`
         for cmd in (c for c in commands if "zklock" in c):
-            out = subprocess.run([sys.executable, "-m", *cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+            out = subprocess.run([python, "-m", *cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
                                  timeout=60)
             assert out.returncode == 0, out.stderr
             if "path" in cmd:

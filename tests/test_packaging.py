@@ -143,3 +143,15 @@ def test_the_installed_wheel_gives_the_public_api(venv):
     assert version == VERSION
     assert pathlib.Path(where).is_relative_to(venv / "env"), f"imported from {where}, not the fresh virtualenv"
     assert typed == "True" and everything == "True"
+
+
+def test_the_installed_wheel_runs_the_readme_quickstart(venv, tmp_path, zk_server, redis_server):
+    """The README's quickstart as a new user runs it: the worker and the ``celery zklock``
+    commands from the fresh virtualenv, nothing of this checkout on their path."""
+    from tests.test_examples import run_readme_quickstart
+
+    python = str(venv / "env" / "bin" / "python")
+    # What the quickstart's first line asks for (its broker is Redis): kombu's Redis transport.
+    _run([python, "-m", "pip", "install", "--quiet", "celery[redis]"], cwd=venv, what="install celery[redis]",
+         timeout=300)
+    run_readme_quickstart(tmp_path, zk_server, redis_server, python=python, path="")
