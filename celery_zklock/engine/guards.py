@@ -86,14 +86,8 @@ class _Calls:
     def get(self, path: str, watch=None):
         return self.client.get_async(path, watch=watch).get(timeout=self.timeout)
 
-    def sync(self, path: str) -> None:
-        self.client.sync_async(path).get(timeout=self.timeout)
-
     def commit(self, txn) -> list:
         return txn.commit_async().get(timeout=self.timeout)
-
-    def set(self, path: str, data: bytes, version: int):
-        return self.client.set_async(path, data, version=version).get(timeout=self.timeout)
 
     def delete(self, path: str, version: int) -> None:
         self.client.delete_async(path, version=version).get(timeout=self.timeout)
