@@ -37,3 +37,40 @@ def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> l
         max_holders = max(declared) if declared else 1
     return [Contender(name, znodes.sequence_of(name) or 0, data, index < max_holders, created)
             for index, (name, data, created) in enumerate(found)]
+
+
+def holders_async(client: KazooClient, path: str, max_holders: int, callback) -> None:
+    """``callback(identifiers)`` of the holders of ``path``, read without blocking (an empty
+    list when they cannot be read).  Why not :func:`contenders`: the lock agent reports who
+    held a key when a request timed out, and that report must never make the verdict wait
+    for an unreachable ZooKeeper, nor cost a blocked thread per timeout."""
+    from .kazoo_compat import on_ready
+
+    def listed(result) -> None:
+        try:
+            names = znodes.sort_contenders(result.get())[:max_holders]
+        except Exception:
+            names = []
+        if not names:
+            return callback([])
+        reads = [client.get_async(f"{path}/{name}") for name in names]
+        left = [len(reads)]
+
+        def read(_result) -> None:
+            left[0] -= 1
+            if left[0]:
+                return
+            found = []
+            for r in reads:
+                try:
+                    found.append(r.get(timeout=0)[0].decode("utf-8", "replace"))
+                except Exception:
+                    continue
+            callback(found)
+
+        for r in reads:
+            on_ready(r, read)
+
+    if not client.connected:
+        return callback([])
+    on_ready(client.get_children_async(path), listed)

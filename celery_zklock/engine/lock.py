@@ -10,13 +10,12 @@ wait on many keys at once (one thread, thousands of locks) uses
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable, Iterable
 
 from kazoo.client import KazooClient
 
 from ..errors import LockLost, LockReentered
-from . import kazoo_compat, znodes
+from . import clock, kazoo_compat, znodes
 from .contenders import contenders
 from .internals import LockInternals, State
 from .owner import current_owner
@@ -159,7 +158,7 @@ class FairLock:
             timeout = 0
         if kazoo_compat.is_stopped(self.client):
             raise ValueError("the KazooClient is not started (or was stopped): call client.start() before acquiring")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clock.monotonic() + timeout
         me = current_owner()  # held by reference and compared by identity: never recycled
         if self._owner is me:
             if self._entries == 0 and self.state in (State.IDLE, State.LOST):
@@ -192,7 +191,7 @@ class FairLock:
         """Another thread's hold on this instance ends first (bounded by the deadline)."""
         with self._free:
             while self._owner is not None:
-                left = None if deadline is None else deadline - time.monotonic()
+                left = None if deadline is None else deadline - clock.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._free.wait(left)
@@ -354,12 +353,12 @@ class MultiLock:
         return {lk.path: lk.token for lk in self.locks}
 
     def acquire(self, timeout: float | None = None, blocking: bool = True) -> bool:
-        deadline = None if timeout is None or not blocking else time.monotonic() + timeout
+        deadline = None if timeout is None or not blocking else clock.monotonic() + timeout
         taken: list[FairLock] = []
         self.failed = None
         try:
             for lk in self.locks:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                left = None if deadline is None else max(0.0, deadline - clock.monotonic())
                 if not lk.acquire(timeout=0 if not blocking else left):
                     self.failed = lk
                     break

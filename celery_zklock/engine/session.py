@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
@@ -30,7 +29,7 @@ from kazoo.exceptions import (
 )
 from kazoo.protocol.states import KazooState
 
-from . import group_commit, kazoo_compat
+from . import clock, group_commit, kazoo_compat
 
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)
@@ -64,7 +63,7 @@ class Timers:
         self._batch_armed = False
 
     def call_at(self, when: float, fn: Callable, *args: Any) -> list:
-        """Run ``fn(*args)`` at ``when`` (``time.monotonic()`` clock); returns a handle."""
+        """Run ``fn(*args)`` at ``when`` (``clock.monotonic()`` clock); returns a handle."""
         handle = [True]
         with self._guard:
             earliest = not self._heap or when < self._heap[0][0]
@@ -85,7 +84,7 @@ class Timers:
             if self._batch_armed:
                 return
             self._batch_armed = True
-        self.call_at(time.monotonic() + within, self._run_batch)
+        self.call_at(clock.monotonic() + within, self._run_batch)
 
     def _run_batch(self) -> None:
         with self._guard:
@@ -107,21 +106,26 @@ class Timers:
         if handle is not None:
             handle[0] = False
 
+    def run_due(self) -> float | None:
+        """Run every callback due now; returns the time the next one is due (None: none).
+        The loop below calls it; so does the simulator's clock, which owns time there."""
+        due = []
+        with self._guard:
+            now = clock.monotonic()
+            while self._heap and (self._heap[0][0] <= now or not self._heap[0][2][0]):
+                when, _, handle, fn, args = heapq.heappop(self._heap)
+                if handle[0]:
+                    due.append((fn, args))
+            nxt = self._heap[0][0] if self._heap else None
+        for fn, args in due:
+            self._call(fn, args)
+        return nxt
+
     def _loop(self) -> None:
         while True:
             self._wake.clear()
-            due = []
-            with self._guard:
-                now = time.monotonic()
-                while self._heap and (self._heap[0][0] <= now or not self._heap[0][2][0]):
-                    when, _, handle, fn, args = heapq.heappop(self._heap)
-                    if handle[0]:
-                        due.append((fn, args))
-                wait = self._heap[0][0] - now if self._heap else None
-            for fn, args in due:
-                self._call(fn, args)
-            if not due:
-                self._wake.wait(wait)
+            nxt = self.run_due()
+            self._wake.wait(None if nxt is None else max(0.0, nxt - clock.monotonic()))
 
 
 class SessionMonitor:
@@ -133,24 +137,25 @@ class SessionMonitor:
     thread and must neither block nor wait for a reply.
     """
 
-    def __init__(self, client: KazooClient) -> None:
+    def __init__(self, client: KazooClient, timers: Timers | None = None) -> None:
         self.client = client
-        self.timers = Timers(client.handler)
+        self.timers = timers if timers is not None else Timers(client.handler)
         self.new_keys = group_commit.new_keys(client)  # new keys' creates, group-committed
         self.deletes = group_commit.deletes(client)  # our nodes' deletes, group-committed
         self.epoch = 0
         self._guard = threading.Lock()
-        self._subscribers: set = set()
+        # A dict, not a set: subscribers resume in the order they subscribed, on every run.
+        self._subscribers: dict = {}
         self._when_connected: list[Callable[[], None]] = []
         client.add_listener(self._on_state)
 
     def subscribe(self, subscriber) -> None:
         with self._guard:
-            self._subscribers.add(subscriber)
+            self._subscribers[subscriber] = None
 
     def unsubscribe(self, subscriber) -> None:
         with self._guard:
-            self._subscribers.discard(subscriber)
+            self._subscribers.pop(subscriber, None)
 
     def when_connected(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` now if connected, else at the next CONNECTED or LOST (once)."""
@@ -162,7 +167,7 @@ class SessionMonitor:
 
     def grace_timer(self, seconds: float, fn: Callable[[int], None]) -> list:
         """Call ``fn(epoch)`` after ``seconds``, with the epoch current now."""
-        return self.timers.call_at(time.monotonic() + seconds, fn, self.epoch)
+        return self.timers.call_at(clock.monotonic() + seconds, fn, self.epoch)
 
     def _on_state(self, state: str) -> bool:
         with self._guard:
@@ -184,12 +189,13 @@ _monitors: "weakref.WeakKeyDictionary[KazooClient, SessionMonitor]" = weakref.We
 _monitors_guard = threading.Lock()
 
 
-def monitor_for(client: KazooClient) -> SessionMonitor:
-    """The one :class:`SessionMonitor` of ``client``, created on first use."""
+def monitor_for(client: KazooClient, timers: Timers | None = None) -> SessionMonitor:
+    """The one :class:`SessionMonitor` of ``client``, created on first use (with ``timers``,
+    if given: the simulator's, driven by its clock)."""
     with _monitors_guard:
         monitor = _monitors.get(client)
         if monitor is None:
-            monitor = _monitors[client] = SessionMonitor(client)
+            monitor = _monitors[client] = SessionMonitor(client, timers)
         return monitor
 
 

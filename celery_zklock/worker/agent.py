@@ -29,11 +29,11 @@ import os
 import queue
 import sys
 import threading
-import time
 
 from kazoo.protocol.states import KazooState
 
 from ..config import ZkSettings, from_wire
+from ..engine import clock
 from ..engine.client import connect
 from ..engine.session import monitor_for
 from .agent_claims import ClaimDesk
@@ -49,13 +49,13 @@ logger = logging.getLogger("celery_zklock.worker.agent")
 class Agent(AgentServer, RequestBook, ClaimDesk, EnqueueGuards):
     """Serves the worker's processes; every decision runs on one event thread (:meth:`post`)."""
 
-    def __init__(self, settings: ZkSettings, path: str) -> None:
+    def __init__(self, settings: ZkSettings, path: str, client=None) -> None:
         self.settings = settings
         self.path = path
-        self.client = connect(settings)
+        self.client = connect(settings) if client is None else client  # the simulator passes its own
         self.monitor = monitor_for(self.client)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.progress = time.monotonic()  # when the event thread last finished an event
+        self.progress = clock.monotonic()  # when the event thread last finished an event
         self.peers_guard = threading.Lock()
         self.peers: set[Connection] = set()
         self.waits: dict[str, Wait] = {}

@@ -13,9 +13,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
-from ..engine import guards
+from ..engine import clock, guards
 from .agent_requests import Wait
 
 logger = logging.getLogger("celery_zklock.worker.agent")
@@ -46,7 +45,7 @@ class EnqueueGuards:
                 if fn is guards.release and after is None and tries < _RELEASE_TRIES:
                     # A guard left in place swallows every publish of its key: try again
                     # (each try is bounded by the client's timeout), until its bound would.
-                    self.monitor.timers.call_at(time.monotonic() + 1.0, self.guard_jobs.put, (fn, args, None, tries + 1))
+                    self.monitor.timers.call_at(clock.monotonic() + 1.0, self.guard_jobs.put, (fn, args, None, tries + 1))
             else:
                 if fn is guards.release:
                     for gone in done or ():

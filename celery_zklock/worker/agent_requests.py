@@ -11,13 +11,15 @@ All of it runs on the agent's event thread (:mod:`celery_zklock.worker.agent_ser
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-from ..engine import guards
-from ..engine.lock import contenders
+from ..engine import clock, guards
+from ..engine.contenders import holders_async
 from .agent_link import HANDOFF_MAX_WAIT, Connection
 from .cohort import Cohort
+
+#: How long a timeout's verdict waits for the report of who holds the key (s).
+HOLDERS_WITHIN = 0.5
 
 
 @dataclass(eq=False)
@@ -45,7 +47,7 @@ class Wait:
     watched: bool = True  # the main process reads "queued" (events, LOCK_WAITING, metrics)
     timer: list | None = None
     granted_at: float | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=clock.monotonic)
     done: bool = False  # released or cancelled
 
 
@@ -61,7 +63,7 @@ class RequestBook:
             task=str(msg.get("task") or ""),
             paths=sorted(set(msg["paths"])),
             max_holders=int(msg.get("max_holders") or 1),
-            deadline=None if timeout is None else time.monotonic() + float(timeout),
+            deadline=None if timeout is None else clock.monotonic() + float(timeout),
             identity=str(msg.get("identity") or "").encode(),
             owner=peer,
             early=bool(msg.get("early")),
@@ -106,10 +108,17 @@ class RequestBook:
         self._decide(wait, {"verdict": "unavailable", "error": str(exc)})
 
     def on_timed_out(self, wait: Wait, path: str) -> None:
-        """Free what it took, then say who holds the key (read off this thread)."""
+        """Free what it took, then say who holds the key: read asynchronously, and waited
+        for at most :data:`HOLDERS_WITHIN` (a timeout is told on time, ZooKeeper or not)."""
         wait.current = None
         self._let_go(wait)
-        self.client.handler.spawn(self._holders_then_decide, wait, path)
+
+        def told(holders) -> None:
+            self.monitor.timers.cancel(bound)
+            self._decide(wait, {"verdict": "timeout", "holders": holders})
+
+        bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, [])
+        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))
 
     def on_queued(self, wait: Wait, position: int) -> None:
         if not wait.queued:
@@ -139,13 +148,6 @@ class RequestBook:
         if wait.current.expire(wait):
             self.on_timed_out(wait, wait.current.path)
 
-    def _holders_then_decide(self, wait: Wait, path: str) -> None:
-        try:
-            holders = [c.identifier for c in contenders(self.client, path, wait.max_holders) if c.holder]
-        except Exception:
-            holders = []
-        self.post(self._decide, wait, {"verdict": "timeout", "holders": holders})
-
     # Mean time a lock was held (grant to release), per lock path and per task name: how
     # long a request next in line would idle in a pool process if handed over.
     def _expected_hold(self, wait: Wait) -> float | None:
@@ -155,7 +157,7 @@ class RequestBook:
     def _learn_hold(self, wait: Wait) -> None:
         if wait.granted_at is None:
             return
-        held = time.monotonic() - wait.granted_at
+        held = clock.monotonic() - wait.granted_at
         for table, key in ((self.hold_by_path, wait.paths[-1]), (self.hold_by_task, wait.task)):
             if len(table) > 10_000:
                 table.clear()  # bounded: many one-off keys must not grow the agent
@@ -177,9 +179,9 @@ class RequestBook:
             self._guard_op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"],
                            after=lambda error: self._guard_started(wait, verdict, error))
             return
-        wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(time.monotonic() - wait.started, 6), **verdict}
+        wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(clock.monotonic() - wait.started, 6), **verdict}
         if verdict["verdict"] == "granted":
-            wait.granted_at = time.monotonic()
+            wait.granted_at = clock.monotonic()
         self._guard_decided(wait, verdict["verdict"])
         answer = {"op": verdict["verdict"], "id": wait.id}  # granted/timeout/unavailable/revoked/shutdown
         if wait.queued:

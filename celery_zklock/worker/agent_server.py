@@ -14,9 +14,8 @@ import logging
 import os
 import socket
 import threading
-import time
 
-from ..engine import guards
+from ..engine import clock, guards
 from ..engine.client import disconnect
 from .agent_link import HEARTBEAT, Connection
 
@@ -42,11 +41,15 @@ class AgentServer:
             fn, args = self.events.get()
             if fn is None:
                 return
-            try:
-                fn(*args)
-            except Exception:  # one bad event must not take the agent down
-                logger.exception("zklock agent: %s failed", getattr(fn, "__name__", fn))
-            self.progress = time.monotonic()
+            self.run_event(fn, args)
+
+    def run_event(self, fn, args) -> None:
+        """One event of the event thread (the simulator calls this in its own order)."""
+        try:
+            fn(*args)
+        except Exception:  # one bad event must not take the agent down
+            logger.exception("zklock agent: %s failed", getattr(fn, "__name__", fn))
+        self.progress = clock.monotonic()
 
     def serve(self) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -88,7 +91,7 @@ class AgentServer:
             if os.getppid() != self.parent and self.main is None and not self._claimed():
                 self.stopped.set()  # the worker died, and no process of it holds a lock
                 return
-            if self.events.qsize() and time.monotonic() - self.progress > STUCK_AFTER:
+            if self.events.qsize() and clock.monotonic() - self.progress > STUCK_AFTER:
                 continue  # stuck: silence tells the worker to restart us
             with self.peers_guard:
                 peers = list(self.peers)

@@ -135,7 +135,7 @@ class Cohort:
             return "not held"
         slot.holder = None
         if slot.lost or slot.attempt.state is State.LOST:
-            self._drop(slot)
+            self._drop(slot, replace=True)  # a node of ours may still be there: keep the place
             self.pump()
             return "lost"
         nxt = self._next_waiter()
@@ -179,8 +179,11 @@ class Cohort:
             self.queue.appendleft(wait)  # first in line still: for the next node
         if not written:
             slot.lost = True
-            if slot in self.slots:
-                self._drop(slot)
+        if slot in self.slots and (not written or not slot.held):
+            # Lost meanwhile (say, a suspension past its grace, whose write then went
+            # through on reconnection): a node that is not held must go, or it stays first
+            # in the key's queue with nobody to grant (the simulator found this deadlock).
+            self._drop(slot, replace=True)
         self.pump()
 
     # ------------------------------------------------------------------ the cohort's engine
@@ -341,7 +344,7 @@ class Cohort:
         if slot.holder is not None:
             self.host.on_slot_lost(slot.holder)
         elif slot in self.slots:
-            self._drop(slot)
+            self._drop(slot, replace=True)
             self.pump()
 
     def _watch_queue(self, slot: Slot) -> None:

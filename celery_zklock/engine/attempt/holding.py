@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from kazoo.exceptions import ConnectionClosedError, SessionExpiredError
+from kazoo.exceptions import ConnectionClosedError, NoNodeError, SessionExpiredError
 from kazoo.protocol.states import EventType, KazooState
 
 from .. import kazoo_compat
@@ -49,7 +49,8 @@ class Holding:
 
     def _suspend(self) -> None:
         self.state = State.HELD_SUSPENDED
-        self.monitor.grace_timer(self.lk.grace(), self._on_grace_over)
+        self.monitor.timers.cancel(self._grace_timer)
+        self._grace_timer = self.monitor.grace_timer(self.lk.grace(), self._on_grace_over)
         if self.client.connected:
             self._verify(self.monitor.epoch)
 
@@ -59,11 +60,13 @@ class Holding:
         The watch is one-shot, and a write to the node fires it too (NodeDataChanged): the
         cohort's lease writes to a held node, so a change sets it again — one ``exists`` per
         fired watch, none per hold.  One watcher per hold, so a watch set again after a
-        reconnection (kazoo keeps the old one) is not doubled."""
+        reconnection (kazoo keeps the old one) is not doubled.  ``get``, not ``exists``: on a
+        node already gone, ``exists`` would leave a creation watch on the server for a name
+        nobody creates again (the simulator's leak check found it)."""
         node, session = self.node, self.session
         if self._own_watcher is None or self._own_watcher[:2] != (node, session):
             self._own_watcher = (node, session, partial(self._own_node_changed, node, session))
-        kazoo_compat.on_ready(self.client.exists_async(f"{self.lk.path}/{node}", watch=self._own_watcher[2]),
+        kazoo_compat.on_ready(self.client.get_async(f"{self.lk.path}/{node}", watch=self._own_watcher[2]),
                               partial(self._own_node_checked, node, session))
 
     def _own_node_changed(self, node, session, event) -> None:
@@ -77,7 +80,10 @@ class Holding:
 
     def _own_node_checked(self, node, session, result) -> None:
         try:
-            missing = result.get() is None
+            result.get()
+            missing = False
+        except NoNodeError:
+            missing = True
         except Exception:
             return  # connection trouble: the monitor takes over
         if missing:
@@ -124,6 +130,7 @@ class Holding:
                 if self.monitor.epoch != epoch or not self.client.connected:
                     return
                 self.state = State.HELD
+                self.monitor.timers.cancel(self._grace_timer)
                 self._watch_own_node()  # kazoo dropped our watches when the connection broke
             else:
                 self._mark_lost("lock node gone after reconnection")
@@ -137,6 +144,7 @@ class Holding:
         if self.state not in HELD_STATES:
             return
         self.state = State.LOST
+        self.monitor.timers.cancel(self._grace_timer)
         self.lost_reason = reason
         if self.lk.on_lost is not None:
             self.client.handler.spawn(self.lk.on_lost)

@@ -51,6 +51,7 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
         self._deadline_timer = None
         self._deadline_passed = False
         self._own_watcher = None  # (node, session, watcher): the holder's watch on its node
+        self._grace_timer = None  # while HELD_SUSPENDED: when the suspension makes it LOST
 
     def start(self, deadline: float | None) -> None:
         with self._guard:

@@ -16,6 +16,7 @@ class Releasing:
                 self._give_up(False)
                 return False, self.cleanup
             was_held = self.state in HELD_STATES
+            self.monitor.timers.cancel(self._grace_timer)
             node, session = self.node, self.session
             self.node = self.token = None
             if self.state is not State.LOST:

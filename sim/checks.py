@@ -1,0 +1,243 @@
+"""The invariants, checked after every event and at the end of a run.
+
+What a *belief* is: a pool process (or a foreign contender) that would let its body touch
+the protected resource now: granted, told held, not told lost, and (for a pool process)
+its agent not silent past the grace it was given.  The server's tree is the truth.
+
+* **Exclusion** (every event): per key, at most one believer whose node is alive on the
+  server, and that node is the key's first contender there.
+* **Told** (every event): a believer whose node is gone (deleted, expired) stops believing
+  within :data:`TOLD_WITHIN` of the loss, counted from when its process and its agent's
+  last ran unfrozen.
+* **The lease** (every grant): a local handoff (a node's second or later holder) is granted
+  only while the node's session is alive on the server: the lease's promise.
+* **Tokens** (every grant on a live node): strictly increasing per key in grant order, and
+  below 2^53.
+* **Streak** (every grant): while a contender of another session has queued behind a
+  worker's node for at least :data:`NOTICE` (counted from the node's first grant at the earliest: the cohort looks
+  for contenders once its node holds), that node is granted at most
+  ``zklock_cohort_handoffs`` + 1 times, all within ``zklock_cohort_hold`` + :data:`NOTICE`
+  of the first.
+* **Place kept** (every delete a worker sends): a node of a worker whose local queue for
+  the key is not empty is deleted only once another node of that worker for the key exists
+  or is being created: the streak's end keeps its waiters' place.
+* At the end, after faults stop: **liveness** (every request decided and every pool
+  process idle), **no leaks** (no request, cohort, subscriber, live timer or node of an
+  agent left; no watch of its session left on the server) and **no orphan agent** (an
+  agent whose worker and pool processes are gone has stopped).
+"""
+
+from __future__ import annotations
+
+from celery_zklock.engine.znodes import STREAK_BITS, sort_contenders
+
+#: A holder whose node is gone must stop believing within this long (virtual seconds),
+#: plus its agent's session timeout (what a partitioned agent needs to call itself cut off).
+TOLD_WITHIN = 1.0
+#: How long a contender must have queued before a worker is expected to have seen it
+#: (a watch's event and one children read, through the agent's event thread).
+NOTICE = 0.15
+
+
+class Violation(BaseException):  # not swallowed by an "except Exception" in the code under test
+    pass
+
+
+class Checks:
+    def __init__(self, run) -> None:
+        self.run = run
+        self.world = run.world
+        self.server = run.server
+        self.last_token: dict[str, int] = {}
+        self.streaks: dict[str, list] = {}  # path -> [owner, count, first time]
+        self.stats = {"grants": 0, "handoffs": 0, "leased": 0, "peer_grants": 0}
+
+    def fail(self, message: str) -> None:
+        raise Violation(message)
+
+    # ------------------------------------------------------------------ who believes
+    def believers(self):
+        for worker in self.run.workers:
+            for pool in worker.pools + worker.dead_pools:
+                belief = pool.belief()
+                if belief is not None:
+                    yield pool.proc, worker.agent_proc, belief
+        for contender in self.run.contenders:
+            belief = contender.belief()
+            if belief is not None:
+                yield contender.proc, contender.proc, belief
+
+    def observe(self, _who) -> None:
+        pass  # every event is checked anyway (step)
+
+    def _alive(self, node_path: str | None, token: int | None):
+        node = self.server.nodes.get(node_path) if node_path else None
+        if node is None or token is None or node.czxid != token >> STREAK_BITS:
+            return None
+        return node
+
+    def step(self) -> None:
+        by_path: dict[str, list] = {}
+        for proc, agent_proc, (path, node_path, token) in self.believers():
+            node = self._alive(node_path, token)
+            if node is not None:
+                by_path.setdefault(path, []).append((proc, node_path, token))
+                continue
+            gone = self.server.gone.get((node_path, (token or 0) >> STREAK_BITS))
+            if gone is None:
+                self.fail(f"{proc.name} believes it holds {path} through {node_path} (token {token}), "
+                          "a node the server never had")
+            since = max(gone[0], proc.thaw_time(), agent_proc.thaw_time())
+            bound = TOLD_WITHIN + self._session_timeout(agent_proc)
+            if self.world.now - since > bound:
+                self.fail(f"{proc.name} still believes it holds {path} through {node_path}, "
+                          f"{self.world.now - gone[0]:.2f} s after the node was {gone[1]} (bound {bound:.2f} s)")
+        for path, holders in by_path.items():
+            if len(holders) > 1:
+                names = ", ".join(f"{p.name} ({n}, token {t})" for p, n, t in holders)
+                self.fail(f"two holders of {path}, both on live nodes: {names}")
+            _proc, node_path, _token = holders[0]
+            parent = self.server.nodes.get(path)
+            first = sort_contenders(parent.children)[0] if parent is not None and parent.children else None
+            if first is None or f"{path}/{first}" != node_path:
+                self.fail(f"{holders[0][0].name} believes it holds {path} through {node_path}, "
+                          f"but the server's first contender is {first}")
+
+    def _session_timeout(self, agent_proc) -> float:
+        for worker in self.run.workers:
+            if worker.agent_proc is agent_proc:
+                return worker.client.server.sessions.get(worker.client._session_id, None).timeout \
+                    if worker.client._session_id in worker.client.server.sessions else 4.0
+        return 4.0
+
+    # ------------------------------------------------------------------ grants
+    def granted(self, worker, wait, cohort, slot, token: int) -> None:
+        """The agent grants ``wait`` the node of ``slot`` with ``token``."""
+        self.stats["grants"] += 1
+        path = cohort.path
+        grant_no = token & ((1 << STREAK_BITS) - 1)
+        session = self.server.sessions.get(slot.attempt.session)
+        if grant_no > 0:
+            self.stats["handoffs"] += 1
+            if session is None or not session.alive:
+                self.fail(f"{worker.name} hands {path} on locally (grant {grant_no} of {slot.node_path}, "
+                          f"to {wait.id}) on a session the server has expired")
+        self._token(path, slot.node_path, token, f"{worker.name}:{wait.id}")
+        self._streak(path, worker.name, slot.node_path, slot.attempt.session, worker.settings)
+
+    def granted_peer(self, name: str, path: str, attempt, client) -> None:
+        self.stats["peer_grants"] += 1
+        self._token(path, f"{path}/{attempt.node}", attempt.token, name)
+
+
+    def _token(self, path: str, node_path: str, token: int, who: str) -> None:
+        if token >= 2 ** 53:
+            self.fail(f"{who}: token {token} of {path} is not below 2^53")
+        if self._alive(node_path, token) is None:
+            return  # granted on a node already gone: "told" judges that holder
+        last = self.last_token.get(path)
+        if last is not None and token <= last:
+            self.fail(f"{who}: token {token} for {path} after token {last}: tokens must increase")
+        self.last_token[path] = token
+
+    def _streak(self, path: str, owner: str, node_path: str, session: int | None, settings) -> None:
+        """Grants through one node of a worker while a contender queued behind that node
+        (for at least NOTICE) waits.  A new node of the worker, queued before the contender,
+        is ahead of it by FIFO: its grants count afresh."""
+        if settings is None:
+            return
+        parent = self.server.nodes.get(path)
+        node = self.server.nodes.get(node_path)
+        if parent is None or node is None:
+            return
+        now = self.world.now
+        mine = node_path.rsplit("/", 1)[1]
+        ordered = sort_contenders(parent.children)
+        behind = ordered[ordered.index(mine) + 1:] if mine in ordered else []
+        streak = self.streaks.get(path)
+        if streak is None or streak[0] != (owner, node.czxid):
+            streak = self.streaks[path] = [(owner, node.czxid), 0, None, now]
+        # The cohort looks for contenders once its node holds: it is expected to have seen
+        # one NOTICE after the later of the node's first grant and the contender's create.
+        waiting = [n for n in behind if self.server.nodes[f"{path}/{n}"].owner != session
+                   and max(self.server.nodes[f"{path}/{n}"].ctime, streak[3]) + NOTICE <= now]
+        if not waiting:
+            streak[1], streak[2] = 0, None
+            return
+        streak[1] += 1
+        if streak[2] is None:
+            streak[2] = now
+        if streak[1] > settings.cohort_handoffs + 1:
+            self.fail(f"{owner} granted {path} {streak[1]} times in a row through {mine} while {waiting[0]} "
+                      f"waited behind it (zklock_cohort_handoffs={settings.cohort_handoffs})")
+        if now - streak[2] > settings.cohort_hold + NOTICE:
+            self.fail(f"{owner} kept {path} for {now - streak[2]:.3f} s through {mine} while {waiting[0]} "
+                      f"waited behind it (zklock_cohort_hold={settings.cohort_hold})")
+
+    # ------------------------------------------------------------------ place kept
+    def deleting(self, worker, path: str) -> None:
+        """``worker``'s client sends a delete of its node at ``path``."""
+        if worker.client.in_listener:
+            return  # a reconnection resumes every attempt in turn: its deletes and creates go together
+        key = path.rsplit("/", 1)[0]
+        cohort = next((c for (p, _m), c in worker.agent.cohorts.items() if p == key), None)
+        if cohort is None or not cohort.queue:
+            return
+        session = worker.client._session_id
+        node = self.server.nodes.get(path)
+        if node is None or node.owner != session:
+            return  # already gone (an operator, an expiry): no place left to keep
+        others = [n for n in self.server.nodes.get(key).children if f"{key}/{n}" != path
+                  and self.server.nodes[f"{key}/{n}"].owner == session] if key in self.server.nodes else []
+        creating = worker.client.sent_creates_under(key)
+        if not others and not creating:
+            slots = [(s.attempt.node, s.attempt.state.name, s.attempt._pending, s.attempt._create_in_flight)
+                     for s in cohort.slots]
+            from celery_zklock.engine.attempt.state import RECENT
+            slots.append(("recent", key in RECENT, "group", len(worker.agent.monitor.new_keys._waiting),
+                          worker.agent.monitor.new_keys._in_flight, worker.client.connected))
+            self.fail(f"{worker.name} deletes {path} while {len(cohort.queue)} of its requests wait for the key, "
+                      f"with no other node of its own there or on its way: they lose their place (slots {slots})")
+
+    # ------------------------------------------------------------------ the end
+    def at_end(self) -> None:
+        problems = []
+        for worker in self.run.workers:
+            main = worker.main
+            for req in main.requests.values():
+                if not req["done"]:
+                    problems.append(f"{req['id']} on {req['path']} never finished (verdict {req.get('verdict')}, "
+                                    f"dispatched {req['dispatched']})")
+            for pool in worker.pools:
+                if pool.proc.alive and pool.phase != "idle":
+                    problems.append(f"{pool.proc.name} still {pool.phase} ({pool.req and pool.req['id']})")
+            if problems:
+                break
+            agent = worker.agent
+            if agent.waits:
+                problems.append(f"{worker.name}: the agent still has requests {sorted(agent.waits)[:5]}")
+            if agent.claimed:
+                problems.append(f"{worker.name}: the agent still has claimed requests")
+            if agent.cohorts:
+                problems.append(f"{worker.name}: the agent still has cohorts {list(agent.cohorts)[:5]}")
+            monitor = agent.monitor
+            if monitor._subscribers:
+                problems.append(f"{worker.name}: {len(monitor._subscribers)} attempts still subscribed")
+            live = [e for e in monitor.timers._heap if e[2][0]]
+            if live:
+                problems.append(f"{worker.name}: {len(live)} live timers left ({[getattr(e[3], '__name__', e[3]) for e in live[:3]]})")
+            session = worker.client._session_id
+            left = [p for p, n in self.server.nodes.items() if n.owner == session and session is not None]
+            if left:
+                problems.append(f"{worker.name}: its nodes are left on the server: {left[:3]}")
+            watches = [(kind, p) for kind, table in self.server.watches.items()
+                       for p, holders in table.items() if session in holders]
+            if watches:
+                problems.append(f"{worker.name}: watches of its session left on the server: {watches[:3]}")
+        if problems:
+            self.fail("at quiescence: " + "; ".join(problems[:4]))
+
+    def orphans(self) -> None:
+        for worker in self.run.workers:
+            if worker.stopped_at is None:
+                self.fail(f"{worker.name}: its main and pool processes are gone and the agent still runs")

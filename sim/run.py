@@ -1,0 +1,302 @@
+"""Run the simulator: ``python -m sim.run`` (``make sim``).
+
+    python -m sim.run                      # the CI budget: seeds from 1 for about --budget seconds
+    python -m sim.run --seeds 100000       # the long run
+    python -m sim.run --seed 4711          # replay one seed, with its trace
+    python -m sim.run --first 500 --seeds 200
+
+Each seed draws a scenario (workers, pool processes, keys, foreign contenders, settings,
+load and faults) and runs it on virtual time against the production code.  A violated
+invariant stops the seed: its seed, the invariant and the last events are printed, and
+the exit status is 1.  See docs/simulation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import uuid
+
+from .world import World
+from .zk import Server, SimClient, SimClocks
+
+#: Virtual seconds of load, then of settling (faults healed) before the end checks.
+LOAD = 6.0
+SETTLE = 25.0
+
+
+class _PerProcess:
+    """``RecentPaths``' table, one per simulated process (it is per process in production)."""
+
+    def __init__(self, world: World) -> None:
+        from collections import OrderedDict
+
+        self.world = world
+        self.tables: dict = {}
+        self._new = OrderedDict
+
+    def _table(self):
+        proc = self.world.current
+        key = proc.name if proc is not None else ""
+        if key not in self.tables:
+            self.tables[key] = self._new()
+        return self.tables[key]
+
+    def __contains__(self, path) -> bool:
+        return path in self._table()
+
+    def __setitem__(self, path, value) -> None:
+        self._table()[path] = value
+
+    def move_to_end(self, path) -> None:
+        self._table().move_to_end(path)
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def popitem(self, last=True):
+        return self._table().popitem(last=last)
+
+    def pop(self, path, default=None):
+        return self._table().pop(path, default)
+
+
+def fresh_process_state(world: World) -> None:
+    """What the package keeps per process, made new for each seed (a replay must not depend
+    on the seeds run before it), and the ids it draws, made reproducible."""
+    from celery_zklock.engine import clock, znodes
+    from celery_zklock.engine.attempt import state
+
+    clock.use(SimClocks(world))
+    state.RECENT._paths = _PerProcess(world)
+    znodes._NO_CONTAINERS.clear()
+    znodes._CONTAINERS_WORK.clear()
+    rng = world.rng("uuid")
+    uuid.uuid4 = lambda: uuid.UUID(int=rng.getrandbits(128), version=4)
+
+
+class _Errors(logging.Handler):
+    """An error the package logs (an agent event or a timer that raised) fails the run:
+    production survives it, but it is a bug."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list = []
+
+    def emit(self, record) -> None:
+        self.records.append(record)
+
+
+ERRORS = _Errors()
+logging.getLogger("celery_zklock").addHandler(ERRORS)
+
+
+class Run:
+    """One seed's scenario, run to its end."""
+
+    def __init__(self, seed: int, trace: bool = False) -> None:
+        from .actors import Contender, Worker
+        from .checks import Checks
+
+        self.seed = seed
+        self.world = world = World(seed)
+        if trace:
+            world.full_trace = []
+        fresh_process_state(world)
+        rng = world.rng("scenario")
+        self.server = Server(world, tick_time=rng.choice((0.5, 1.0)))
+        self.checks = Checks(self)
+        world.checks.append(self.checks.step)
+        ERRORS.records.clear()
+        world.checks.append(self._no_errors)
+        self.keys = [f"/zklock/sim/k{i}" for i in range(rng.choice((1, 1, 2, 3)))]
+        self.workers = []
+        self.contenders = []
+        for i in range(rng.choice((1, 2, 2, 3))):
+            settings = {
+                "zklock_cohort_handoffs": rng.choice((1, 2, 3, 4)),
+                "zklock_cohort_hold": rng.choice((0.05, 0.2, 0.5)),
+                "_session": rng.choice((1.0, 2.0, 3.0, 30.0)),
+            }
+            self.workers.append(Worker(self, f"w{i + 1}", settings, pools=rng.choice((1, 2, 3))))
+        for i in range(rng.choice((0, 0, 1, 2))):
+            self.contenders.append(Contender(self, f"peer{i + 1}", rng.choice(("curator", "kazoo")), self.keys))
+        self.faults = []
+        self._plan_load(rng)
+        self._plan_faults(rng)
+
+    # ------------------------------------------------------------------ the plan
+    def _plan_load(self, rng) -> None:
+        for worker in self.workers:
+            t = rng.uniform(0.0, 0.3)
+            rate = rng.choice((5.0, 20.0, 60.0))
+            while t < LOAD:
+                path = rng.choice(self.keys)
+                timeout = rng.choice((None, None, 0.0, 0.05, 0.5, 3.0))
+                self.world.at(t, f"{worker.name}.load", worker.main.submit, path, timeout, rng.random() < 0.5,
+                              proc=worker.main.proc)
+                if rng.random() < 0.03:
+                    rid = f"{worker.name}-{int(t * rate) + 1}"
+                    self.world.at(t + rng.uniform(0.0, 0.5), f"{worker.name}.revoke", worker.main.revoke, rid,
+                                  proc=worker.main.proc)
+                t += rng.expovariate(rate)
+
+    def _plan_faults(self, rng) -> None:
+        kinds = ("partition", "pause", "suspend", "failover", "kill", "delete", "partition-peer")
+        for _ in range(rng.choice((0, 1, 2, 3, 4, 6))):
+            kind = rng.choice(kinds)
+            at = rng.uniform(0.2, LOAD)
+            worker = rng.choice(self.workers)
+            timeout = worker.client.server.sessions[worker.client._session_id].timeout
+            length = rng.choice((0.05, 0.3, timeout * 0.5, timeout * 0.8, timeout * 1.5))
+            self.faults.append(kind)
+            self.world.at(at, "faults", self._fault, kind, worker, length, rng.random())
+
+    def _fault(self, kind: str, worker, length: float, r: float) -> None:
+        world = self.world
+        if kind == "partition":
+            worker.client.partition()
+            world.at(world.now + length, "faults", worker.client.heal)
+        elif kind == "partition-peer" and self.contenders:
+            c = self.contenders[int(r * len(self.contenders))]
+            c.client.partition()
+            world.at(world.now + length, "faults", c.client.heal)
+        elif kind == "pause":
+            world.log(f"fault: {worker.agent_proc.name} stopped (SIGSTOP) for {length:.2f} s")
+            worker.agent_proc.pause(length)
+        elif kind == "suspend":
+            world.log(f"fault: host {worker.host.name} suspended for {length:.2f} s")
+            worker.host.suspend(length)
+        elif kind == "failover":
+            self.server.failover(min(length, 2.0))
+        elif kind == "kill":
+            live = [p for p in worker.pools if p.proc.alive]
+            if live:
+                live[int(r * len(live))].die()
+        elif kind == "delete":
+            held = []
+            for key in self.keys:
+                parent = self.server.nodes.get(key)
+                if parent is not None and parent.children:
+                    from celery_zklock.engine.znodes import sort_contenders
+
+                    first = sort_contenders(parent.children)
+                    if first:
+                        held.append(f"{key}/{first[0]}")
+            if held:
+                self.server.force_delete(held[int(r * len(held))])
+
+    def _no_errors(self) -> None:
+        if ERRORS.records:
+            record = ERRORS.records[0]
+            detail = logging.Formatter().formatException(record.exc_info) if record.exc_info else ""
+            self.checks.fail(f"the package logged an error: {record.getMessage()}\n{detail}")
+
+    # ------------------------------------------------------------------ running
+    def execute(self) -> None:
+        world = self.world
+        world.run_until(LOAD + 0.5)
+        for c in self.contenders:
+            c.active = False
+        # Faults stop: every partition heals (a heal scheduled later does nothing more).
+        for worker in self.workers:
+            if worker.client.partitioned:
+                worker.client.heal()
+        for c in self.contenders:
+            if c.client.partitioned:
+                c.client.heal()
+        calm = max([LOAD, self.server.down_until] + [h.suspended_until for h in world.hosts.values()]
+                   + [w.agent_proc.paused_until for w in self.workers])
+        world.run_until(calm)
+        world.run_until(calm + SETTLE, stop=self._quiet)
+        world.run_until(world.now + 5.0)  # containers swept, grace timers run out
+        self.checks.at_end()
+        # The workers exit: the main process goes, pool processes go once idle.
+        for worker in self.workers:
+            worker.exiting_pools = True
+            worker.main.alive = False
+            worker.main.proc.alive = False
+            worker.gone(worker.main)
+            for pool in worker.pools:
+                pool.exit()
+        world.run_until(world.now + 3.0)
+        for worker in self.workers:
+            worker.poll_stopped()
+        self.checks.orphans()
+
+    def _quiet(self) -> bool:
+        for worker in self.workers:
+            if any(not r["done"] for r in worker.main.requests.values()):
+                return False
+            if worker.agent.waits or worker.agent.cohorts:
+                return False
+        return not any(c.holding or (c.attempt is not None and not c.attempt.result.ready()) for c in self.contenders)
+
+
+def run_seed(seed: int, trace: bool = False):
+    """Run one seed; returns (violation or None, the run)."""
+    from .checks import Violation
+
+    run = Run(seed, trace=trace)
+    try:
+        run.execute()
+    except Violation as exc:
+        return str(exc), run
+    return None, run
+
+
+def _reexec_with_fixed_hash() -> None:
+    # String hashing must not vary between processes, or a replay could order sets differently.
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "sim.run", *sys.argv[1:]])
+
+
+def main(argv=None) -> int:
+    _reexec_with_fixed_hash()
+    parser = argparse.ArgumentParser(prog="python -m sim.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, help="replay one seed and print its trace")
+    parser.add_argument("--seeds", type=int, help="how many seeds to run (default: as many as --budget allows)")
+    parser.add_argument("--first", type=int, default=1, help="the first seed")
+    parser.add_argument("--budget", type=float, default=110.0, help="seconds of wall time (when --seeds is not given)")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    logging.getLogger("celery_zklock").propagate = False
+    if args.seed is not None:
+        violation, run = run_seed(args.seed, trace=True)
+        for line in run.world.full_trace:
+            print(line)
+        print(f"seed {args.seed}: {violation or 'ok'} ({run.world.events} events, faults {run.faults})")
+        return 1 if violation else 0
+    started = time.monotonic()
+    seed, done, events, faults = args.first, 0, 0, 0
+    while True:
+        if args.seeds is not None and done >= args.seeds:
+            break
+        if args.seeds is None and time.monotonic() - started > args.budget:
+            break
+        violation, run = run_seed(seed)
+        done += 1
+        events += run.world.events
+        faults += len(run.faults)
+        if violation:
+            print(f"VIOLATION at seed {seed}: {violation}")
+            print("last events:")
+            for line in run.world.trace:
+                print("   ", line)
+            print(f"replay: make sim SEED={seed}")
+            return 1
+        seed += 1
+    elapsed = time.monotonic() - started
+    if not args.quiet:
+        print(f"sim: {done} schedules (seeds {args.first}..{seed - 1}) in {elapsed:.1f} s: "
+              f"{done / elapsed:.1f} schedules/s, {events / max(done, 1):.0f} events/schedule, "
+              f"{faults / max(done, 1):.1f} faults/schedule; no violation")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,856 @@
+"""A simulated ZooKeeper and a kazoo client that talks to it, on virtual time.
+
+It keeps what the lock relies on, and no more (docs/simulation.md lists it): the tree with
+ephemeral, sequential and container nodes; czxid/mzxid/zxid; one-shot data, exists and
+child watches; ``multi`` all or nothing in one zxid; replies and watch events in FIFO
+order per session; session expiry only after the *negotiated* timeout of silence, on the
+server's clock; a lost connection whose in-flight requests may have been applied with
+their replies lost; leader failover; a server-side delete by an operator.
+
+The client is a :class:`kazoo.client.KazooClient` (the engine checks that) whose requests
+go to the simulated server instead of a socket.  Results are kazoo's own ``AsyncResult``,
+whose callbacks go through the handler's completion queue as in kazoo (so kazoo's
+``rawlink`` quirk is reproduced, not modelled); a lost connection fails pending and queued
+requests and clears watchers the way kazoo 2.x does (``_notify_pending``,
+``_reset_watchers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError, ConnectionClosedError, ConnectionLoss, NoNodeError, NodeExistsError, NotEmptyError,
+    RolledBackError, RuntimeInconsistency, SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.handlers.utils import AsyncResult
+from kazoo.protocol.serialization import Create, Create2, Delete, SetData, Transaction
+from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
+
+from celery_zklock.engine import kazoo_compat, session as zk_session
+from celery_zklock.engine.session import Timers
+
+from .world import Proc, Thread, World
+
+TICK = 0.05  # how often a client checks its connection, and the server its sessions
+
+
+# --------------------------------------------------------------------------- the server
+@dataclass
+class ZNode:
+    data: bytes
+    czxid: int
+    mzxid: int
+    ctime: float
+    owner: int = 0  # the session of an ephemeral node
+    container: bool = False
+    version: int = 0
+    cversion: int = 0
+    children: dict = field(default_factory=dict)  # name -> None, in creation order
+    pzxid: int = 0
+
+    def stat(self) -> ZnodeStat:
+        ms = int(self.ctime * 1000)
+        return ZnodeStat(self.czxid, self.mzxid, ms, ms, self.version, self.cversion, 0, self.owner,
+                         len(self.data), len(self.children), self.pzxid)
+
+
+@dataclass(eq=False)
+class ServerSession:
+    id: int
+    timeout: float  # negotiated
+    last_heard: float
+    alive: bool = True
+    link: "Link | None" = None
+
+
+def _parent(path: str) -> str:
+    head = path.rsplit("/", 1)[0]
+    return head or "/"
+
+
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[1]
+
+
+class Server:
+    """One ZooKeeper ensemble, seen as one server (a failover is a pause with every
+    connection dropped and every session's timer restarted, as a new leader does)."""
+
+    def __init__(self, world: World, tick_time: float = 2.0) -> None:
+        self.world = world
+        self.rng = world.rng("zk.server")
+        self.nodes: dict[str, ZNode] = {"/": ZNode(b"", 0, 0, 0.0)}
+        self.zxid = 1 << 32  # leader epoch 1
+        self.sessions: dict[int, ServerSession] = {}
+        self._next_session = 0x1000
+        self.min_timeout, self.max_timeout = 2 * tick_time, 20 * tick_time
+        self.down_until = -1.0
+        # path -> {session id: None}: who is told of a change (one-shot)
+        self.watches: dict[str, dict[str, dict[int, None]]] = {"data": {}, "exist": {}, "child": {}}
+        self.gone: dict[tuple[str, int], tuple[float, str]] = {}  # (path, czxid) -> (when, why)
+        self.on_change = []  # observers: fn(kind, path, node) after each applied change
+        world.at(TICK, "zk.server.tick", self._tick)
+
+    # -------------------------------------------------------------- sessions
+    def open_session(self, requested: float) -> ServerSession:
+        self._next_session += 1
+        timeout = min(max(requested, self.min_timeout), self.max_timeout)
+        session = ServerSession(self._next_session, timeout, self.world.now)
+        self.sessions[session.id] = session
+        return session
+
+    @property
+    def up(self) -> bool:
+        return self.world.now >= self.down_until
+
+    def _tick(self) -> None:
+        now = self.world.now
+        for session in list(self.sessions.values()):
+            if not session.alive:
+                continue
+            if session.link is not None and session.link.heard_by_server():
+                session.last_heard = now
+            elif self.up and now - session.last_heard >= session.timeout:
+                self.expire(session)
+        self.world.at(now + TICK, "zk.server.tick", self._tick)
+
+    def expire(self, session: ServerSession) -> None:
+        session.alive = False
+        self.world.log(f"zk: session {session.id:#x} expired")
+        zxid = self._next_zxid()
+        for path in [p for p, n in self.nodes.items() if n.owner == session.id]:
+            if path in self.nodes:
+                self._delete(path, zxid, "expired")
+        for kind in self.watches.values():
+            for holders in kind.values():
+                holders.pop(session.id, None)
+        if session.link is not None:
+            session.link.server_closed()
+
+    def failover(self, pause: float) -> None:
+        self.world.log(f"zk: leader failover ({pause:.2f} s)")
+        self.down_until = self.world.now + pause
+        for session in self.sessions.values():
+            if session.alive and session.link is not None:
+                session.link.server_closed()
+        self.world.at(self.down_until, "zk.server.elected", self._elected)
+
+    def _elected(self) -> None:
+        for session in self.sessions.values():  # a new leader restarts every session's timer
+            session.last_heard = self.world.now
+
+    # -------------------------------------------------------------- the tree
+    def _next_zxid(self) -> int:
+        self.zxid += 1
+        return self.zxid
+
+    def _fire(self, kind: str, path: str, event: str) -> None:
+        holders = self.watches[kind].pop(path, None)
+        if not holders:
+            return
+        for sid in holders:
+            session = self.sessions.get(sid)
+            if session is not None and session.alive and session.link is not None:
+                session.link.to_client(("watch", event, path))
+
+    def _create(self, path: str, data: bytes, ephemeral: int, sequence: bool, container: bool, zxid: int):
+        parent = self.nodes.get(_parent(path))
+        if parent is None:
+            raise NoNodeError()
+        if parent.owner:
+            raise NoNodeError()  # NoChildrenForEphemerals, near enough
+        if sequence:
+            path = f"{path}{parent.cversion:010d}"
+        if path in self.nodes:
+            raise NodeExistsError()
+        node = ZNode(data, zxid, zxid, self.world.now, owner=ephemeral, container=container)
+        self.nodes[path] = node
+        parent.children[_name(path)] = None
+        parent.cversion += 1
+        parent.pzxid = zxid
+        self._fire("exist", path, EventType.CREATED)
+        self._fire("data", path, EventType.CREATED)
+        self._fire("child", _parent(path), EventType.CHILD)
+        for fn in self.on_change:
+            fn("create", path, node)
+        return path, node
+
+    def _delete(self, path: str, zxid: int, why: str) -> None:
+        node = self.nodes.pop(path)
+        parent = self.nodes.get(_parent(path))
+        if parent is not None:
+            parent.children.pop(_name(path), None)
+            parent.cversion += 1
+            parent.pzxid = zxid
+            if parent.container and not parent.children:
+                self._sweep_later(_parent(path))
+        self.gone[(path, node.czxid)] = (self.world.now, why)
+        self._fire("data", path, EventType.DELETED)
+        self._fire("exist", path, EventType.DELETED)
+        self._fire("child", path, EventType.DELETED)
+        self._fire("child", _parent(path), EventType.CHILD)
+        for fn in self.on_change:
+            fn("delete", path, node)
+
+    def _sweep_later(self, path: str) -> None:
+        def sweep() -> None:
+            node = self.nodes.get(path)
+            if node is not None and node.container and not node.children and node.cversion > 0:
+                self._delete(path, self._next_zxid(), "container swept")
+
+        self.world.at(self.world.now + self.rng.uniform(0.5, 3.0), "zk.server.sweep", sweep)
+
+    def force_delete(self, path: str) -> bool:
+        """An operator's delete (``celery zklock release --node``), from outside any client."""
+        if path not in self.nodes or self.nodes[path].children:
+            return False
+        self.world.log(f"zk: operator deletes {path}")
+        self._delete(path, self._next_zxid(), "operator")
+        return True
+
+    # -------------------------------------------------------------- requests
+    def apply(self, sid: int, op: tuple):
+        """Run one request for session ``sid``; returns the reply value or raises its error."""
+        kind = op[0]
+        if kind == "multi":
+            return self._multi(sid, op[1])
+        if kind in ("get", "exists", "children"):
+            _, path, watch = op
+            node = self.nodes.get(path)
+            if node is None:
+                if kind == "exists":
+                    if watch:
+                        self.watches["exist"].setdefault(path, {})[sid] = None
+                    return None
+                raise NoNodeError()
+            if watch:
+                self.watches["child" if kind == "children" else "data"].setdefault(path, {})[sid] = None
+            if kind == "get":
+                return node.data, node.stat()
+            if kind == "exists":
+                return node.stat()
+            return list(node.children)
+        if kind == "sync":
+            return op[1]
+        if kind == "ensure":
+            return self._ensure(op[1])
+        zxid = self._next_zxid()
+        return self._write(sid, op, zxid)
+
+    def _write(self, sid: int, op: tuple, zxid: int):
+        kind = op[0]
+        if kind == "create":
+            _, path, data, ephemeral, sequence, container = op
+            made, node = self._create(path, data, sid if ephemeral else 0, sequence, container, zxid)
+            return made, node.stat()
+        if kind == "delete":
+            _, path, version = op
+            node = self.nodes.get(path)
+            if node is None:
+                raise NoNodeError()
+            if version not in (-1, node.version):
+                raise BadVersionError()
+            if node.children:
+                raise NotEmptyError()
+            self._delete(path, zxid, "deleted")
+            return True
+        if kind == "set":
+            _, path, data, version = op
+            node = self.nodes.get(path)
+            if node is None:
+                raise NoNodeError()
+            if version not in (-1, node.version):
+                raise BadVersionError()
+            node.data, node.mzxid = data, zxid
+            node.version += 1
+            self._fire("data", path, EventType.CHANGED)
+            for fn in self.on_change:
+                fn("set", path, node)
+            return node.stat()
+        raise ValueError(f"unknown op {op!r}")
+
+    def _ensure(self, path: str):
+        parts = [p for p in path.split("/") if p]
+        for i in range(1, len(parts) + 1):
+            here = "/" + "/".join(parts[:i])
+            if here not in self.nodes:
+                self._create(here, b"", 0, False, False, self._next_zxid())
+        return True
+
+    def _multi(self, sid: int, ops: list):
+        """All or nothing, in one zxid: a failed op fails the lot, ops before it read
+        RolledBackError and ops after it RuntimeInconsistency, as ZooKeeper answers."""
+        error_at, error = None, None
+        for i, op in enumerate(ops):
+            try:
+                self._check(op, i, ops)
+            except Exception as exc:
+                error_at, error = i, exc
+                break
+        if error is not None:
+            return [RolledBackError() if i < error_at else error if i == error_at else RuntimeInconsistency()
+                    for i in range(len(ops))]
+        zxid = self._next_zxid()
+        return [self._write(sid, op, zxid) for op in ops]
+
+    def _check(self, op: tuple, index: int, ops: list) -> None:
+        """Would ``op`` succeed after the ops before it?  (Enough for creates and deletes of
+        distinct paths, which is what the lock sends in one multi.)"""
+        kind = op[0]
+        earlier = ops[:index]
+        made = {o[1] for o in earlier if o[0] == "create"}
+        gone = {o[1] for o in earlier if o[0] == "delete"}
+        if kind == "create":
+            path = op[1]
+            parent = _parent(path)
+            if (parent not in self.nodes and parent not in made) or parent in gone:
+                raise NoNodeError()
+            if not op[4] and (path in self.nodes or path in made) and path not in gone:
+                raise NodeExistsError()
+        elif kind == "delete":
+            path, version = op[1], op[2]
+            node = self.nodes.get(path)
+            if node is None or path in gone:
+                raise NoNodeError()
+            if version not in (-1, node.version):
+                raise BadVersionError()
+            if node.children:
+                raise NotEmptyError()
+
+
+# --------------------------------------------------------------------------- the wire
+class Link:
+    """One client's connection: requests up, replies and watch events down, FIFO each way.
+
+    A partition holds messages back (TCP would retransmit them); when the client gives up
+    on the connection (after two thirds of the session timeout) or the server closes it,
+    whatever is still in flight is gone: a request the server applied loses its reply."""
+
+    def __init__(self, client: "SimClient", session: ServerSession) -> None:
+        self.client = client
+        self.world = client.world
+        self.server = client.server
+        self.session = session
+        self.rng = self.world.rng(f"{client.name}.link")
+        self.open = True
+        self.closed_by_server = False
+        self._up_last = self._down_last = 0.0
+        self.held_up: list = []
+        self.held_down: list = []
+        session.link = self
+
+    def _latency(self) -> float:
+        r = self.rng.random()
+        return 0.0002 + (0.002 if r < 0.9 else 0.02) * self.rng.random()
+
+    def heard_by_server(self) -> bool:
+        return self.open and not self.client.partitioned and not self.client.proc.frozen() and self.client.proc.alive
+
+    def to_server(self, item) -> None:
+        self._up_last = max(self._up_last, self.world.now + self._latency())
+        self.world.at(self._up_last, f"{self.client.name}.up", self._arrive_server, item)
+
+    def _arrive_server(self, item) -> None:
+        if not self.open:
+            return
+        if self.client.partitioned:
+            self.held_up.append(item)
+            return
+        if not self.server.up or not self.session.alive:
+            return  # the server closed this connection: the client learns it separately
+        request = item
+        try:
+            value, error = self.server.apply(self.session.id, request.op), None
+        except Exception as exc:  # the request's own error
+            value, error = None, exc
+        self.session.last_heard = self.world.now
+        self.to_client(("reply", request, value, error))
+
+    def to_client(self, item) -> None:
+        self._down_last = max(self._down_last, self.world.now + self._latency())
+        self.world.at(self._down_last, f"{self.client.name}.down", self._arrive_client, item,
+                      proc=self.client.proc)
+
+    def _arrive_client(self, item) -> None:
+        if not self.open:
+            return
+        if self.client.partitioned:
+            self.held_down.append(item)
+            return
+        self.client.conn_thread.put(self.client._receive, self, item)
+
+    def heal(self) -> None:
+        up, self.held_up = self.held_up, []
+        down, self.held_down = self.held_down, []
+        for item in up:
+            self.to_server(item)
+        for item in down:
+            self.to_client(item)
+
+    def server_closed(self) -> None:
+        self.closed_by_server = True
+
+    def close(self) -> None:
+        self.open = False
+        self.held_up, self.held_down = [], []
+
+
+@dataclass(eq=False)
+class Request:
+    op: tuple
+    result: AsyncResult
+    watcher: object = None
+    watch_kind: str = ""
+    post: object = None  # reply value -> what kazoo's call returns
+
+
+# --------------------------------------------------------------------------- the handler
+class SimCondition:
+    """What kazoo's AsyncResult waits on.  ``get(timeout=0)`` (a look) is fine; a blocking
+    wait is an error: the agent and the engine must never block on ZooKeeper (a blocked
+    event or completion thread stalls every lock of the process)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def wait(self, timeout=None) -> None:
+        if timeout == 0:
+            return
+        raise BlockingWait(f"a blocking wait (timeout={timeout}) for a ZooKeeper reply")
+
+    def notify_all(self) -> None:
+        return None
+
+
+class BlockingWait(Exception):
+    pass
+
+
+class _Queue:
+    def __init__(self, thread: Thread) -> None:
+        self.thread = thread
+
+    def put(self, fn) -> None:
+        self.thread.put(fn)
+
+
+class SimHandler:
+    """kazoo's handler interface on simulated threads of one process."""
+
+    name = "sim"
+    timeout_exception = KazooTimeoutError
+    running = True
+
+    def __init__(self, world: World, proc: Proc) -> None:
+        self.world = world
+        self.proc = proc
+        self.completion_queue = _Queue(Thread(proc, "completion"))
+        self._spawned = 0
+
+    def async_result(self) -> AsyncResult:
+        return AsyncResult(self, lambda: SimCondition(self.world), KazooTimeoutError)
+
+    def event_object(self):
+        return threading.Event()
+
+    def lock_object(self):
+        return threading.Lock()
+
+    def rlock_object(self):
+        return threading.RLock()
+
+    def spawn(self, fn, *args) -> None:
+        self._spawned += 1
+        Thread(self.proc, f"spawn{self._spawned}").put(fn, *args)
+
+    def dispatch_callback(self, callback) -> None:
+        self.completion_queue.put(lambda: callback.func(*callback.args))
+
+
+class SimTimers(Timers):
+    """The engine's :class:`~celery_zklock.engine.session.Timers`, woken by the world instead
+    of a thread: due callbacks run on the process's timers thread."""
+
+    def __init__(self, world: World, proc: Proc, handler: SimHandler) -> None:
+        super().__init__(handler)
+        self._started = True  # no loop thread: the world wakes run_due
+        self.world = world
+        self.proc = proc
+        self.thread = Thread(proc, "timers")
+        self._armed: float | None = None
+
+    def call_at(self, when, fn, *args):
+        handle = super().call_at(when, fn, *args)
+        self._arm(when)
+        return handle
+
+    def _arm(self, when: float) -> None:
+        at = self.world.now + max(0.0, when - self.proc.monotonic())
+        if self._armed is not None and self._armed <= at:
+            return
+        self._armed = at
+        self.world.at(at, f"{self.proc.name}.timer-wake", self.thread.put, self._fire, proc=self.proc)
+
+    def _fire(self) -> None:
+        self._armed = None
+        nxt = self.run_due()
+        if nxt is not None:
+            self._arm(nxt)
+
+
+class SimClocks:
+    """The package's clocks (:mod:`celery_zklock.engine.clock`) read the running process's."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def monotonic(self) -> float:
+        proc = self.world.current
+        return proc.monotonic() if proc is not None else self.world.now
+
+    def boottime(self) -> float:
+        return self.world.now
+
+
+# --------------------------------------------------------------------------- the client
+class SimClient(KazooClient):
+    """A kazoo client whose connection is a :class:`Link` to the simulated :class:`Server`."""
+
+    def __init__(self, world: World, server: Server, proc: Proc, name: str, session_timeout: float = 10.0) -> None:
+        # Not KazooClient.__init__: no socket, no threads.  Only what the engine reads.
+        self.world = world
+        self.server = server
+        self.proc = proc
+        self.name = name
+        self.logger = logging.getLogger("sim.zk")
+        self.hosts = "sim:2181"
+        self.chroot = ""
+        self.default_acl = None
+        self.handler = SimHandler(world, proc)
+        self.conn_thread = Thread(proc, "zk-conn")
+        self._live = threading.Event()
+        self._stopped = threading.Event()
+        self._session_timeout = int(session_timeout * 1000)
+        self._session_id = None
+        self.state = KazooState.LOST
+        self._listeners: list = []
+        self._data_watchers: dict[str, dict] = {}
+        self._child_watchers: dict[str, dict] = {}
+        self.partitioned = False
+        self.link: Link | None = None
+        self._pending: list[Request] = []  # sent, not answered
+        self._queued: list[Request] = []  # asked while reconnecting: sent once connected
+        self._last_recv = world.now
+        self.closed = False
+        self.on_send = None  # an observer of every request sent (the checks' "place kept")
+        self.in_listener = False  # requests sent now are the resumption of a reconnection
+        zk_session.monitor_for(self, timers=SimTimers(world, proc, self.handler))
+        self._connect()
+        world.at(world.now + TICK, f"{name}.zk-tick", self.conn_thread.put, self._tick, proc=proc)
+
+    # -------------------------------------------------------------- connection state
+    @property
+    def connected(self) -> bool:
+        return self._live.is_set()
+
+    def add_listener(self, listener) -> None:
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _state_change(self, state) -> None:
+        self.state = state
+        self.world.log(f"{self.name}: {state}")
+        self.in_listener = True
+        try:
+            self._tell_listeners(state)
+        finally:
+            self.in_listener = False
+
+    def _tell_listeners(self, state) -> None:
+        for listener in list(self._listeners):
+            try:
+                if listener(state) is True:
+                    self._listeners.remove(listener)
+            except Exception:  # kazoo logs a listener's error and goes on
+                logging.getLogger("sim.zk").exception("listener failed")
+
+    def _connect(self) -> None:
+        if self._session_id is None or self.server.sessions.get(self._session_id) is None:
+            session = self.server.open_session(self._session_timeout / 1000.0)
+            self._session_id = session.id
+        session = self.server.sessions[self._session_id]
+        setattr(self, kazoo_compat._NEGOTIATED, int(session.timeout * 1000))
+        self.link = Link(self, session)
+        self._last_recv = self.world.now
+        session.last_heard = self.world.now
+        self._live.set()
+        self._state_change(KazooState.CONNECTED)
+        queued, self._queued = self._queued, []
+        for request in queued:
+            self._send(request)
+
+    def _tick(self) -> None:
+        if self.closed:
+            return
+        now = self.world.now
+        link = self.link
+        if self.connected and link is not None:
+            if link.closed_by_server:
+                self._teardown()
+            elif self.partitioned or not self.server.up:
+                if now - self._last_recv >= kazoo_compat.session_timeout(self) * 2 / 3:
+                    self._teardown()
+            else:
+                self._last_recv = now
+        elif not self.connected and not self.partitioned and self.server.up:
+            self._reconnect()
+        self.world.at(now + TICK, f"{self.name}.zk-tick", self.conn_thread.put, self._tick, proc=self.proc)
+
+    def _teardown(self) -> None:
+        """The connection is gone (kazoo: CONNECTING): in-flight requests fail with
+        ConnectionLoss, whatever the server did with them; watchers get a NONE event."""
+        if self.link is not None:
+            self.link.close()
+        self._live.clear()
+        self._fail_pending(ConnectionLoss())
+        self._state_change(KazooState.SUSPENDED)
+        self._reset_watchers()
+
+    def _reconnect(self) -> None:
+        session = self.server.sessions.get(self._session_id)
+        if session is None or not session.alive:
+            # kazoo: EXPIRED_SESSION -> LOST, pending and queued fail, a new session.
+            self._state_change(KazooState.LOST)
+            self._fail_pending(SessionExpiredError(), queued=True)
+            self._reset_watchers()
+            self._session_id = None
+            self.world.log(f"{self.name}: session expired, reconnecting with a new one")
+        self._connect()
+
+    def _fail_pending(self, exc, queued: bool = False) -> None:
+        pending, self._pending = self._pending, []
+        if queued:
+            pending += self._queued
+            self._queued = []
+        for request in pending:
+            request.result.set_exception(type(exc)())
+
+    def _reset_watchers(self) -> None:
+        watchers = [w for table in (self._child_watchers, self._data_watchers) for ws in table.values() for w in ws]
+        self._child_watchers, self._data_watchers = {}, {}
+        event = WatchedEvent(EventType.NONE, self.state, None)
+        for watcher in watchers:
+            self.handler.completion_queue.put(lambda w=watcher: w(event))
+
+    # -------------------------------------------------------------- faults
+    def partition(self) -> None:
+        self.partitioned = True
+        self.world.log(f"{self.name}: partitioned")
+
+    def heal(self) -> None:
+        self.partitioned = False
+        self.world.log(f"{self.name}: partition healed")
+        if self.link is not None and self.link.open:
+            self.link.heal()
+
+    def stop(self) -> None:
+        """The process exits: its session ends with its connection (a clean close)."""
+        self.closed = True
+        self._live.clear()
+        self._stopped.set()
+        session = self.server.sessions.get(self._session_id)
+        if session is not None and session.alive:
+            self.server.expire(session)
+        if self.link is not None:
+            self.link.close()
+
+    # -------------------------------------------------------------- requests
+    def _submit(self, op: tuple, watcher=None, watch_kind: str = "", post=None) -> AsyncResult:
+        result = self.handler.async_result()
+        request = Request(op, result, watcher, watch_kind, post)
+        if self.closed:
+            result.set_exception(ConnectionClosedError("Connection has been closed"))
+        elif self.connected:
+            self._send(request)
+        else:
+            self._queued.append(request)  # kazoo queues while CONNECTING
+        return result
+
+    def _send(self, request: Request) -> None:
+        if self.on_send is not None:
+            self.on_send(request.op)
+        if self.world.full_trace is not None:
+            self.world.log(f"{self.name} -> {_show(request.op)}")
+        self._pending.append(request)
+        self.link.to_server(request)
+
+    def _receive(self, link: Link, item) -> None:
+        if link is not self.link or not link.open:
+            return
+        self._last_recv = self.world.now
+        if item[0] == "watch":
+            _, event_type, path = item
+            if event_type in (EventType.CREATED, EventType.CHANGED):
+                watchers = list(self._data_watchers.pop(path, {}))
+            elif event_type == EventType.CHILD:
+                watchers = list(self._child_watchers.pop(path, {}))
+            else:
+                watchers = list(self._data_watchers.pop(path, {})) + list(self._child_watchers.pop(path, {}))
+            event = WatchedEvent(event_type, "CONNECTED", path)
+            if self.world.full_trace is not None:
+                self.world.log(f"{self.name} <- watch {event_type} {path} ({len(watchers)} watchers)")
+            for watcher in watchers:
+                self.handler.completion_queue.put(lambda w=watcher: w(event))
+            return
+        _, request, value, error = item
+        if self.world.full_trace is not None:
+            self.world.log(f"{self.name} <- {_show(request.op)}: {error!r}" if error is not None else
+                           f"{self.name} <- {_show(request.op)}: {_show_value(value)}")
+        if request in self._pending:
+            self._pending.remove(request)
+        if request.watcher is not None and (error is None):
+            table = self._child_watchers if request.watch_kind == "child" else self._data_watchers
+            table.setdefault(request.op[1], {})[request.watcher] = None
+        if error is not None:
+            request.result.set_exception(error)
+        else:
+            try:
+                out = request.post(value) if request.post is not None else value
+            except Exception as exc:
+                request.result.set_exception(exc)
+            else:
+                request.result.set(out)
+
+    def sent_creates_under(self, parent: str) -> bool:
+        """A create under ``parent`` is on its way (sent or queued, not yet answered)."""
+        prefix = parent + "/"
+        for request in self._pending + self._queued:
+            ops = request.op[1] if request.op[0] == "multi" else [request.op]
+            if any(o[0] == "create" and o[1].startswith(prefix) for o in ops):
+                return True
+        return False
+
+    # kazoo's public calls the lock uses
+    def create_async(self, path, value=b"", acl=None, ephemeral=False, sequence=False, makepath=False,
+                     include_data=False):
+        outer = self.handler.async_result()
+
+        def sent():
+            inner = self._submit(("create", path, value, ephemeral, sequence, False),
+                                 post=lambda v: (v[0], v[1]) if include_data else v[0])
+            inner.rawlink(done)
+
+        def done(inner):
+            try:
+                outer.set(inner.get())
+            except NoNodeError:
+                if not makepath:
+                    return outer.set_exception(NoNodeError())
+                again = self._submit(("ensure", _parent(path)))
+                again.rawlink(lambda r: sent_after_ensure(r))
+            except Exception as exc:
+                outer.set_exception(exc)
+
+        def sent_after_ensure(r):
+            try:
+                r.get()
+            except Exception as exc:
+                return outer.set_exception(exc)
+            inner = self._submit(("create", path, value, ephemeral, sequence, False),
+                                 post=lambda v: (v[0], v[1]) if include_data else v[0])
+            inner.rawlink(lambda i: _copy(i, outer))
+
+        sent()
+        return outer
+
+    def get_async(self, path, watch=None):
+        return self._submit(("get", path, watch is not None), watch, "data")
+
+    def get_children_async(self, path, watch=None, include_data=False):
+        return self._submit(("children", path, watch is not None), watch, "child")
+
+    def exists_async(self, path, watch=None):
+        return self._submit(("exists", path, watch is not None), watch, "data")
+
+    def set_async(self, path, value, version=-1):
+        return self._submit(("set", path, value, version))
+
+    def delete_async(self, path, version=-1):
+        return self._submit(("delete", path, version))
+
+    def ensure_path_async(self, path, acl=None):
+        return self._submit(("ensure", path))
+
+    def sync_async(self, path):
+        return self._submit(("sync", path))
+
+    def _call(self, request, async_object):
+        """kazoo's request objects the engine sends itself: ``createContainer``, the
+        multi-create and kazoo's own ``Transaction`` (replies as kazoo reads them)."""
+        ops = _ops_of(request)
+        inner = self._submit(("multi", ops) if ops is not None else _op_of(request))
+        inner.rawlink(lambda r: _copy(r, async_object))
+        return True
+
+    def unchroot(self, path):
+        return path
+
+
+def _copy(src: AsyncResult, dst: AsyncResult) -> None:
+    try:
+        dst.set(src.get())
+    except Exception as exc:
+        dst.set_exception(exc)
+
+
+def _is_create(op: tuple) -> bool:
+    return op[0] == "create"
+
+
+def _op_of(request) -> tuple:
+    flags = getattr(request, "flags", 0)
+    if isinstance(request, (Create, Create2)) or type(request).__name__ == "CreateContainer":
+        container = type(request).__name__ == "CreateContainer"
+        return ("create", request.path, request.data, bool(flags & 1), bool(flags & 2), container)
+    if isinstance(request, Delete):
+        return ("delete", request.path, request.version)
+    if isinstance(request, SetData):
+        return ("set", request.path, request.data, request.version)
+    raise NotImplementedError(f"the simulated server does not know {type(request).__name__}")
+
+
+def _ops_of(request):
+    if isinstance(request, Transaction):
+        return [_op_of(op) for op in request.operations]
+    return None
+
+
+def _show(op: tuple) -> str:
+    if op[0] == "multi":
+        return "multi[" + ", ".join(_show(o) for o in op[1]) + "]"
+    return f"{op[0]} {op[1]}" + (" +watch" if op[0] in ("get", "exists", "children") and op[2] else "")
+
+
+def _show_value(value) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], ZnodeStat):
+        return f"{value[0]} (czxid {value[1].czxid:#x})" if isinstance(value[0], str) else f"stat czxid {value[1].czxid:#x}"
+    if isinstance(value, ZnodeStat):
+        return f"stat czxid {value.czxid:#x}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show_value(v) if not isinstance(v, str) else v[-16:] for v in value) + "]"
+    return repr(value)[:60]
