@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all demo bench clean
+.PHONY: setup test test-all demo bench clean sim sim-mutants
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -35,3 +35,13 @@ clean:
 .PHONY: compat
 compat: setup
 	$(PY) -m compat.run $(COMPAT_ARGS)
+
+# The deterministic simulator (sim/, docs/simulation.md): the real agent, cohort and engine
+# against a simulated ZooKeeper, with faults, on virtual time.  `make sim` runs the CI seeds
+# (about 90 s); `make sim SEEDS=100000` the long run; `make sim SEED=n` replays one seed with
+# its trace.  `make sim-mutants` checks that every planted bug (sim/mutants.py) is found.
+sim: setup
+	$(PY) -m sim.run $(if $(SEED),--seed $(SEED),) $(if $(SEEDS),--seeds $(SEEDS),) $(if $(FIRST),--first $(FIRST),)
+
+sim-mutants: setup
+	$(PY) -m sim.mutants $(MUTANTS)

@@ -75,9 +75,10 @@ class AgentPeer:
 class _Events:
     """The agent's event queue: a put runs the event on the agent's simulated event thread."""
 
-    def __init__(self, agent: Agent, thread: Thread) -> None:
+    def __init__(self, agent: Agent, thread: Thread, checks) -> None:
         self.agent = agent
         self.thread = thread
+        self.checks = checks
 
     def put(self, item) -> None:
         fn, args = item
@@ -90,6 +91,7 @@ class _Events:
             shown = ", ".join(_brief(a) for a in args)
             world.log(f"{self.thread.proc.name}: {getattr(fn, '__qualname__', fn)}({shown})")
         self.agent.run_event(fn, args)
+        self.checks.bookkeeping(self.agent)
 
     def qsize(self) -> int:
         return len(self.thread.items)
@@ -119,7 +121,7 @@ class Worker:
         self.client = SimClient(self.world, run.server, self.agent_proc, f"{name}.zk", settings.pop("_session", 4.0))
         self.settings = load_settings(settings)
         self.agent = Agent(self.settings, f"/sim/{name}.sock", client=self.client)
-        self.agent.events = _Events(self.agent, Thread(self.agent_proc, "events"))
+        self.agent.events = _Events(self.agent, Thread(self.agent_proc, "events"), run.checks)
         self.granted = []  # (time, wait id, path, token, node path, session): every grant the agent made
         original = self.agent.on_granted
 

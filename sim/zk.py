@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from kazoo.client import KazooClient
@@ -339,9 +340,14 @@ class Link:
         self.rng = self.world.rng(f"{client.name}.link")
         self.open = True
         self.closed_by_server = False
+        self.closed_at = 0.0
+        # kazoo's connection thread wakes on the reset within a few ms of it (or of a thaw),
+        # and the process's other threads run meanwhile
+        self.notice = self.rng.uniform(0.0, 0.03)
         self._up_last = self._down_last = 0.0
         self.held_up: list = []
         self.held_down: list = []
+        self.down: deque = deque()  # [item, delivered] in flight to the client, in order
         session.link = self
 
     def _latency(self) -> float:
@@ -373,16 +379,39 @@ class Link:
 
     def to_client(self, item) -> None:
         self._down_last = max(self._down_last, self.world.now + self._latency())
-        self.world.at(self._down_last, f"{self.client.name}.down", self._arrive_client, item,
+        entry = [item, False]
+        self.down.append(entry)
+        self.world.at(self._down_last, f"{self.client.name}.down", self._arrive_client, entry,
                       proc=self.client.proc)
 
-    def _arrive_client(self, item) -> None:
+    def _arrive_client(self, entry) -> None:
+        if entry[1]:
+            return  # delivered early (see early_reply)
+        entry[1] = True
+        if self.down and self.down[0] is entry:
+            self.down.popleft()
+        item = entry[0]
         if not self.open:
             return
         if self.client.partitioned:
             self.held_down.append(item)
             return
         self.client.conn_thread.put(self.client._receive, self, item)
+
+    def early_reply(self) -> bool:
+        """The next reply on its way arrives now, while the client's thread is between two
+        statements (kazoo's connection thread sets results concurrently with the caller's
+        thread): the race ``kazoo_compat.on_ready`` exists for.  Only the head of the
+        channel, only a reply, and only if nothing delivered before it waits: FIFO holds."""
+        if not self.open or self.client.partitioned or not self.down or self.client.conn_thread.items:
+            return False
+        entry = self.down[0]
+        if entry[0][0] != "reply":
+            return False
+        entry[1] = True
+        self.down.popleft()
+        self.client._receive(self, entry[0])
+        return True
 
     def heal(self) -> None:
         up, self.held_up = self.held_up, []
@@ -394,6 +423,7 @@ class Link:
 
     def server_closed(self) -> None:
         self.closed_by_server = True
+        self.closed_at = self.world.now
 
     def close(self) -> None:
         self.open = False
@@ -437,6 +467,17 @@ class BlockingWait(Exception):
     pass
 
 
+class SimAsyncResult(AsyncResult):
+    """kazoo's AsyncResult, whose ``rawlink`` is a point where a reply may arrive (the
+    connection thread runs beside the caller): before a link, the world may deliver the
+    client's next reply, so a result can become ready between two links of one caller."""
+
+    def rawlink(self, callback):
+        if not self.ready():
+            self._handler.preempt()
+        return super().rawlink(callback)
+
+
 class _Queue:
     def __init__(self, thread: Thread) -> None:
         self.thread = thread
@@ -457,9 +498,17 @@ class SimHandler:
         self.proc = proc
         self.completion_queue = _Queue(Thread(proc, "completion"))
         self._spawned = 0
+        self.client = None  # set by the client it serves
+        self.rng = world.rng(f"{proc.name}.preempt")
 
     def async_result(self) -> AsyncResult:
-        return AsyncResult(self, lambda: SimCondition(self.world), KazooTimeoutError)
+        return SimAsyncResult(self, lambda: SimCondition(self.world), KazooTimeoutError)
+
+    def preempt(self) -> None:
+        client = self.client
+        if client is not None and client.link is not None and self.rng.random() < 0.3:
+            if client.link.early_reply() and self.world.full_trace is not None:
+                self.world.log(f"{client.name}: a reply arrived between two links")
 
     def event_object(self):
         return threading.Event()
@@ -538,6 +587,7 @@ class SimClient(KazooClient):
         self.chroot = ""
         self.default_acl = None
         self.handler = SimHandler(world, proc)
+        self.handler.client = self
         self.conn_thread = Thread(proc, "zk-conn")
         self._live = threading.Event()
         self._stopped = threading.Event()
@@ -555,6 +605,7 @@ class SimClient(KazooClient):
         self.closed = False
         self.on_send = None  # an observer of every request sent (the checks' "place kept")
         self.in_listener = False  # requests sent now are the resumption of a reconnection
+        self.last_trouble = -1.0  # when the connection last was not healthy (cut, down, reconnecting)
         zk_session.monitor_for(self, timers=SimTimers(world, proc, self.handler))
         self._connect()
         world.at(world.now + TICK, f"{name}.zk-tick", self.conn_thread.put, self._tick, proc=proc)
@@ -609,9 +660,12 @@ class SimClient(KazooClient):
             return
         now = self.world.now
         link = self.link
+        if not self.healthy():
+            self.last_trouble = now
         if self.connected and link is not None:
             if link.closed_by_server:
-                self._teardown()
+                if now - max(link.closed_at, self.proc.thaw_time()) >= link.notice:
+                    self._teardown()
             elif self.partitioned or not self.server.up:
                 if now - self._last_recv >= kazoo_compat.session_timeout(self) * 2 / 3:
                     self._teardown()
@@ -657,13 +711,20 @@ class SimClient(KazooClient):
         for watcher in watchers:
             self.handler.completion_queue.put(lambda w=watcher: w(event))
 
+    def healthy(self) -> bool:
+        link = self.link
+        return (self.connected and link is not None and link.open and not link.closed_by_server
+                and not self.partitioned and self.server.up)
+
     # -------------------------------------------------------------- faults
     def partition(self) -> None:
         self.partitioned = True
+        self.last_trouble = self.world.now
         self.world.log(f"{self.name}: partitioned")
 
     def heal(self) -> None:
         self.partitioned = False
+        self.last_trouble = self.world.now
         self.world.log(f"{self.name}: partition healed")
         if self.link is not None and self.link.open:
             self.link.heal()

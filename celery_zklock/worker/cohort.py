@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
@@ -58,6 +58,22 @@ from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews
 from .wait_queue import WaitQueue
 from .lease_clock import Clock, lease_clock
+
+
+class CohortHost(Protocol):
+    """What a :class:`Cohort` needs from the agent that holds it: its ZooKeeper client and
+    settings, its event thread (``post``), and what it is told as its waiters move."""
+
+    client: Any  # kazoo's KazooClient (the simulator's, under sim/)
+    settings: Any  # celery_zklock.config.ZkSettings: cohort_handoffs, cohort_hold
+
+    def post(self, fn: Callable, *args: Any) -> None: ...
+    def on_granted(self, wait, cohort: "Cohort", slot: "Slot", token: int) -> None: ...
+    def on_queued(self, wait, position: int) -> None: ...
+    def on_next(self, wait) -> None: ...
+    def on_timed_out(self, wait, path: str) -> None: ...
+    def on_failed(self, wait, exc: BaseException) -> None: ...
+    def on_slot_lost(self, wait) -> None: ...
 
 
 @dataclass(eq=False)
@@ -89,7 +105,7 @@ class Slot:
 class Cohort:
     """One key (path and holder count) as this agent sees it: its slots and local queue."""
 
-    host: Any  # the Agent: client, settings, post(), and the on_* callbacks below
+    host: CohortHost  # the Agent
     path: str
     max_holders: int
     queue: WaitQueue = field(default_factory=WaitQueue)  # our waiters, in arrival order
@@ -156,25 +172,36 @@ class Cohort:
                 return LEASED  # the young proof covers the leaving holder too: no wait for a write
             proof = self._write(slot, nxt.identity)
             slot.holder, slot.handing_on = nxt, True
-            on_ready(proof, lambda result: self.host.post(self._passed, slot, nxt, result))
+            self._on_passed(proof, slot, nxt, now)
             return proof
         proof = self._drop(slot, replace=True)
         self.pump()
         return proof
 
-    def _passed(self, slot: Slot, wait, result) -> None:
-        """The handoff's write answered: grant the reserved waiter, or find the node gone."""
+    def _on_passed(self, proof, slot: Slot, wait, sent: float) -> None:
+        on_ready(proof, lambda result: self.host.post(self._passed, slot, wait, sent, result))
+
+    def _passed(self, slot: Slot, wait, sent: float, result) -> None:
+        """The handoff's write answered: grant the reserved waiter, or find the node gone.
+
+        The reply proves the node ours as of ``sent``; one older than a third of the session
+        timeout (this process was stopped, or its host suspended, while the reply waited)
+        proves nothing about now, so the write is sent again first (the simulator found a
+        grant on a session that had expired meanwhile)."""
         if not slot.handing_on or slot.holder is not wait:
             return  # this reservation was answered already: a node is granted once per write
-        slot.handing_on = False
         try:
             written = result.get() == WRITTEN
         except Exception:
             written = False
-        slot.holder = None
         left = wait.current is not self  # cancelled, revoked or its worker gone meanwhile
         if written and slot in self.slots and slot.held and not left:
+            now = self.clock()
+            if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
+                return self._on_passed(self._write(slot, wait.identity), slot, wait, now)
+            slot.handing_on, slot.holder = False, None
             return self._grant(slot, wait, reserved=True)
+        slot.handing_on, slot.holder = False, None
         if not left:
             self.queue.appendleft(wait)  # first in line still: for the next node
         if not written:

@@ -1,0 +1,168 @@
+"""Planted bugs: proof that the simulator can fail (``make sim-mutants``).
+
+Each mutant is one textual change to one module of ``celery_zklock``.  The runner copies the
+package to a temporary directory, applies the change there (never to the checkout), runs
+the simulator's CI seeds against the copy, and reports whether a violation was found, at
+which seed and after how many seconds.  Exit status 1 if any mutant survives the CI seeds,
+or if a mutant no longer applies (the code it targets changed: update it here).
+
+    python -m sim.mutants                 # every mutant, two at a time
+    python -m sim.mutants own-watch       # one, by name
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .run import CI_SEEDS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    why: str  # the bug it plants, and the issue's list item it answers
+    path: str  # relative to celery_zklock/
+    old: str
+    new: str
+
+
+MUTANTS = [
+    Mutant("rawlink", "1. kazoo 2.11's rawlink in place of on_ready: a result linked after it is set "
+           "runs every earlier callback again",
+           "engine/kazoo_compat.py",
+           "    result.rawlink(once)\n",
+           "    result.rawlink(callback)\n"),
+    Mutant("own-watch", "2. the holder's watch on its own node is not set again after a write fires it "
+           "(finding 1: a force-delete after a local handoff goes unseen)",
+           "engine/attempt/holding.py",
+           "            elif event.type == EventType.CHANGED and self.state is State.HELD:\n"
+           "                self._watch_own_node()",
+           "            elif event.type == EventType.CHANGED and self.state is State.HELD:\n"
+           "                pass"),
+    Mutant("suspend-clock", "3. the lease read from a clock that stops in a host's suspend (finding 2)",
+           "worker/lease_clock.py",
+           "lease_clock: Clock = boottime\n",
+           "from ..engine.clock import monotonic\nlease_clock: Clock = monotonic\n"),
+    Mutant("read-error", "4. a failed read of the key's queue leaves the streak unbounded (finding 3)",
+           "worker/cohort.py",
+           "            slot.foreign = True\n            return\n",
+           "            return\n"),
+    Mutant("late-claim", "5. a claim answered after the pool process gave up on it keeps its grant "
+           "(finding 4: the agent ignores unclaim)",
+           "worker/agent_server.py",
+           '        elif op == "unclaim":\n            self._unclaim(peer, msg["id"])\n',
+           '        elif op == "unclaim":\n            pass\n'),
+    Mutant("delete-first", "6. a streak ends by deleting the old node before queueing the new one",
+           "worker/cohort.py",
+           "        if replace and self._next_waiter() is not None:\n            self.pump()\n"
+           "        slot.attempt.cancel()\n        _, outcome = slot.attempt.release()\n",
+           "        slot.attempt.cancel()\n        _, outcome = slot.attempt.release()\n"
+           "        if replace and self._next_waiter() is not None:\n            self.pump()\n"),
+    Mutant("grant-before-proof", "7. a local handoff granted before the leaving holder's write proves the node",
+           "worker/cohort.py",
+           "            slot.holder, slot.handing_on = nxt, True\n"
+           "            self._on_passed(proof, slot, nxt, now)\n",
+           "            self._grant(slot, nxt, reserved=True)\n"),
+    Mutant("revoke-stays-queued", "8. a revoked request is forgotten but left in its key's local queue",
+           "worker/agent_requests.py",
+           "        if not in_pool:\n            if wait.claimer is None:\n                self._drop(wait)\n",
+           "        if not in_pool:\n            if wait.claimer is None:\n                self._forget(wait)\n"),
+    Mutant("ghost-twice", "9. a ghost create adopted twice: the create in flight at a reconnection is sent "
+           "again, and both replies are taken",
+           "engine/attempt/machine.py",
+           "        if self._create_in_flight:\n            return  # its reply",
+           "        if False:\n            return  # its reply"),
+    Mutant("batch-not-resent", "10. a group-commit batch whose rolled-back creates are not sent again",
+           "engine/attempt/creating.py",
+           "                if not self._finished and self.state is State.CREATING:\n"
+           "                    self._send_create(same_try=True)\n",
+           "                if not rolled_back and not self._finished and self.state is State.CREATING:\n"
+           "                    self._send_create(same_try=True)\n"),
+    Mutant("delete-not-resent", "10b. a rolled-back delete of a group commit reported done, not sent again",
+           "engine/session.py",
+           "        except (RolledBackError, RuntimeInconsistency):\n            send()",
+           "        except (RolledBackError, RuntimeInconsistency):\n            outcome.set(DELETED)"),
+    Mutant("same-token", "11. a local handoff that does not count its grant: two holders share a token",
+           "worker/cohort.py",
+           "        slot.grants += 1\n",
+           ""),
+    Mutant("lease-too-long", "12. a lease that outlives the session (FRESH_MAX past the session timeout)",
+           "worker/cohort_rules.py",
+           "    return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)\n",
+           "    return 0.0 <= now - confirmed < 60.0\n"),
+    Mutant("no-streak-bound", "13. local handoffs that ignore a foreign contender (no fairness bound)",
+           "worker/cohort_rules.py",
+           "    if not foreign:\n        return True\n",
+           "    if True:\n        return True\n"),
+]
+
+
+def apply(mutant: Mutant, package: Path) -> None:
+    target = package / mutant.path
+    text = target.read_text()
+    if text.count(mutant.old) != 1:
+        raise SystemExit(f"mutant {mutant.name}: its target text occurs {text.count(mutant.old)} times in "
+                         f"celery_zklock/{mutant.path} (expected once): update sim/mutants.py")
+    target.write_text(text.replace(mutant.old, mutant.new))
+
+
+def hunt(mutant: Mutant, seeds: int) -> tuple[Mutant, int | None, float, str]:
+    """Run the simulator against a mutated copy: (mutant, seed found or None, seconds, line)."""
+    with tempfile.TemporaryDirectory(prefix=f"zklock-mutant-{mutant.name}-") as tmp:
+        shutil.copytree(ROOT / "celery_zklock", Path(tmp) / "celery_zklock",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        apply(mutant, Path(tmp) / "celery_zklock")
+        env = {**os.environ, "PYTHONPATH": f"{tmp}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0"}
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "sim.run", "--seeds", str(seeds), "--quiet"],
+                              cwd=tmp, env=env, capture_output=True, text=True)
+        elapsed = time.monotonic() - started
+        found = re.search(r"VIOLATION at seed (\d+): (.*)", proc.stdout)
+        if found:
+            return mutant, int(found.group(1)), elapsed, found.group(2)[:160]
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+            return mutant, None, elapsed, f"the run failed: {tail[0][:160]}"
+        return mutant, None, elapsed, ""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sim.mutants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--seeds", type=int, default=CI_SEEDS, help="seeds per mutant (the CI budget)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    for mutant in chosen:  # every mutant must still apply before any runs
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copytree(ROOT / "celery_zklock" / Path(mutant.path).parent, Path(tmp) / Path(mutant.path).parent,
+                            dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            apply(mutant, Path(tmp))
+    started = time.monotonic()
+    survivors = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for mutant, seed, elapsed, line in pool.map(lambda m: hunt(m, args.seeds), chosen):
+            if seed is None:
+                survivors.append(mutant)
+                print(f"SURVIVED {mutant.name:20s} {args.seeds} seeds, {elapsed:6.1f} s  {line}  ({mutant.why})")
+            else:
+                print(f"found    {mutant.name:20s} at seed {seed:4d}, {elapsed:6.1f} s: {line}", flush=True)
+    print(f"sim-mutants: {len(chosen) - len(survivors)}/{len(chosen)} found within {args.seeds} seeds each, "
+          f"{time.monotonic() - started:.0f} s")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
