@@ -418,8 +418,8 @@ class PoolProcess:
         self.phase = "holding"
         self._note()
         # Mostly short bodies (a hot key's handoffs), now and then a long one (its lease ages).
-        long = self.rng.random() < 0.03
-        hold = self.rng.choice((0.1, 0.3, 1.0, 2.5)) if long else self.rng.choice((0.0, 0.001, 0.003, 0.01, 0.03))
+        long = self.rng.random() < 0.1
+        hold = self.rng.choice((0.06, 0.1, 0.3, 1.0)) if long else self.rng.choice((0.0, 0.001, 0.003, 0.01, 0.03))
         no = self.claim_no
         self.world.at(self.world.now + hold, f"{self.proc.name}.body", self._body_done, no, proc=self.proc)
 

@@ -213,9 +213,11 @@ class Checks:
             return  # already gone (an operator, an expiry): no place left to keep
         others = [n for n in self.server.nodes.get(key).children if f"{key}/{n}" != path
                   and self.server.nodes[f"{key}/{n}"].owner == session] if key in self.server.nodes else []
-        creating = worker.client.sent_creates_under(key)
+        creating = worker.client.sent_creates_under(key) or any(
+            s.attempt.state.name == "CREATING" and not s.attempt._finished for s in cohort.slots)
         if not others and not creating:
-            slots = [(s.attempt.node, s.attempt.state.name, s.attempt._pending, s.attempt._create_in_flight)
+            slots = [(s.attempt.node, s.attempt.state.name, s.attempt._pending, s.attempt._create_in_flight,
+                      s.attempt in worker.agent.monitor._subscribers, s.attempt._finished)
                      for s in cohort.slots]
             from celery_zklock.engine.attempt.state import RECENT
             slots.append(("recent", key in RECENT, "group", len(worker.agent.monitor.new_keys._waiting),

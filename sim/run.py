@@ -28,7 +28,7 @@ from .zk import Server, SimClient, SimClocks
 CI_SEEDS = 400
 #: Virtual seconds of load, then of settling (faults healed) before the end checks.
 LOAD = 6.0
-SETTLE = 25.0
+SETTLE = 40.0
 
 
 class _PerProcess:
@@ -168,8 +168,12 @@ class Run:
             c.client.partition()
             world.at(world.now + length, "faults", c.client.heal)
         elif kind == "pause":
-            world.log(f"fault: {worker.agent_proc.name} stopped (SIGSTOP) for {length:.2f} s")
-            worker.agent_proc.pause(length)
+            if r < 0.5:
+                world.log(f"fault: {worker.agent_proc.name} stopped (SIGSTOP) for {length:.2f} s")
+                worker.agent_proc.pause(length)
+            else:  # at its next reply: an instant weighted by activity, callbacks still queued
+                world.log(f"fault: {worker.agent_proc.name} to stop at its next reply for {length:.2f} s")
+                worker.client.pause_on_reply = length
         elif kind == "suspend":
             world.log(f"fault: host {worker.host.name} suspended for {length:.2f} s")
             worker.host.suspend(length)
@@ -248,6 +252,12 @@ def run_seed(seed: int, trace: bool = False):
         run.execute()
     except Violation as exc:
         return str(exc), run
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # a blocking wait, or the code under test raised in a callback
+        import traceback
+
+        return f"the run crashed: {exc!r}\n{traceback.format_exc(limit=-6)}", run
     return None, run
 
 

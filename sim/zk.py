@@ -348,6 +348,7 @@ class Link:
         self.held_up: list = []
         self.held_down: list = []
         self.down: deque = deque()  # [item, delivered] in flight to the client, in order
+        self.up: deque = deque()  # [request, arrived] in flight to the server, in order
         session.link = self
 
     def _latency(self) -> float:
@@ -359,9 +360,17 @@ class Link:
 
     def to_server(self, item) -> None:
         self._up_last = max(self._up_last, self.world.now + self._latency())
-        self.world.at(self._up_last, f"{self.client.name}.up", self._arrive_server, item)
+        entry = [item, False]
+        self.up.append(entry)
+        self.world.at(self._up_last, f"{self.client.name}.up", self._arrive_server, entry)
 
-    def _arrive_server(self, item) -> None:
+    def _arrive_server(self, entry) -> None:
+        if entry[1]:
+            return  # rushed (see early_reply)
+        entry[1] = True
+        if self.up and self.up[0] is entry:
+            self.up.popleft()
+        item = entry[0]
         if not self.open:
             return
         if self.client.partitioned:
@@ -369,7 +378,9 @@ class Link:
             return
         if not self.server.up or not self.session.alive:
             return  # the server closed this connection: the client learns it separately
-        request = item
+        self._apply(item)
+
+    def _apply(self, request) -> None:
         try:
             value, error = self.server.apply(self.session.id, request.op), None
         except Exception as exc:  # the request's own error
@@ -399,18 +410,24 @@ class Link:
         self.client.conn_thread.put(self.client._receive, self, item)
 
     def early_reply(self) -> bool:
-        """The next reply on its way arrives now, while the client's thread is between two
-        statements (kazoo's connection thread sets results concurrently with the caller's
-        thread): the race ``kazoo_compat.on_ready`` exists for.  Only the head of the
-        channel, only a reply, and only if nothing delivered before it waits: FIFO holds."""
-        if not self.open or self.client.partitioned or not self.down or self.client.conn_thread.items:
+        """The caller's thread is descheduled for a round trip between two statements (a
+        GIL switch is 5 ms; a loopback round trip well under 1): the oldest request in flight
+        reaches the server now, and every reply and event before and including its reply
+        reaches the client, as kazoo's connection thread would deliver them meanwhile.  The
+        race ``kazoo_compat.on_ready`` exists for.  FIFO holds both ways."""
+        if (not self.open or self.client.partitioned or self.client.conn_thread.items or not self.server.up
+                or not self.session.alive):
             return False
-        entry = self.down[0]
-        if entry[0][0] != "reply":
+        if self.up:
+            entry = self.up.popleft()
+            entry[1] = True
+            self._apply(entry[0])
+        if not self.down or self.down[-1][0][0] != "reply":
             return False
-        entry[1] = True
-        self.down.popleft()
-        self.client._receive(self, entry[0])
+        while self.down:
+            entry = self.down.popleft()
+            entry[1] = True
+            self.client._receive(self, entry[0])
         return True
 
     def heal(self) -> None:
@@ -505,10 +522,21 @@ class SimHandler:
         return SimAsyncResult(self, lambda: SimCondition(self.world), KazooTimeoutError)
 
     def preempt(self) -> None:
+        """The caller is descheduled between two statements: replies arrive (kazoo's
+        connection thread) and the completion thread runs what it can meanwhile."""
         client = self.client
-        if client is not None and client.link is not None and self.rng.random() < 0.3:
-            if client.link.early_reply() and self.world.full_trace is not None:
-                self.world.log(f"{client.name}: a reply arrived between two links")
+        if client is None or client.link is None or self.rng.random() >= 0.3:
+            return
+        if not client.link.early_reply():
+            return
+        ran = 0
+        queue = self.completion_queue.thread.items
+        while queue and not _takes_engine_lock(queue[0][0]):
+            fn, args = queue.popleft()
+            fn(*args)
+            ran += 1
+        if self.world.full_trace is not None:
+            self.world.log(f"{client.name}: replies arrived between two links ({ran} callbacks ran meanwhile)")
 
     def event_object(self):
         return threading.Event()
@@ -525,6 +553,33 @@ class SimHandler:
 
     def dispatch_callback(self, callback) -> None:
         self.completion_queue.put(lambda: callback.func(*callback.args))
+
+
+def _takes_engine_lock(fn) -> bool:
+    """Would this completion callback take an attempt's lock?  Then it must wait for the
+    caller (which may hold it); others may run while the caller is descheduled."""
+    from functools import partial
+
+    from celery_zklock.engine.attempt.machine import Attempt
+
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if isinstance(fn, partial):
+            if any(isinstance(a, Attempt) for a in fn.args):
+                return True
+            fn = fn.func
+            continue
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, Attempt):
+            return True
+        cells = getattr(fn, "__closure__", None) or ()
+        inner = [c.cell_contents for c in cells if callable(getattr(c, "cell_contents", None))]
+        if getattr(fn, "__name__", "") == "once" and inner:
+            fn = inner[0]
+            continue
+        return any(isinstance(getattr(c, "cell_contents", None), Attempt) for c in cells)
+    return True
 
 
 class SimTimers(Timers):
@@ -606,6 +661,7 @@ class SimClient(KazooClient):
         self.on_send = None  # an observer of every request sent (the checks' "place kept")
         self.in_listener = False  # requests sent now are the resumption of a reconnection
         self.last_trouble = -1.0  # when the connection last was not healthy (cut, down, reconnecting)
+        self.pause_on_reply: float | None = None  # a fault: SIGSTOP right after the next reply
         zk_session.monitor_for(self, timers=SimTimers(world, proc, self.handler))
         self._connect()
         world.at(world.now + TICK, f"{name}.zk-tick", self.conn_thread.put, self._tick, proc=proc)
@@ -779,6 +835,10 @@ class SimClient(KazooClient):
                 self.handler.completion_queue.put(lambda w=watcher: w(event))
             return
         _, request, value, error = item
+        if self.pause_on_reply is not None:
+            self.world.log(f"{self.proc.name}: stopped (SIGSTOP) for {self.pause_on_reply:.2f} s, a reply just read")
+            self.proc.pause(self.pause_on_reply)
+            self.pause_on_reply = None
         if self.world.full_trace is not None:
             self.world.log(f"{self.name} <- {_show(request.op)}: {error!r}" if error is not None else
                            f"{self.name} <- {_show(request.op)}: {_show_value(value)}")

@@ -1,0 +1,70 @@
+"""The simulator itself (sim/, docs/simulation.md): it replays a seed exactly, its first CI
+seeds pass on this code, every planted bug still applies, and planted bugs are found.
+
+The full CI run of the simulator is `make sim` (its own step in .ci/run); these are the
+quick checks that keep it honest inside `make test`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.mutants import MUTANTS, apply
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sim(*args: str, module: str = "sim.run") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_seed_replays_exactly_with_its_trace():
+    first, second = _sim("--seed", "43"), _sim("--seed", "43")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert first.stdout == second.stdout
+    lines = first.stdout.splitlines()
+    assert len(lines) > 1000 and lines[-1].startswith("seed 43: ok")
+    assert any("-> create" in line for line in lines) and any("<- watch" in line for line in lines)
+
+
+def test_the_first_seeds_pass_on_this_code():
+    done = _sim("--seeds", "25")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "25 schedules" in done.stdout and "no violation" in done.stdout
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_every_planted_bug_still_applies(mutant, tmp_path):
+    """A mutant whose target text moved would silently test nothing: each applies once."""
+    target = tmp_path / mutant.path
+    target.parent.mkdir(parents=True)
+    target.write_text((ROOT / "celery_zklock" / mutant.path).read_text())
+    apply(mutant, tmp_path)
+    assert target.read_text() != (ROOT / "celery_zklock" / mutant.path).read_text()
+
+
+def test_planted_bugs_are_found_and_reported_with_their_seed():
+    found = _sim("same-token", "delete-first", "--seeds", "10", module="sim.mutants")
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert "found    same-token" in found.stdout and "found    delete-first" in found.stdout
+    assert "2/2 found" in found.stdout
+
+
+def test_a_violation_fails_the_run_and_names_its_seed(tmp_path):
+    """What CI sees: the mutated copy fails `python -m sim.run` with the seed and a replay line."""
+    import shutil
+
+    shutil.copytree(ROOT / "celery_zklock", tmp_path / "celery_zklock")
+    apply(next(m for m in MUTANTS if m.name == "same-token"), tmp_path / "celery_zklock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0"}
+    done = subprocess.run([sys.executable, "-m", "sim.run", "--seeds", "3"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "VIOLATION at seed 1" in done.stdout and "make sim SEED=1" in done.stdout
+    assert "tokens must increase" in done.stdout
