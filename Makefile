@@ -41,7 +41,8 @@ compat: setup
 # (about 90 s); `make sim SEEDS=100000` the long run; `make sim SEED=n` replays one seed with
 # its trace.  `make sim-mutants` checks that every planted bug (sim/mutants.py) is found.
 sim: setup
-	$(PY) -m sim.run $(if $(SEED),--seed $(SEED),) $(if $(SEEDS),--seeds $(SEEDS),) $(if $(FIRST),--first $(FIRST),)
+	$(PY) -m sim.run $(if $(SEED),--seed $(SEED),) $(if $(SEEDS),--seeds $(SEEDS),) $(if $(FIRST),--first $(FIRST),) \
+	  $(if $(SCENARIO),--scenario $(SCENARIO),) $(if $(DROP),--drop $(DROP),) $(if $(LOAD),--load $(LOAD),)
 
 sim-mutants: setup
 	$(PY) -m sim.mutants $(MUTANTS)

@@ -49,7 +49,8 @@ class Checks:
         self.world = run.world
         self.server = run.server
         self.last_token: dict[str, int] = {}
-        self.streaks: dict[str, list] = {}  # path -> [owner, count, first time]
+        self.streaks: dict[str, list] = {}  # path -> [(owner, czxid), count, first counted, first grant]
+        self.beliefs: dict = {}  # (process, token) -> when that belief began
         self.stats = {"grants": 0, "handoffs": 0, "leased": 0, "peer_grants": 0}
 
     def fail(self, message: str) -> None:
@@ -78,7 +79,11 @@ class Checks:
 
     def step(self) -> None:
         by_path: dict[str, list] = {}
+        seen = {}
         for proc, agent_proc, (path, node_path, token) in self.believers():
+            # When this belief began: a grant may be taken on a node already gone (a waiting
+            # node deleted by hand, then its turn came), and is told from then on.
+            began = seen[(proc.name, token)] = self.beliefs.get((proc.name, token), self.world.now)
             node = self._alive(node_path, token)
             if node is not None:
                 by_path.setdefault(path, []).append((proc, node_path, token))
@@ -89,13 +94,14 @@ class Checks:
                           "a node the server never had")
             # Told within TOLD_WITHIN of the loss while its agent is connected and running;
             # a cut-off agent first has to notice (two thirds of its session timeout).
-            since = max(gone[0], proc.thaw_time(), agent_proc.thaw_time())
+            since = max(gone[0], began, proc.thaw_time(), agent_proc.thaw_time())
             client = self._client(agent_proc)
             healthy_since = max(since, client.last_trouble if client is not None else since)
             bound = TOLD_WITHIN + self._session_timeout(agent_proc)
             if self.world.now - healthy_since > TOLD_WITHIN or self.world.now - since > bound:
                 self.fail(f"{proc.name} still believes it holds {path} through {node_path}, "
                           f"{self.world.now - gone[0]:.2f} s after the node was {gone[1]}")
+        self.beliefs = seen
         for path, holders in by_path.items():
             if len(holders) > 1:
                 names = ", ".join(f"{p.name} ({n}, token {t})" for p, n, t in holders)

@@ -26,6 +26,26 @@ from .zk import Server, SimClient, SimClocks
 #: The seeds ``make sim`` runs in CI (1..CI_SEEDS, about 90 s on one core): every mutant
 #: of sim/mutants.py must be found among them.
 CI_SEEDS = 400
+#: Seeds per directed scenario in the CI run.
+SCENARIO_SEEDS = 15
+
+#: Directed scenarios: a fixed shape and fault plan, where chance alone reaches a window
+#: too rarely (FoundationDB's "specific workloads").  Each runs SCENARIO_SEEDS seeds in CI;
+#: the seed still draws the load's timing, the settings and every gap.  A plan entry is
+#: (fault, at seconds, length in session timeouts).
+SCENARIOS = {
+    # The agent stopped right after reading a write's reply (the proof a handoff waits for),
+    # past its session: the proof must not be used when it thaws.
+    "stopped-after-a-write": {"workers": 1, "pools": 3, "keys": 1, "rate": 60.0, "long": 0.5, "session": 1.0,
+                              "peers": 1, "plan": [("pause-after-write", 1.0, 1.5), ("pause-after-write", 3.0, 1.5)]},
+    # Operators deleting nodes by hand, eight times a run, while two workers and two peers
+    # contend for four keys, with holds of up to 2.5 s: every path of a node lost under its
+    # holder (told by its watch alone, mid-hold) or its waiter.
+    "deleted-by-hand": {"workers": 2, "pools": 3, "keys": 4, "rate": 20.0, "peers": 2, "long": 0.3,
+                        "long_holds": (0.3, 1.0, 2.5),
+                           "plan": [("delete", t, 0.0) for t in (0.6, 1.2, 1.8, 2.4, 3.0, 3.6, 4.2, 4.8)]},
+}
+
 #: Virtual seconds of load, then of settling (faults healed) before the end checks.
 LOAD = 6.0
 SETTLE = 40.0
@@ -81,6 +101,12 @@ def fresh_process_state(world: World) -> None:
     uuid.uuid4 = lambda: uuid.UUID(int=rng.getrandbits(128), version=4)
 
 
+def _fixed(shape: dict, name: str, drawn):
+    """The shape's value if it fixes ``name``; the draw is made either way, so a shape
+    changes nothing else the seed decides."""
+    return shape.get(name, drawn)
+
+
 class _Errors(logging.Handler):
     """An error the package logs (an agent event or a timer that raised) fails the run:
     production survives it, but it is a bug."""
@@ -100,7 +126,9 @@ logging.getLogger("celery_zklock").addHandler(ERRORS)
 class Run:
     """One seed's scenario, run to its end."""
 
-    def __init__(self, seed: int, trace: bool = False) -> None:
+    def __init__(self, seed: int, trace: bool = False, shape: dict | None = None) -> None:
+        """``shape`` fixes parts of the scenario (workers, keys, pools, rate, faults: for
+        bench/sim_scale.py); the seed draws the rest, and everything when it is None."""
         from .actors import Contender, Worker
         from .checks import Checks
 
@@ -115,19 +143,24 @@ class Run:
         world.checks.append(self.checks.step)
         ERRORS.records.clear()
         world.checks.append(self._no_errors)
-        self.keys = [f"/zklock/sim/k{i}" for i in range(rng.choice((1, 1, 2, 3)))]
+        shape = self.shape = shape or {}
+        self.keys = [f"/zklock/sim/k{i}" for i in range(_fixed(shape, "keys", rng.choice((1, 1, 2, 3))))]
         self.workers = []
         self.contenders = []
-        for i in range(rng.choice((1, 2, 2, 3))):
+        for i in range(_fixed(shape, "workers", rng.choice((1, 2, 2, 3)))):
             settings = {
                 "zklock_cohort_handoffs": rng.choice((1, 2, 3, 4)),
                 "zklock_cohort_hold": rng.choice((0.05, 0.2, 0.5)),
-                "_session": rng.choice((1.0, 2.0, 3.0, 30.0)),
+                "_session": _fixed(shape, "session", rng.choice((1.0, 2.0, 3.0, 30.0))),
             }
-            self.workers.append(Worker(self, f"w{i + 1}", settings, pools=rng.choice((1, 2, 3))))
-        for i in range(rng.choice((0, 0, 1, 2))):
+            self.workers.append(Worker(self, f"w{i + 1}", settings, pools=_fixed(shape, "pools", rng.choice((1, 2, 3)))))
+        for worker in self.workers:
+            worker.long_share = shape.get("long", worker.long_share)
+            worker.long_holds = shape.get("long_holds", worker.long_holds)
+        for i in range(_fixed(shape, "peers", rng.choice((0, 0, 1, 2)))):
             self.contenders.append(Contender(self, f"peer{i + 1}", rng.choice(("curator", "kazoo")), self.keys))
         self.faults = []
+        self.load = shape.get("load", LOAD)
         self._plan_load(rng)
         self._plan_faults(rng)
 
@@ -135,8 +168,8 @@ class Run:
     def _plan_load(self, rng) -> None:
         for worker in self.workers:
             t = rng.uniform(0.0, 0.3)
-            rate = rng.choice((5.0, 20.0, 60.0))
-            while t < LOAD:
+            rate = _fixed(self.shape, "rate", rng.choice((5.0, 20.0, 60.0)))
+            while t < self.load:
                 path = rng.choice(self.keys)
                 timeout = rng.choice((None, None, 0.0, 0.05, 0.5, 3.0))
                 self.world.at(t, f"{worker.name}.load", worker.main.submit, path, timeout, rng.random() < 0.5,
@@ -148,15 +181,25 @@ class Run:
                 t += rng.expovariate(rate)
 
     def _plan_faults(self, rng) -> None:
+        """Random faults (or the shape's plan); a fault the shrinker dropped is still drawn,
+        so everything else the seed decides stays the same."""
         kinds = ("partition", "pause", "suspend", "failover", "kill", "delete", "partition-peer")
-        for _ in range(rng.choice((0, 1, 2, 3, 4, 6))):
+        drop = self.shape.get("drop", ())
+        plan = self.shape.get("plan")
+        count = len(plan) if plan is not None else _fixed(self.shape, "faults", rng.choice((0, 1, 2, 3, 4, 6)))
+        for index in range(count):
             kind = rng.choice(kinds)
             at = rng.uniform(0.2, LOAD)
             worker = rng.choice(self.workers)
             timeout = worker.client.server.sessions[worker.client._session_id].timeout
             length = rng.choice((0.05, 0.3, timeout * 0.5, timeout * 0.8, timeout * 1.5))
+            r = rng.random()
+            if plan is not None:
+                kind, at, share = plan[index]
+                length = share * timeout
             self.faults.append(kind)
-            self.world.at(at, "faults", self._fault, kind, worker, length, rng.random())
+            if index not in drop:
+                self.world.at(at, "faults", self._fault, kind, worker, length, r)
 
     def _fault(self, kind: str, worker, length: float, r: float) -> None:
         world = self.world
@@ -173,7 +216,10 @@ class Run:
                 worker.agent_proc.pause(length)
             else:  # at its next reply: an instant weighted by activity, callbacks still queued
                 world.log(f"fault: {worker.agent_proc.name} to stop at its next reply for {length:.2f} s")
-                worker.client.pause_on_reply = length
+                worker.client.pause_on_reply = (length, ("set", "delete", "multi", "children"))
+        elif kind == "pause-after-write":
+            world.log(f"fault: {worker.agent_proc.name} to stop after its next write's reply for {length:.2f} s")
+            worker.client.pause_on_reply = (length, ("set",))
         elif kind == "suspend":
             world.log(f"fault: host {worker.host.name} suspended for {length:.2f} s")
             worker.host.suspend(length)
@@ -184,15 +230,18 @@ class Run:
             if live:
                 live[int(r * len(live))].die()
         elif kind == "delete":
+            # Mostly the key's holder (the operator's `celery zklock release`), now and then
+            # any node queued for it (a stale node removed by hand).
+            from celery_zklock.engine.znodes import sort_contenders
+
+            anyone = r >= 0.7
             held = []
             for key in self.keys:
                 parent = self.server.nodes.get(key)
                 if parent is not None and parent.children:
-                    from celery_zklock.engine.znodes import sort_contenders
-
-                    first = sort_contenders(parent.children)
-                    if first:
-                        held.append(f"{key}/{first[0]}")
+                    ordered = sort_contenders(parent.children)
+                    held += [f"{key}/{n}" for n in (ordered if anyone else ordered[:1])]
+            r = (r - 0.7) / 0.3 if anyone else r / 0.7
             if held:
                 self.server.force_delete(held[int(r * len(held))])
 
@@ -205,7 +254,7 @@ class Run:
     # ------------------------------------------------------------------ running
     def execute(self) -> None:
         world = self.world
-        world.run_until(LOAD + 0.5)
+        world.run_until(self.load + 0.5)
         for c in self.contenders:
             c.active = False
         # Faults stop: every partition heals (a heal scheduled later does nothing more).
@@ -215,7 +264,7 @@ class Run:
         for c in self.contenders:
             if c.client.partitioned:
                 c.client.heal()
-        calm = max([LOAD, self.server.down_until] + [h.suspended_until for h in world.hosts.values()]
+        calm = max([self.load, self.server.down_until] + [h.suspended_until for h in world.hosts.values()]
                    + [w.agent_proc.paused_until for w in self.workers])
         world.run_until(calm)
         world.run_until(calm + SETTLE, stop=self._quiet)
@@ -243,11 +292,13 @@ class Run:
         return not any(c.holding or (c.attempt is not None and not c.attempt.result.ready()) for c in self.contenders)
 
 
-def run_seed(seed: int, trace: bool = False):
-    """Run one seed; returns (violation or None, the run)."""
+def run_seed(seed: int, trace: bool = False, shape: dict | None = None, scenario: str | None = None):
+    """Run one seed (of ``scenario``, if named); returns (violation or None, the run)."""
+    if scenario is not None:
+        shape = {**SCENARIOS[scenario], **(shape or {})}
     from .checks import Violation
 
-    run = Run(seed, trace=trace)
+    run = Run(seed, trace=trace, shape=shape)
     try:
         run.execute()
     except Violation as exc:
@@ -268,47 +319,86 @@ def _reexec_with_fixed_hash() -> None:
         os.execv(sys.executable, [sys.executable, "-m", "sim.run", *sys.argv[1:]])
 
 
+def _schedules(args):
+    """(seed, scenario) pairs: the random seeds, then each directed scenario's."""
+    if args.budget is not None:
+        seed = args.first
+        while True:
+            yield seed, None
+            seed += 1
+    for seed in range(args.first, args.first + args.seeds):
+        yield seed, None
+    for name in SCENARIOS if args.scenarios else ():
+        for seed in range(1, SCENARIO_SEEDS + 1):
+            yield seed, name
+
+
+def _replay(seed: int, scenario: str | None, shape: dict | None = None) -> str:
+    from .shrink import replay_line
+
+    line = replay_line(seed, shape or {})
+    return line + (f" SCENARIO={scenario}" if scenario else "")
+
+
 def main(argv=None) -> int:
     _reexec_with_fixed_hash()
     parser = argparse.ArgumentParser(prog="python -m sim.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, help="replay one seed and print its trace")
-    parser.add_argument("--seeds", type=int, help=f"how many seeds to run (default {CI_SEEDS}, the CI budget)")
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), help="the directed scenario of --seed")
+    parser.add_argument("--drop", default="", help="with --seed: faults to leave out (a shrunk replay), e.g. 0,2")
+    parser.add_argument("--load", type=float, help="with --seed: seconds of load (a shrunk replay)")
+    parser.add_argument("--seeds", type=int, help=f"how many random seeds to run (default {CI_SEEDS}, the CI budget)")
     parser.add_argument("--first", type=int, default=1, help="the first seed")
     parser.add_argument("--budget", type=float, help="seconds of wall time instead of a number of seeds")
+    parser.add_argument("--no-scenarios", dest="scenarios", action="store_false",
+                        help=f"skip the directed scenarios ({SCENARIO_SEEDS} seeds each)")
+    parser.add_argument("--no-shrink", dest="shrink", action="store_false", help="report a violation unshrunk")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.seeds is None and args.budget is None:
         args.seeds = CI_SEEDS
     logging.getLogger("celery_zklock").propagate = False
     if args.seed is not None:
-        violation, run = run_seed(args.seed, trace=True)
+        shape = {}
+        if args.drop:
+            shape["drop"] = frozenset(int(i) for i in args.drop.split(","))
+        if args.load is not None:
+            shape["load"] = args.load
+        violation, run = run_seed(args.seed, trace=True, shape=shape, scenario=args.scenario)
         for line in run.world.full_trace:
             print(line)
         print(f"seed {args.seed}: {violation or 'ok'} ({run.world.events} events, faults {run.faults})")
         return 1 if violation else 0
     started = time.monotonic()
-    seed, done, events, faults = args.first, 0, 0, 0
-    while True:
-        if args.seeds is not None and done >= args.seeds:
+    done, events, faults = 0, 0, 0
+    for seed, scenario in _schedules(args):
+        if args.budget is not None and time.monotonic() - started > args.budget:
             break
-        if args.seeds is None and time.monotonic() - started > args.budget:
-            break
-        violation, run = run_seed(seed)
+        violation, run = run_seed(seed, scenario=scenario)
         done += 1
         events += run.world.events
         faults += len(run.faults)
         if violation:
-            print(f"VIOLATION at seed {seed}: {violation}")
+            where = f"seed {seed}" + (f" (scenario {scenario})" if scenario else "")
+            print(f"VIOLATION at {where}: {violation}")
             print("last events:")
             for line in run.world.trace:
                 print("   ", line)
-            print(f"replay: make sim SEED={seed}")
+            print(f"faults drawn: {run.faults}")
+            print(f"replay: {_replay(seed, scenario)}")
+            if args.shrink:
+                from .shrink import shrink
+
+                shape, shrunk = shrink(seed, violation, lambda s, shape=None: run_seed(s, shape=shape, scenario=scenario))
+                kept = [f for i, f in enumerate(run.faults) if i not in shape.get("drop", ())]
+                print(f"shrunk: faults {kept}, {shape.get('load', run.load):g} s of load: {shrunk}")
+                print(f"replay the shrunk run: {_replay(seed, scenario, shape)}")
             return 1
-        seed += 1
     elapsed = time.monotonic() - started
     if not args.quiet:
-        print(f"sim: {done} schedules (seeds {args.first}..{seed - 1}) in {elapsed:.1f} s: "
-              f"{done / elapsed:.1f} schedules/s, {events / max(done, 1):.0f} events/schedule, "
+        print(f"sim: {done} schedules ({args.seeds} random seeds from {args.first}"
+              f"{f', {len(SCENARIOS)} directed scenarios x {SCENARIO_SEEDS}' if args.scenarios else ''}) in "
+              f"{elapsed:.1f} s: {done / elapsed:.1f} schedules/s, {events / max(done, 1):.0f} events/schedule, "
               f"{faults / max(done, 1):.1f} faults/schedule; no violation")
     return 0
 

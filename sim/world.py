@@ -39,9 +39,6 @@ class Host:
         self.suspended_total += end - max(self.suspended_until, now)
         self.suspended_until = end
 
-    def frozen_until(self) -> float:
-        return self.suspended_until
-
 
 class Proc:
     """A process: its threads' events run only while neither it nor its host is frozen."""
@@ -52,7 +49,6 @@ class Proc:
         self.name = name
         self.paused_until = -1.0
         self.alive = True
-        self.frozen_total = 0.0  # seconds paused or suspended (for bounds in its own time)
 
     def pause(self, seconds: float) -> None:
         now = self.world.now

@@ -661,7 +661,9 @@ class SimClient(KazooClient):
         self.on_send = None  # an observer of every request sent (the checks' "place kept")
         self.in_listener = False  # requests sent now are the resumption of a reconnection
         self.last_trouble = -1.0  # when the connection last was not healthy (cut, down, reconnecting)
-        self.pause_on_reply: float | None = None  # a fault: SIGSTOP right after the next reply
+        # A fault: SIGSTOP right after the next reply a decision rests on (a write's or a
+        # delete's proof, a queue read): the instant between a proof's arrival and its use.
+        self.pause_on_reply: tuple | None = None  # (seconds, the ops whose reply triggers it)
         zk_session.monitor_for(self, timers=SimTimers(world, proc, self.handler))
         self._connect()
         world.at(world.now + TICK, f"{name}.zk-tick", self.conn_thread.put, self._tick, proc=proc)
@@ -835,10 +837,10 @@ class SimClient(KazooClient):
                 self.handler.completion_queue.put(lambda w=watcher: w(event))
             return
         _, request, value, error = item
-        if self.pause_on_reply is not None:
-            self.world.log(f"{self.proc.name}: stopped (SIGSTOP) for {self.pause_on_reply:.2f} s, a reply just read")
-            self.proc.pause(self.pause_on_reply)
-            self.pause_on_reply = None
+        if self.pause_on_reply is not None and request.op[0] in self.pause_on_reply[1]:
+            length, self.pause_on_reply = self.pause_on_reply[0], None
+            self.world.log(f"{self.proc.name}: stopped (SIGSTOP) for {length:.2f} s, a {request.op[0]} reply just read")
+            self.proc.pause(length)
         if self.world.full_trace is not None:
             self.world.log(f"{self.name} <- {_show(request.op)}: {error!r}" if error is not None else
                            f"{self.name} <- {_show(request.op)}: {_show_value(value)}")
