@@ -98,6 +98,10 @@ MUTANTS = [
            "worker/cohort_rules.py",
            "    return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)\n",
            "    return 0.0 <= now - confirmed < 60.0\n"),
+    Mutant("no-streak-bound", "13. local handoffs that ignore a foreign contender (no fairness bound)",
+           "worker/cohort_rules.py",
+           "    if not foreign:\n        return True\n",
+           "    if True:\n        return True\n"),
     # The bugs the simulator itself found (docs/simulation.md, "What it found"):
     Mutant("lost-node-kept", "14. a handoff whose write succeeds after its node was marked lost keeps the node "
            "first in the queue with nobody to grant",
@@ -119,10 +123,6 @@ MUTANTS = [
            "        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))\n",
            "        from ..engine.contenders import contenders\n"
            "        self.post(told, [c.identifier for c in contenders(self.client, path, wait.max_holders) if c.holder])\n"),
-    Mutant("no-streak-bound", "13. local handoffs that ignore a foreign contender (no fairness bound)",
-           "worker/cohort_rules.py",
-           "    if not foreign:\n        return True\n",
-           "    if True:\n        return True\n"),
 ]
 
 

@@ -36,7 +36,7 @@ def test_a_seed_replays_exactly_with_its_trace():
 def test_the_first_seeds_pass_on_this_code():
     done = _sim("--seeds", "25")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "25 schedules" in done.stdout and "no violation" in done.stdout
+    assert "25 random seeds" in done.stdout and "directed scenarios" in done.stdout and "no violation" in done.stdout
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])

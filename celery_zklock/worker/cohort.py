@@ -1,47 +1,15 @@
 """Lock cohorting in the worker's agent: one contender node per key, a local queue behind it.
 
-Why (Dice, Marathe and Shavit, "Lock Cohorting", PPoPP 2012): when every waiting task of a
-worker had a znode of its own, a hot key's queue in ZooKeeper grew with its backlog, and so
-did every join and every grant (each reads the key's whole children list): O(n^2) for a
-burst of n, which killed a 512 MB ZooKeeper at 20,000 tasks.  Here a worker's agent keeps at
-most ``max_holders`` nodes per key — the *global* lock, queued fairly with other workers,
-Curator and kazoo — and its own requests wait for them in memory, in arrival order — the
-*local* lock.  When one of our tasks lets go and another of ours waits, the node passes to
-it without a release and a re-queue (a *local handoff*).  So znodes, children reads and
-watches per key grow with the number of workers, not with the number of waiting tasks.
-
-Fairness to everyone else (:func:`~celery_zklock.worker.cohort_rules.passes_locally`):
-once another contender is seen in the key's queue, a node passes locally at most
-``zklock_cohort_handoffs`` times and for at most ``zklock_cohort_hold`` seconds; then the
-agent queues a new node at the back (created before the old one is deleted: the next holder
-is woken at once, and we keep our place) and the lock moves on.  A foreign contender
-therefore waits for at most that many of our holds per worker ahead of it, plus the hold in
-progress.
-
-Fencing stays exact with no write before a grant: the g-th holder through a node gets
-``fencing_token(czxid, g)`` (see :func:`celery_zklock.engine.znodes.fencing_token` for the proof).
-A local handoff on an old proof writes to the node — its data becomes the new holder's
-identity (so ``celery zklock status`` names it) — and that write's success is the leaving
-holder's proof that the lock was ours to the end, as the delete is for the last one.
-
-Neither holder always waits for that write (a *lease*, ``cohort_rules.fresh``): ZooKeeper
-expires a session only after hearing nothing from it for the session timeout, so a write
-*sent* at ``t`` that succeeded proves our session alive until at least ``t + session
-timeout``; and our node goes only with the session or by our own delete (an operator's
-force-delete is seen by the holder's watch on its node, which marks the node lost: each
-write to the node fires that one-shot watch, and the holder sets it again).  While
-such a proof is younger than ``cohort_rules.FRESH_MAX`` (its age read on the lease clock,
-which counts a host's suspend as ZooKeeper's clock does: :mod:`~celery_zklock.worker.lease_clock`)
-and the connection is up, the next holder is granted at once and the leaving one's release is proven at once
-(:data:`~celery_zklock.engine.session.LEASED`); a write runs beside the next body and renews
-the lease, once it is ``cohort_rules.RENEW_AFTER`` old and none is in flight
-(``cohort_rules.renews``).  So a hot key's handoff costs no ZooKeeper round trip, and about
-one write per ``RENEW_AFTER`` keeps the lease young (the node's data then names a holder of
-the last few milliseconds).  After a silent partition no reply comes, the lease ages past
-``FRESH_MAX``, and handoffs wait for replies again, as before.  A write that fails after
-such a grant reports the lock lost to its holder.
-
-Everything here runs on the agent's one event thread; ZooKeeper callbacks are posted to it.
+Why (Dice, Marathe and Shavit, "Lock Cohorting", PPoPP 2012): with a node per waiting task, a
+hot key's ZooKeeper queue grew with its backlog, and every join and grant with it.  Here the
+agent keeps at most ``max_holders`` nodes per key (the global lock, queued fairly with other
+workers, Curator and kazoo) and its own requests wait in memory, in arrival order (the local
+lock); a node passes to our next request without a release (a local handoff), within the
+streak bound of :func:`~celery_zklock.worker.cohort_rules.passes_locally` once someone else
+queues.  A handoff is granted only on a proof that the node is still ours: a write's reply,
+or a young one (the lease, :func:`~celery_zklock.worker.cohort_rules.fresh`, aged on the lease
+clock, which counts a suspend).  The design, the fencing proof and the lease's argument are in
+docs/waiting.md.  Everything here runs on the agent's one event thread.
 """
 
 from __future__ import annotations
@@ -158,11 +126,8 @@ class Cohort:
         if (nxt is not None and slot.held and passes_locally(
                 slot.grants, slot.since or 0.0, self.clock(), slot.foreign,
                 self.host.settings.cohort_handoffs, self.host.settings.cohort_hold)):
-            # The node is ours to pass on only if ZooKeeper confirms it still is: the write
-            # goes through the leader, so it succeeds only while our session and node live
-            # (and ZooKeeper is reachable at all).  With a young proof from an earlier write
-            # the next holder starts now (see the module's docstring); otherwise it is
-            # reserved and granted on the reply: never on the agent's belief alone.
+            # Ours to pass on only if ZooKeeper confirms it: on a young proof (the lease) the
+            # next holder starts now; otherwise it is reserved and granted on the write's reply.
             self.queue.remove(nxt)
             now = self.clock()
             if fresh(slot.confirmed, now, kazoo_compat.session_timeout(self.host.client)):
@@ -183,11 +148,8 @@ class Cohort:
 
     def _passed(self, slot: Slot, wait, sent: float, result) -> None:
         """The handoff's write answered: grant the reserved waiter, or find the node gone.
-
-        The reply proves the node ours as of ``sent``; one older than a third of the session
-        timeout (this process was stopped, or its host suspended, while the reply waited)
-        proves nothing about now, so the write is sent again first (the simulator found a
-        grant on a session that had expired meanwhile)."""
+        A reply older than a third of the session timeout (the agent was stopped, or its host
+        suspended, meanwhile) proves nothing about now: the write goes again first."""
         if not slot.handing_on or slot.holder is not wait:
             return  # this reservation was answered already: a node is granted once per write
         try:
@@ -207,9 +169,8 @@ class Cohort:
         if not written:
             slot.lost = True
         if slot in self.slots and (not written or not slot.held):
-            # Lost meanwhile (say, a suspension past its grace, whose write then went
-            # through on reconnection): a node that is not held must go, or it stays first
-            # in the key's queue with nobody to grant (the simulator found this deadlock).
+            # Lost meanwhile (a suspension past its grace, then the write went through): a node
+            # not held must go, or it stays first in the key's queue with nobody to grant.
             self._drop(slot, replace=True)
         self.pump()
 
@@ -223,9 +184,8 @@ class Cohort:
                     self._drop(slot)
                 else:
                     self._grant(slot, nxt)
-        busy = sum(1 for s in self.slots if s.holder is not None)
         pending = [s for s in self.slots if s.holder is None]
-        want = max(0, min(len(self.queue), self.max_holders - busy))
+        want = max(0, min(len(self.queue), self.max_holders - self._busy()))
         while len(pending) < want:
             pending.append(self._new_slot())
         for slot in pending[want:]:
@@ -375,9 +335,8 @@ class Cohort:
             self.pump()
 
     def _watch_queue(self, slot: Slot) -> None:
-        """While a node is held and ours wait behind it, learn whether anyone else queues for
-        the key (one children read, and a child watch until someone shows up): the streak is
-        bounded only then.  A key whose tasks never wait for each other costs no read."""
+        """While a node is held and ours wait behind it, learn whether anyone else queues (one
+        children read, a child watch until someone shows up): only then is the streak bounded."""
         client = self.host.client
 
         def changed(_event) -> None:
