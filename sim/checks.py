@@ -29,6 +29,7 @@ its agent not silent past the grace it was given.  The server's tree is the trut
 
 from __future__ import annotations
 
+from celery_zklock.engine.internals import State
 from celery_zklock.engine.znodes import STREAK_BITS, sort_contenders
 
 #: A holder whose node is gone must stop believing within this long (virtual seconds),
@@ -220,16 +221,10 @@ class Checks:
         others = [n for n in self.server.nodes.get(key).children if f"{key}/{n}" != path
                   and self.server.nodes[f"{key}/{n}"].owner == session] if key in self.server.nodes else []
         creating = worker.client.sent_creates_under(key) or any(
-            s.attempt.state.name == "CREATING" and not s.attempt._finished for s in cohort.slots)
+            s.attempt.state is State.CREATING and not s.attempt._finished for s in cohort.slots)
         if not others and not creating:
-            slots = [(s.attempt.node, s.attempt.state.name, s.attempt._pending, s.attempt._create_in_flight,
-                      s.attempt in worker.agent.monitor._subscribers, s.attempt._finished)
-                     for s in cohort.slots]
-            from celery_zklock.engine.attempt.state import RECENT
-            slots.append(("recent", key in RECENT, "group", len(worker.agent.monitor.new_keys._waiting),
-                          worker.agent.monitor.new_keys._in_flight, worker.client.connected))
             self.fail(f"{worker.name} deletes {path} while {len(cohort.queue)} of its requests wait for the key, "
-                      f"with no other node of its own there or on its way: they lose their place (slots {slots})")
+                      "with no other node of its own there or on its way: they lose their place")
 
     # ------------------------------------------------------------------ the end
     def at_end(self) -> None:

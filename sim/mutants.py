@@ -102,23 +102,29 @@ MUTANTS = [
            "worker/cohort_rules.py",
            "    if not foreign:\n        return True\n",
            "    if True:\n        return True\n"),
+    Mutant("orphan-agent", "14. an agent that exits only once ZooKeeper answers: cut off when its worker "
+           "goes, it stays behind",
+           "worker/agent_server.py",
+           "        if self.main_seen and self.main is None and not self._claimed():\n            self.stopped.set()",
+           "        if self.main_seen and self.main is None and not self._claimed() and self.client.connected:\n"
+           "            self.stopped.set()"),
     # The bugs the simulator itself found (docs/simulation.md, "What it found"):
-    Mutant("lost-node-kept", "14. a handoff whose write succeeds after its node was marked lost keeps the node "
+    Mutant("lost-node-kept", "15. a handoff whose write succeeds after its node was marked lost keeps the node "
            "first in the queue with nobody to grant",
            "worker/cohort.py",
            "        if slot in self.slots and (not written or not slot.held):\n",
            "        if slot in self.slots and not written:\n"),
-    Mutant("stale-reply-grant", "15. a handoff granted on a write reply that waited past a third of the session "
+    Mutant("stale-reply-grant", "16. a handoff granted on a write reply that waited past a third of the session "
            "(the agent stopped meanwhile)",
            "worker/cohort.py",
            "            if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:\n",
            "            if False:\n"),
-    Mutant("exists-own-watch", "16. the holder's own-node watch set with exists: a creation watch left on the "
+    Mutant("exists-own-watch", "17. the holder's own-node watch set with exists: a creation watch left on the "
            "server for a deleted node, and the deletion not seen",
            "engine/attempt/holding.py",
            "        kazoo_compat.on_ready(self.client.get_async(f\"{self.lk.path}/{node}\", watch=self._own_watcher[2]),",
            "        kazoo_compat.on_ready(self.client.exists_async(f\"{self.lk.path}/{node}\", watch=self._own_watcher[2]),"),
-    Mutant("blocking-holders", "17. a timeout's verdict waits for a blocking read of the key's holders",
+    Mutant("blocking-holders", "18. a timeout's verdict waits for a blocking read of the key's holders",
            "worker/agent_requests.py",
            "        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))\n",
            "        from ..engine.contenders import contenders\n"

@@ -270,7 +270,13 @@ class Run:
         world.run_until(calm + SETTLE, stop=self._quiet)
         world.run_until(world.now + 5.0)  # containers swept, grace timers run out
         self.checks.at_end()
-        # The workers exit: the main process goes, pool processes go once idle.
+        # The workers exit: the main process goes, pool processes go once idle; now and then
+        # with the agent cut off from ZooKeeper at that moment (it must exit all the same).
+        exit_rng = world.rng("exit")
+        cut = [w for w in self.workers if exit_rng.random() < 0.3]
+        for worker in cut:
+            worker.client.partition()
+        world.run_until(world.now + 30.0, stop=lambda: all(not w.client.connected for w in cut))
         for worker in self.workers:
             worker.exiting_pools = True
             worker.main.alive = False

@@ -793,8 +793,8 @@ class SimClient(KazooClient):
         self._live.clear()
         self._stopped.set()
         session = self.server.sessions.get(self._session_id)
-        if session is not None and session.alive:
-            self.server.expire(session)
+        if session is not None and session.alive and not self.partitioned and self.server.up:
+            self.server.expire(session)  # a clean close; cut off, the server expires it on silence
         if self.link is not None:
             self.link.close()
 
