@@ -377,6 +377,7 @@ def main(argv=None) -> int:
         return 1 if violation else 0
     started = time.monotonic()
     done, events, faults = 0, 0, 0
+    kinds: dict[str, int] = {}
     for seed, scenario in _schedules(args):
         if args.budget is not None and time.monotonic() - started > args.budget:
             break
@@ -384,6 +385,8 @@ def main(argv=None) -> int:
         done += 1
         events += run.world.events
         faults += len(run.faults)
+        for kind in run.faults:
+            kinds[kind] = kinds.get(kind, 0) + 1
         if violation:
             where = f"seed {seed}" + (f" (scenario {scenario})" if scenario else "")
             print(f"VIOLATION at {where}: {violation}")
@@ -406,6 +409,7 @@ def main(argv=None) -> int:
               f"{f', {len(SCENARIOS)} directed scenarios x {SCENARIO_SEEDS}' if args.scenarios else ''}) in "
               f"{elapsed:.1f} s: {done / elapsed:.1f} schedules/s, {events / max(done, 1):.0f} events/schedule, "
               f"{faults / max(done, 1):.1f} faults/schedule; no violation")
+        print("faults exercised: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
     return 0
 
 
