@@ -23,7 +23,8 @@ from celery_zklock.worker.agent_link import HEARTBEAT
 from celery_zklock.worker.pool_handoff import hand_over_early
 
 from .world import Proc, Thread, World
-from .zk import Server, SimClient
+from .zk import SimClient
+from .zk_server import Server
 
 #: How long a pool process waits for a claim's first answer before it unclaims and locks
 #: in-process (agent_lock.claim's timeout in task.py).
