@@ -76,12 +76,20 @@ class Link:
         self.up.append(entry)
         self.world.at(self._up_last, f"{self.client.name}.up", self._arrive_server, entry)
 
-    def _arrive_server(self, entry) -> None:
+    @staticmethod
+    def _arrived(queue: deque, entry: list) -> bool:
+        """Mark ``entry`` arrived and take it off its queue; False if it already arrived
+        (taken early by :meth:`early_reply`)."""
         if entry[1]:
-            return  # rushed (see early_reply)
+            return False
         entry[1] = True
-        if self.up and self.up[0] is entry:
-            self.up.popleft()
+        if queue and queue[0] is entry:
+            queue.popleft()
+        return True
+
+    def _arrive_server(self, entry) -> None:
+        if not self._arrived(self.up, entry):
+            return
         item = entry[0]
         if not self.open:
             return
@@ -108,11 +116,8 @@ class Link:
                       proc=self.client.proc)
 
     def _arrive_client(self, entry) -> None:
-        if entry[1]:
-            return  # delivered early (see early_reply)
-        entry[1] = True
-        if self.down and self.down[0] is entry:
-            self.down.popleft()
+        if not self._arrived(self.down, entry):
+            return
         item = entry[0]
         if not self.open:
             return
@@ -131,14 +136,14 @@ class Link:
                 or not self.session.alive):
             return False
         if self.up:
-            entry = self.up.popleft()
-            entry[1] = True
+            entry = self.up[0]
+            self._arrived(self.up, entry)
             self._apply(entry[0])
         if not self.down or self.down[-1][0][0] != "reply":
             return False
         while self.down:
-            entry = self.down.popleft()
-            entry[1] = True
+            entry = self.down[0]
+            self._arrived(self.down, entry)
             self.client._receive(self, entry[0])
         return True
 
@@ -267,31 +272,31 @@ class SimHandler:
         self.completion_queue.put(lambda: callback.func(*callback.args))
 
 
-def _takes_engine_lock(fn) -> bool:
+def _takes_engine_lock(fn, seen: set | None = None) -> bool:
     """Would this completion callback take an attempt's lock?  Then it must wait for the
-    caller (which may hold it); others may run while the caller is descheduled."""
+    caller (which may hold it); others may run while the caller is descheduled.  It does if
+    an Attempt is reachable through its partials, bound self or closures (wrappers such as
+    ``on_ready``'s ``once`` included)."""
     from functools import partial
 
     from celery_zklock.engine.attempt.machine import Attempt
 
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if isinstance(fn, partial):
-            if any(isinstance(a, Attempt) for a in fn.args):
-                return True
-            fn = fn.func
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return False
+    seen.add(id(fn))
+    if isinstance(fn, partial):
+        return any(isinstance(a, Attempt) for a in fn.args) or _takes_engine_lock(fn.func, seen)
+    if isinstance(getattr(fn, "__self__", None), Attempt):
+        return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # not filled yet
             continue
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, Attempt):
+        if isinstance(value, Attempt) or (callable(value) and _takes_engine_lock(value, seen)):
             return True
-        cells = getattr(fn, "__closure__", None) or ()
-        inner = [c.cell_contents for c in cells if callable(getattr(c, "cell_contents", None))]
-        if getattr(fn, "__name__", "") == "once" and inner:
-            fn = inner[0]
-            continue
-        return any(isinstance(getattr(c, "cell_contents", None), Attempt) for c in cells)
-    return True
+    return False
 
 
 class SimTimers(Timers):

@@ -44,22 +44,16 @@ def holders_async(client: KazooClient, path: str, max_holders: int, callback) ->
     list when they cannot be read).  Why not :func:`contenders`: the lock agent reports who
     held a key when a request timed out, and that report must never make the verdict wait
     for an unreachable ZooKeeper, nor cost a blocked thread per timeout."""
-    from .kazoo_compat import on_ready
+    from .kazoo_compat import on_all_ready, on_ready
 
     def listed(result) -> None:
         try:
             names = znodes.sort_contenders(result.get())[:max_holders]
         except Exception:
             names = []
-        if not names:
-            return callback([])
         reads = [client.get_async(f"{path}/{name}") for name in names]
-        left = [len(reads)]
 
-        def read(_result) -> None:
-            left[0] -= 1
-            if left[0]:
-                return
+        def read() -> None:
             found = []
             for r in reads:
                 try:
@@ -68,8 +62,7 @@ def holders_async(client: KazooClient, path: str, max_holders: int, callback) ->
                     continue
             callback(found)
 
-        for r in reads:
-            on_ready(r, read)
+        on_all_ready(reads, read)
 
     if not client.connected:
         return callback([])

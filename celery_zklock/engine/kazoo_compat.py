@@ -53,6 +53,22 @@ def on_ready(result, callback: Callable) -> None:
     result.rawlink(once)
 
 
+def on_all_ready(results, callback: Callable[[], None]) -> None:
+    """Run ``callback()`` once, when every one of ``results`` is ready (at once for none):
+    the one countdown for a reply per node that is decided only when all have come."""
+    results = list(results)
+    if not results:
+        return callback()
+    left = itertools.count(len(results) - 1, -1)  # next() is atomic under the GIL
+
+    def one(_ready) -> None:
+        if next(left) == 0:
+            callback()
+
+    for result in results:
+        on_ready(result, one)
+
+
 def session_timeout(client: KazooClient) -> float:
     """The session timeout in seconds: the one the server *negotiated* once connected, the
     requested one before.

@@ -15,7 +15,7 @@ import logging
 
 from ..engine.internals import State
 from ..engine import kazoo_compat
-from ..engine.kazoo_compat import on_ready
+from ..engine.kazoo_compat import on_all_ready
 from ..engine.session import DELETED, LEASED, WRITTEN
 from .agent_link import Connection
 from .agent_requests import Wait
@@ -81,22 +81,15 @@ class ClaimDesk:
         outcomes = self._let_go(wait)
         self._forget(wait)
         pending = [p for p in outcomes if not isinstance(p, str)]
-        left = [len(pending)]
 
         def answer() -> None:
             proven = all(_outcome(p) in PROOFS for p in outcomes)
             why = reason or (None if proven else "lock node was already gone at release")
             peer.send({"op": "released", "id": request_id, "proven": proven, "reason": why})
 
-        def one_done(_result) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                answer()
-
         if not pending:
             return answer()
-        for p in pending:
-            on_ready(p, lambda result: self.post(one_done, result))
+        on_all_ready(pending, lambda: self.post(answer))
 
     # ------------------------------------------------------------------ lock state
     @staticmethod

@@ -52,15 +52,8 @@ class Ghosts:
                     return self._settle_cleanup()
                 return self._send_create()
             replies = {name: self.client.exists_async(f"{self.lk.path}/{name}") for name in mine}
-            remaining = [len(replies)]
-
-            def checked(_result) -> None:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    self._on_ghost_stats(look, delete_only, children, replies)
-
-            for r in replies.values():
-                kazoo_compat.on_ready(r, checked)
+            kazoo_compat.on_all_ready(replies.values(),
+                                      lambda: self._on_ghost_stats(look, delete_only, children, replies))
 
     def _on_ghost_stats(self, look, delete_only: bool, children, replies) -> None:
         with self._guard:
