@@ -126,6 +126,19 @@ def _metrics_port(value: Any) -> int | str | None:
     raise ValueError("must be None, a port (9808) or 'host:port' ('0.0.0.0:9808')")
 
 
+def _scheduler(value: Any) -> str | type:
+    """A scheduler class or its ``module:Class`` name (imported when beat starts)."""
+    if isinstance(value, type) or (isinstance(value, str) and value.strip()):
+        return value
+    raise ValueError("must be a celery.beat.Scheduler subclass or its name, e.g. 'celery.beat:PersistentScheduler'")
+
+
+def _name(value: Any) -> str:
+    if isinstance(value, str) and value.strip():
+        return value
+    raise ValueError("must be a non-empty string")
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in options:
@@ -214,6 +227,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_enqueue_unrun", "republish", _choice(ENQUEUE_UNRUN), "A guarded task that ends unrun (skipped or failed on its lock) after publishes were deduped into it: 'republish' (publish it once more, as a new task with the same arguments and queue, so the deduped work runs) or 'report' (only say so). Both log a WARNING, send the event task-lock-unrun and count zklock_enqueue_unrun_deduped_total.", "lock_enqueue_unrun"),
         Setting("zklock_enqueue_expires", 3600.0, _positive, "How long after its message's ETA (or publish) a queued enqueue guard is trusted (s): past it, the next publish queues again (a guard whose message the broker lost ends then). Never added to the message as an expires."),
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
+        Setting("zklock_beat_scheduler", "celery.beat:PersistentScheduler", _scheduler, "celery beat -S celery_zklock.beat:ZkScheduler: the scheduler it wraps (keeps the schedule, decides what is due), e.g. django_celery_beat.schedulers:DatabaseScheduler.", wire=False),
+        Setting("zklock_beat_group", "default", _name, "The beats that elect one active scheduler among them: those of one app, sharing one schedule.", wire=False),
+        Setting("zklock_beat_metrics_port", None, _metrics_port, "Serve the elected beat's Prometheus metrics (zklock_beat_leader, zklock_beat_ticks_total) on this port (127.0.0.1) or 'host:port'.", wire=False),
     )
 }
 

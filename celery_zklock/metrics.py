@@ -13,6 +13,8 @@ Metrics: ``zklock_wait_seconds`` and ``zklock_hold_seconds`` (histograms),
 ``zklock_acquired_total``, ``zklock_timeouts_total{policy}``, ``zklock_lost_total{reason}``,
 ``zklock_unavailable_total``, ``zklock_enqueue_unrun_deduped_total`` (publishes deduped into a
 task that then ended unrun), and the gauges ``zklock_waiting`` and ``zklock_holding``.
+An elected beat (:mod:`celery_zklock.beat`) serves ``zklock_beat_leader`` and
+``zklock_beat_ticks_total{outcome}`` on ``zklock_beat_metrics_port``: one process, no pool.
 """
 
 from __future__ import annotations
@@ -115,6 +117,43 @@ def record(event: str, task, **fields: Any) -> None:
             m["waiting"].labels(*labels).inc(1 if event == "waiting" else -1)
     except Exception:  # monitoring must never break a task
         pass
+
+
+_beat: dict[str, Any] | None = None
+
+
+def start_beat(port, group: str) -> None:
+    """In ``celery beat`` (one process: a plain registry and an HTTP thread are fine)."""
+    global _beat
+    if port is None or _beat is not None:
+        return
+    from .errors import ConfigurationError
+
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ConfigurationError("zklock_beat_metrics_port needs prometheus_client: pip install 'celery-zklock[metrics]'") from None
+    registry = prometheus_client.CollectorRegistry()
+    _beat = {
+        "leader": prometheus_client.Gauge("zklock_beat_leader", "1 while this beat is its group's active scheduler, else 0",
+                                          ("group",), registry=registry),
+        "ticks": prometheus_client.Counter("zklock_beat_ticks", "Beat ticks by outcome: sent; withheld (recorded but not "
+                                           "proven in time: kept due); skipped (due times missed during a handover)",
+                                           ("group", "outcome"), registry=registry),
+    }
+    _beat["leader"].labels(group).set(0)
+    host, _, port_s = str(port).rpartition(":")
+    prometheus_client.start_http_server(int(port_s), addr=host or "127.0.0.1", registry=registry)
+
+
+def beat_role(group: str, leader: bool) -> None:
+    if _beat is not None:
+        _beat["leader"].labels(group).set(1 if leader else 0)
+
+
+def beat_tick(group: str, outcome: str, n: int = 1) -> None:
+    if _beat is not None:
+        _beat["ticks"].labels(group, outcome).inc(n)
 
 
 def _reason(reason: Any) -> str:

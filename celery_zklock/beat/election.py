@@ -1,0 +1,136 @@
+"""This beat's place in its group's election: a fair lock on the group's path, whose holder is
+the active scheduler.
+
+Why a :class:`~celery_zklock.engine.lock.FairLock`: it already is a FIFO queue of ephemeral
+nodes that tells its holder when the node is gone (session expired, deleted) and doubts it
+while disconnected; standbys wait in creation order and the next one leads as soon as the
+leader's node goes, within the session timeout of its death.  The waiting happens on a
+thread of its own, so beat's loop never blocks on ZooKeeper.
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import Enum
+from typing import Callable
+
+from celery.utils.log import get_logger
+from kazoo.client import KazooClient
+
+from ..engine.client import disconnect
+from ..engine.lock import FairLock
+from ..errors import LockUnavailable
+
+logger = get_logger("celery.beat.zklock")
+
+
+class Role(Enum):
+    LEADER = "leader"
+    STANDBY = "standby"
+
+
+class Election:
+    """Joins the queue at ``path`` (connecting first, again and again while ZooKeeper is
+    unreachable) and tells ``on_change(role, reason)`` when this beat leads or stops leading."""
+
+    def __init__(self, connect: Callable[[], KazooClient], path: str, identity: bytes,
+                 on_change: Callable[[Role, str], None], backoff: Callable[[int], float]) -> None:
+        self.path = path
+        self.client: KazooClient | None = None
+        self._connect = connect
+        self._identity = identity
+        self._on_change = on_change
+        self._backoff = backoff
+        self._lock: FairLock | None = None
+        self._term = 0  # counts this beat's terms as leader; 0 until the first
+        self._leading = threading.Event()
+        self._ended = threading.Event()  # the current term ended (lost, deposed)
+        self._reason = ""
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zklock-beat-election", daemon=True)
+
+    def start(self, client: KazooClient | None = None) -> None:
+        """Run; ``client``: one already connected (the start-up check made it)."""
+        self.client = client
+        self._thread.start()
+
+    # ------------------------------------------------------------------ what the scheduler reads
+    def term(self) -> int | None:
+        """The current term's number while this beat leads, else None."""
+        return self._term if self._leading.is_set() else None
+
+    def held(self) -> bool:
+        """Leading, and the connection gives no reason to doubt it (no I/O)."""
+        lock = self._lock
+        return self._leading.is_set() and lock is not None and lock.is_held()
+
+    @property
+    def node(self) -> str | None:
+        lock = self._lock
+        return lock.node if lock is not None else None
+
+    @property
+    def token(self) -> int:
+        lock = self._lock
+        return (lock.token or 0) if lock is not None else 0
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` for leadership; True when leading."""
+        return self._leading.wait(timeout)
+
+    def step_down(self, reason: str) -> None:
+        """End the term now (a tick write found our node gone); the thread queues again."""
+        self._reason = reason
+        self._leading.clear()
+        self._ended.set()
+
+    def close(self) -> None:
+        """Leave the election: a leader's node is deleted at once, so a standby leads now."""
+        self._closed.set()
+        self._leading.clear()
+        self._ended.set()
+        lock = self._lock
+        if lock is not None:
+            lock.cancel()
+        self._thread.join(10.0)
+        if self.client is not None:
+            disconnect(self.client)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        failures = 0
+        while not self._closed.is_set():
+            if self.client is None:
+                try:
+                    self.client = self._connect()
+                    failures = 0
+                except LockUnavailable as exc:
+                    delay = self._backoff(failures)
+                    failures += 1
+                    logger.error("beat: zklock: %s; standing by (sending nothing), next try in %.1fs", exc, delay)
+                    self._closed.wait(delay)
+                    continue
+            lock = self._lock = FairLock(self.client, self.path, identifier=self._identity, reentrant=False,
+                                         on_lost=lambda lk: self.step_down(f"lost the election node: {lk.lost_reason}"))
+            try:
+                held = lock.acquire()
+            except Exception as exc:  # unavailable, refused: say so, wait, queue again
+                logger.error("beat: zklock: cannot join the election at %s: %s", self.path, exc)
+                self._closed.wait(self._backoff(0))
+                continue
+            if not held or self._closed.is_set():
+                lock.release()
+                continue
+            self._term += 1
+            self._ended.clear()
+            self._leading.set()
+            self._on_change(Role.LEADER, f"token {lock.token}")
+            while not self._ended.wait(1.0):
+                pass
+            self._leading.clear()
+            if self._closed.is_set():
+                lock.release()
+                self._on_change(Role.STANDBY, "shutting down")
+                return
+            self._on_change(Role.STANDBY, self._reason or "stepped down")
+            lock.release(wait=False)

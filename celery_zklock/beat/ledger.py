@@ -1,0 +1,85 @@
+"""The tick records in ZooKeeper: one node per schedule entry, written only by the leader.
+
+Why a ``multi`` per write: it checks that our election node still exists and sets the record
+at the version we last saw, in one transaction.  Applied, it proves we led at that zxid and
+that nobody wrote the entry since; so a deposed leader's write fails, and two leaders can
+never both record the same due time.
+"""
+
+from __future__ import annotations
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError, OperationTimeoutError, RolledBackError,
+    SessionExpiredError, ZookeeperError,
+)
+
+from ..engine.kazoo_compat import acl_for
+from ..keys import encode_key
+from .rules import TickRecord, Written
+
+
+class Ledger:
+    """The records of one group's entries (``{group path}/ticks/{entry}``), with the version
+    of each as last read or written by this beat."""
+
+    def __init__(self, client: KazooClient, path: str, timeout: float) -> None:
+        self.client = client
+        self.path = f"{path}/ticks"
+        self.timeout = timeout  # bound on each request: a beat never hangs on ZooKeeper
+        self._known: dict[str, tuple[TickRecord | None, int | None]] = {}  # node name: (record, version)
+
+    def node(self, name: str) -> str:
+        return f"{self.path}/{encode_key(name)}"
+
+    def load(self) -> None:
+        """Read every record (a new leader's first step); raises kazoo errors."""
+        self.client.ensure_path(self.path, acl=acl_for(self.client, self.path))
+        pending = [(n, self.client.get_async(f"{self.path}/{n}")) for n in self.client.get_children(self.path)]
+        self._known = {}
+        for node_name, result in pending:
+            try:
+                data, stat = result.get(timeout=self.timeout)
+            except NoNodeError:
+                continue
+            self._known[node_name] = (TickRecord.parse(data), stat.version)
+
+    def read(self, name: str) -> TickRecord | None:
+        """The record of ``name`` as last loaded or written (no I/O)."""
+        return self._known.get(encode_key(name), (None, None))[0]
+
+    def refresh(self, name: str) -> TickRecord | None:
+        """Read ``name``'s record again (after a conflict or an unanswered write)."""
+        try:
+            data, stat = self.client.get(self.node(name))
+        except NoNodeError:
+            self._known.pop(encode_key(name), None)
+            return None
+        self._known[encode_key(name)] = (TickRecord.parse(data), stat.version)
+        return self.read(name)
+
+    def write(self, name: str, record: TickRecord, leader_node: str) -> Written:
+        """Record ``record`` if our election node exists and nobody wrote since our read."""
+        version = self._known.get(encode_key(name), (None, None))[1]
+        txn = self.client.transaction()
+        txn.check(leader_node, -1)
+        if version is None:
+            txn.create(self.node(name), record.to_bytes(), acl=acl_for(self.client, self.node(name)))
+        else:
+            txn.set_data(self.node(name), record.to_bytes(), version=version)
+        try:
+            results = txn.commit_async().get(timeout=self.timeout)
+        except (ConnectionLoss, OperationTimeoutError, self.client.handler.timeout_exception):
+            return Written.UNKNOWN
+        except SessionExpiredError:
+            return Written.DEPOSED
+        first, second = results
+        if isinstance(first, NoNodeError):
+            return Written.DEPOSED
+        if isinstance(second, (BadVersionError, NodeExistsError, NoNodeError)):
+            return Written.CONFLICT
+        if isinstance(first, Exception) or isinstance(second, Exception):
+            error = second if not isinstance(second, RolledBackError) else first
+            raise error if isinstance(error, ZookeeperError) else RuntimeError(str(error))
+        self._known[encode_key(name)] = (record, 0 if version is None else version + 1)
+        return Written.RECORDED

@@ -1,0 +1,267 @@
+"""``celery beat -S celery_zklock.beat:ZkScheduler``: many beats, one elected to send.
+
+The scheduler wraps another (``zklock_beat_scheduler``, Celery's ``PersistentScheduler`` by
+default) and leaves it every schedule decision; it adds who may send and what was sent.
+Every send goes through :meth:`ZkScheduler._apply_entry`: record the tick in ZooKeeper with
+a conditional write that also proves leadership, then publish within a third of the session
+timeout of sending that write, or not at all.  See docs/beat.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import uuid
+
+from celery.beat import Scheduler
+from celery.utils.imports import symbol_by_name
+from celery.utils.log import get_logger
+
+from .. import metrics
+from ..config import cached_settings
+from ..engine import clock
+from ..engine.client import connect
+from ..engine.identity import Identity
+from ..errors import ConfigurationError, LockUnavailable
+from ..keys import encode_key
+from .election import Election, Role
+from .ledger import Ledger
+from .rules import TickRecord, TickState, Verdict, Written, already_sent, handover, verdict
+
+logger = get_logger("celery.beat.zklock")
+
+FOLDER = ".beat"  # under zklock_root; no encoded lock key starts with "."
+RETRY = 0.2  # seconds before a tick that could not be recorded is tried again
+
+
+def folder(root: str) -> str:
+    return f"{root.rstrip('/')}/{FOLDER}"
+
+
+def group_path(root: str, group: str) -> str:
+    return f"{folder(root)}/{encode_key(group)}"
+
+
+def inner_class(name_or_class) -> type:
+    """The scheduler class to wrap, or a :class:`ConfigurationError` saying what to fix."""
+    try:
+        cls = symbol_by_name(name_or_class, aliases={})
+    except Exception as exc:
+        raise ConfigurationError(f"zklock_beat_scheduler={name_or_class!r} cannot be imported: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ConfigurationError(f"zklock_beat_scheduler={name_or_class!r} is not a celery.beat.Scheduler subclass")
+    if issubclass(cls, ZkScheduler):
+        raise ConfigurationError("zklock_beat_scheduler names ZkScheduler itself; name the scheduler it wraps "
+                                 "(e.g. 'celery.beat:PersistentScheduler')")
+    return cls
+
+
+class ZkScheduler(Scheduler):
+    """Beat's scheduler for a group of beats: the elected one sends each tick once."""
+
+    def __init__(self, app, *args, lazy: bool = False, **kwargs) -> None:
+        settings = cached_settings(app)
+        self.inner = inner_class(settings.beat_scheduler)(app, *args, lazy=lazy, **kwargs)
+        super().__init__(app, max_interval=self.inner.max_interval, lazy=True)
+        self.settings = settings
+        self.group = settings.beat_group
+        self.path = group_path(settings.root, self.group)
+        self.me = f"{socket.gethostname()}:{os.getpid()}"
+        self.election: Election | None = None
+        self.ledger: Ledger | None = None
+        self._adopted = None  # the election term whose records the inner scheduler holds
+        self._unsure: dict[str, str] = {}  # entry: nonce of a recorded (or maybe recorded) tick not yet published
+        self._retry = False
+        self._send = self.inner.apply_async
+        if not lazy:
+            self._start()
+
+    # ------------------------------------------------------------------ start and stop
+    def _start(self) -> None:
+        s = self.settings
+        identity = Identity.of_this_process(worker=f"beat@{socket.gethostname()}", task=f"celery beat ({self.group})")
+        self.election = Election(lambda: connect(s, summarize_retries=True), f"{self.path}/leader",
+                                 identity.to_bytes(), self._on_role, self._backoff)
+        client = None
+        try:
+            client = connect(s, summarize_retries=True)
+        except LockUnavailable as exc:
+            if s.on_unavailable == "fail":
+                raise LockUnavailable(f"celery beat cannot start: {exc} (zklock_on_unavailable='fail')") from None
+            logger.error("beat: zklock: %s; this beat stands by, sending nothing, until ZooKeeper answers "
+                         "(zklock_on_unavailable='retry')", exc)
+        metrics.start_beat(s.beat_metrics_port, self.group)
+        self.inner.apply_entry = self._apply_entry  # every tick of the inner scheduler is sent through here
+        self.election.start(client)
+        logger.info("beat: zklock: joined the election of group %r at %s (%s)", self.group, self.path, self.me)
+
+    def _backoff(self, failures: int) -> float:
+        s = self.settings
+        return min(s.retry_backoff_max, s.retry_countdown * (s.retry_backoff ** failures)) or 1.0
+
+    def _on_role(self, role: Role, why: str) -> None:
+        metrics.beat_role(self.group, role is Role.LEADER)
+        if role is Role.LEADER:
+            logger.info("beat: zklock: this beat (%s) is now the active scheduler of group %r (%s)", self.me, self.group, why)
+        else:
+            logger.warning("beat: zklock: this beat (%s) stepped down in group %r: %s", self.me, self.group, why)
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            if self.election is not None:
+                self.election.close()
+
+    # ------------------------------------------------------------------ beat's loop
+    def tick(self, *args, **kwargs) -> float:
+        """Standby: wait for leadership (beat's sleep).  Leader: adopt the shared records once
+        per term, then let the inner scheduler tick while the connection is sound."""
+        election = self.election
+        if election is None:  # lazy: never ticks
+            return self.max_interval
+        term = election.term()
+        if term is None:
+            self._adopted = None
+            election.wait(self.max_interval)
+            return 0
+        if self._adopted != term:
+            if not self._adopt():
+                return RETRY
+            self._adopted = term
+        if not election.held():
+            return RETRY  # suspended: doubt, send nothing, keep every due tick due
+        self._retry = False
+        interval = self.inner.tick(*args, **kwargs)
+        return RETRY if self._retry and not interval else interval
+
+    def _adopt(self) -> bool:
+        """A new leader's first step: every entry continues from the group's records."""
+        self.ledger = Ledger(self.election.client, self.path, self.settings.session_timeout / 3)
+        try:
+            self.ledger.load()
+        except Exception as exc:
+            logger.warning("beat: zklock: cannot read the tick records at %s yet: %s", self.ledger.path, exc)
+            return False
+        now = self.app.now()
+        for name, entry in list(self.inner.schedule.items()):
+            record = self.ledger.read(name)
+            if record is None:
+                continue
+            self._take_record(name, entry, record)
+            found = handover(record, entry.schedule, now)
+            if found.unconfirmed:
+                logger.warning("beat: zklock: %s: tick %d (due %s) was recorded by %s but not confirmed sent: it was "
+                               "lost if that beat died before publishing it", name, record.seq, record.due, record.by)
+            if found.skipped:
+                metrics.beat_tick(self.group, "skipped", found.skipped)
+                logger.warning("beat: zklock: %s: %d due times passed during the handover; sending one now, "
+                               "skipping %d", name, found.missed, found.skipped)
+        self.inner._heap = None  # re-read the entries' due times
+        return True
+
+    def _take_record(self, name: str, entry, record: TickRecord) -> None:
+        entry.last_run_at = record.last_run_at
+        entry.total_run_count = record.runs
+        self.inner.schedule[name] = entry
+        self.inner._heap = None
+
+    # ------------------------------------------------------------------ one send
+    def _apply_entry(self, entry, producer=None) -> None:
+        """Record the tick (proving leadership), then publish it; or keep it due and send nothing."""
+        name, advanced = entry.name, self.inner.schedule.get(entry.name)
+        nonce = self._unsure.get(name)
+        try:
+            record = self.ledger.refresh(name) if nonce else self.ledger.read(name)
+        except Exception:
+            return self._keep_due(entry)
+        for _ in range(2):
+            ours = record is not None and record.nonce == nonce
+            if not ours and already_sent(record, entry.last_run_at):
+                self._unsure.pop(name, None)
+                return self._take_record(name, advanced or entry, record)  # another leader sent it
+            tick = record if ours else self._new_tick(entry, advanced, record)
+            if not self.election.held():
+                return self._keep_due(entry)
+            sent_at = clock.boottime()
+            written = self.ledger.write(name, tick, self.election.node)
+            if written is Written.CONFLICT:
+                record = self.ledger.refresh(name)
+                continue
+            break
+        else:
+            return self._keep_due(entry)
+        if written is Written.DEPOSED:
+            self.election.step_down("the election node was gone at a tick's write")
+            return self._keep_due(entry)
+        self._unsure[name] = tick.nonce
+        if written is Written.UNKNOWN:
+            return self._keep_due(entry)
+        why = verdict(clock.boottime() - sent_at, self.settings.session_timeout, self.election.held())
+        if why is not Verdict.PUBLISH:
+            metrics.beat_tick(self.group, "withheld")
+            logger.warning("beat: zklock: %s: tick %d not sent (%s); kept due", name, tick.seq, why.value)
+            return self._keep_due(entry)
+        self._publish(entry, tick, producer)
+
+    def _new_tick(self, entry, advanced, record: TickRecord | None) -> TickRecord:
+        now = self.app.now()
+        last_run_at = advanced.last_run_at if advanced is not None and advanced is not entry else now
+        due = now
+        try:
+            due = now + entry.schedule.remaining_estimate(entry.last_run_at)
+        except Exception:
+            pass
+        return TickRecord(last_run_at=last_run_at, due=min(due, now), seq=(record.seq + 1) if record else 1,
+                          runs=getattr(advanced, "total_run_count", 0) or 0, state=TickState.SENDING, by=self.me,
+                          token=self.election.token, nonce=uuid.uuid4().hex)
+
+    def _publish(self, entry, tick: TickRecord, producer) -> None:
+        tagged = copy.copy(entry)
+        headers = dict(entry.options.get("headers") or {})
+        headers["zklock_beat"] = {"entry": entry.name, "seq": tick.seq, "due": tick.due.isoformat(), "token": tick.token}
+        tagged.options = {**entry.options, "headers": headers}
+        logger.info("Scheduler: Sending due task %s (%s) [zklock tick %d]", entry.name, entry.task, tick.seq)
+        try:
+            result = self._send(tagged, producer=producer, advance=False)
+        except Exception as exc:
+            logger.error("Message Error: %s (tick %d of %s stays recorded as unconfirmed)", exc, tick.seq, entry.name,
+                         exc_info=True)
+            return
+        self._unsure.pop(entry.name, None)
+        metrics.beat_tick(self.group, "sent")
+        logger.debug("%s sent. id->%s", entry.task, getattr(result, "id", None))
+        self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
+
+    def _keep_due(self, entry) -> None:
+        """Put the entry back as it was before this send, so it is still due next tick."""
+        self.inner.schedule[entry.name] = entry
+        self.inner._heap = None
+        self._retry = True
+
+    # ------------------------------------------------------------------ the rest is the inner scheduler's
+    def get_schedule(self):
+        return self.inner.schedule
+
+    def set_schedule(self, schedule) -> None:
+        self.inner.schedule = schedule
+
+    schedule = property(get_schedule, set_schedule)
+
+    def setup_schedule(self) -> None:
+        pass
+
+    def should_sync(self) -> bool:
+        return self.inner.should_sync()
+
+    def _do_sync(self) -> None:
+        self.inner._do_sync()
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    @property
+    def info(self) -> str:
+        return (f"{self.inner.info}\n    . zklock -> one active beat of group {self.group!r} "
+                f"({self.settings.hosts}{self.path})")
