@@ -4,7 +4,7 @@
    ``127.0.0.1:2181`` and ``redis://127.0.0.1:6379/0``) when they answer — then under a
    unique znode root, a unique Redis key prefix and a separate Redis DB — and otherwise
    starts a local ZooKeeper and Redis on free loopback ports;
-2. runs ``flash_sale``, ``beat_singleton`` and ``retry_on_timeout`` (each starts its own
+2. runs ``flash_sale``, ``beat_singleton``, ``beat_elected`` and ``retry_on_timeout`` (each starts its own
    workers, and beats, and stops them when it is done), printing progress lines;
 3. prints a results table, stops every process it started (by pid, also on Ctrl-C, SIGTERM
    or an error) and exits 1 if any invariant failed (130 when interrupted).
@@ -27,7 +27,7 @@ from support.console import STOP, check_stop, install_interrupt_handlers, say
 from support.services import Services
 from support.workers import Procs
 
-EXAMPLES = ("flash_sale", "beat_singleton", "retry_on_timeout")
+EXAMPLES = ("flash_sale", "beat_singleton", "beat_elected", "retry_on_timeout")
 
 
 def _run_example(name: str, report: Report, procs: Procs, args: argparse.Namespace) -> None:
@@ -39,6 +39,10 @@ def _run_example(name: str, report: Report, procs: Procs, args: argparse.Namespa
         from examples.beat_singleton.scenario import run
 
         run(report, procs, window=9.0, workers=2, concurrency=2)
+    elif name == "beat_elected":
+        from examples.beat_elected.scenario import run
+
+        run(report, procs, faults=("sigkill", "sigstop"), session=4.0, granularity=2.0)  # tickTime 2000 ms
     else:
         from examples.retry_on_timeout.scenario import run
 

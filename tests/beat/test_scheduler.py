@@ -1,0 +1,201 @@
+"""ZkScheduler in this process against a real ZooKeeper (Celery's in-memory broker): who sends,
+the conditional tick write, a graceful handover, and ZooKeeper unreachable at start."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+from celery import Celery, signals
+
+from celery_zklock.beat import ZkScheduler, group_path
+from celery_zklock.beat.election import Election
+from celery_zklock.beat.ledger import Ledger
+from celery_zklock.beat.rules import TickRecord, TickState, Written
+from celery_zklock.errors import LockUnavailable
+
+TASK = "tests.beat.job"
+
+
+def make_app(hosts: str, root: str, **conf) -> Celery:
+    app = Celery("beat-inprocess", set_as_current=False)
+    app.conf.update({"broker_url": "memory://", "result_backend": None, "beat_max_loop_interval": 0.3,
+                     "beat_schedule": {"job": {"task": TASK, "schedule": 0.5}},
+                     "zklock_hosts": hosts, "zklock_root": root, "zklock_session_timeout": 2.0,
+                     "zklock_connect_timeout": 5.0, "zklock_beat_scheduler": "celery.beat:Scheduler", **conf})
+    app.task(name=TASK)(lambda: None)
+    return app
+
+
+@pytest.fixture
+def root():
+    return f"/beat-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def sends():
+    """(scheduler id, tick seq, when) of every publish of TASK by a ZkScheduler here."""
+    found: list[tuple[int, int, float]] = []
+
+    def count(sender=None, headers=None, **_):
+        tick = (headers or {}).get("zklock_beat")
+        if sender == TASK and tick:
+            found.append((threading.get_ident(), tick["seq"], time.monotonic()))
+
+    signals.before_task_publish.connect(count, weak=False)
+    yield found
+    signals.before_task_publish.disconnect(count)
+
+
+class Running:
+    """A scheduler ticking on a thread of its own, as beat's Service loop does."""
+
+    def __init__(self, app: Celery) -> None:
+        self.scheduler = ZkScheduler(app=app)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            interval = self.scheduler.tick()
+            if interval:
+                self.stop.wait(interval)
+
+    @property
+    def ident(self) -> int:
+        return self.thread.ident
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.scheduler.close()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, root, sends):
+    a = Running(make_app(zk_server.hosts, root))
+    assert wait_for(lambda: a.scheduler.election.term() is not None)
+    b = Running(make_app(zk_server.hosts, root))
+    try:
+        assert wait_for(lambda: len(sends) >= 4)
+        assert {who for who, _, _ in sends} == {a.ident}, "the standby sent"
+        assert b.scheduler.election.term() is None
+        closed_at = time.monotonic()
+        a.close()  # graceful: its election node goes at once
+        assert wait_for(lambda: any(who == b.ident for who, _, _ in sends), 5.0)
+        assert wait_for(lambda: sum(who == b.ident for who, _, _ in sends) >= 3)
+    finally:
+        a.close()
+        b.close()
+    seqs = [seq for _, seq, _ in sends]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs  # each tick once, none lost, across the handover
+    first_b = min(t for who, _, t in sends if who == b.ident)
+    assert first_b - closed_at < 2.0  # a graceful handover does not wait for the session to expire
+
+
+def test_a_leader_whose_election_node_is_deleted_stops_sending(zk_server, zk_client, root, sends):
+    a = Running(make_app(zk_server.hosts, root))
+    assert wait_for(lambda: a.scheduler.election.term() is not None)
+    b = Running(make_app(zk_server.hosts, root))
+    try:
+        assert wait_for(lambda: len(sends) >= 2)
+        zk_client.delete(a.scheduler.election.node)  # an operator, or a session ZooKeeper ended
+        deleted_at = time.monotonic()
+        assert wait_for(lambda: sum(who == b.ident for who, _, _ in sends) >= 3)
+    finally:
+        a.close()
+        b.close()
+    late = [(seq, round(t - deleted_at, 3)) for who, seq, t in sends if who == a.ident and t > deleted_at]
+    assert late == []
+    seqs = [seq for _, seq, _ in sends]
+    assert len(seqs) == len(set(seqs)), seqs
+
+
+def test_the_tick_write_proves_leadership_and_detects_a_second_writer(zk_server, zk_client, root):
+    """The ledger's multi: applied only while the writer's election node exists and only at the
+    version it read, so a deposed leader's write and a racing one both fail."""
+    from celery_zklock.engine.client import connect
+    from celery_zklock.config import load_settings
+
+    settings = load_settings(make_app(zk_server.hosts, root).conf)
+    c1, c2 = connect(settings), connect(settings)
+    try:
+        path = group_path(root, "g")
+        zk_client.ensure_path(f"{path}/leader")
+        node = zk_client.create(f"{path}/leader/n-", b"", ephemeral=True, sequence=True)
+        l1, l2 = Ledger(c1, path, 2.0), Ledger(c2, path, 2.0)
+        l1.load()
+        l2.load()
+        tick = TickRecord(last_run_at=_now(), due=_now(), seq=1, runs=1, state=TickState.SENDING, by="t", token=1,
+                          nonce="a")
+        assert l1.write("job", tick, node) is Written.RECORDED
+        assert l2.write("job", tick, node) is Written.CONFLICT  # created since its read
+        assert l2.refresh("job") == tick
+        assert l1.write("job", tick.sent(), node) is Written.RECORDED
+        assert l2.write("job", tick, node) is Written.CONFLICT  # a version behind
+        zk_client.delete(node)
+        l2.refresh("job")
+        assert l2.write("job", tick, node) is Written.DEPOSED
+        assert l2.refresh("job").state is TickState.SENT  # untouched by the deposed write
+    finally:
+        c1.stop(), c2.stop()
+
+
+def _now():
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc)
+
+
+def _dead_port() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"127.0.0.1:{port}"
+
+
+def test_zookeeper_unreachable_at_start_fails_loudly_with_policy_fail(root):
+    app = make_app(_dead_port(), root, zklock_on_unavailable="fail", zklock_connect_timeout=0.5)
+    with pytest.raises(LockUnavailable, match="zklock_hosts=.*zklock_on_unavailable='fail'"):
+        ZkScheduler(app=app)
+
+
+def test_zookeeper_unreachable_at_start_stands_by_with_policy_retry(root, sends, caplog):
+    app = make_app(_dead_port(), root, zklock_on_unavailable="retry", zklock_connect_timeout=0.5,
+                   zklock_retry_countdown=0.2)
+    with caplog.at_level(logging.ERROR, logger="celery.beat.zklock"):
+        s = ZkScheduler(app=app)
+        try:
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                s.tick()
+        finally:
+            s.close()
+    assert sends == []
+    assert "standing by" in caplog.text or "stands by" in caplog.text
+    assert "zklock_hosts" in caplog.text
+
+
+def test_the_wrapped_scheduler_is_named_by_a_setting_and_checked(zk_server, root):
+    from celery_zklock.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="zklock_beat_scheduler.*cannot be imported"):
+        ZkScheduler(app=make_app(zk_server.hosts, root, zklock_beat_scheduler="nowhere:Nothing"), lazy=True)
+    with pytest.raises(ConfigurationError, match="ZkScheduler itself"):
+        ZkScheduler(app=make_app(zk_server.hosts, root, zklock_beat_scheduler="celery_zklock.beat:ZkScheduler"), lazy=True)
+    lazy = ZkScheduler(app=make_app(zk_server.hosts, root), lazy=True)  # beat's banner: no connection
+    assert lazy.election is None and "one active beat of group 'default'" in lazy.info
