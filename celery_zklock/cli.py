@@ -13,7 +13,6 @@ import json
 import logging
 import socket
 import time
-from urllib.parse import unquote
 
 import click
 from celery.bin.base import CeleryCommand
@@ -22,8 +21,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 # Celery imports this module for every `celery` command (the celery.commands entry point),
 # so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
 from . import task  # noqa: F401
-from .beat import folder as beat_folder
-from .beat.rules import TickRecord
+from .beat.status import beat_report
 from .config import load_settings
 from .engine import guard_counts, guards
 from .engine.client import connect, disconnect
@@ -102,42 +100,6 @@ def _echo_beats(groups: dict) -> None:
             click.echo(f"  {b['role']:>7}  {b['host']} pid {b['pid']}  since {b['since']}  ({b['for_s']:.1f}s)  {b['node']}")
         for name, t in found["ticks"].items():
             click.echo(f"    tick {t['seq']} of {name!r} due {t['due']}: {t['state']} by {t['by']}")
-
-
-def beat_report(client, root: str) -> dict:
-    """{group: {"beats": [...], "ticks": {...}}}: each elected beat group's active scheduler
-    and standbys in queue order (host, pid, since), and the last tick recorded per entry."""
-    base = beat_folder(root)
-    try:
-        groups = sorted(client.get_children(base))
-    except NoNodeError:
-        return {}
-    now = time.time()
-    report = {}
-    for g in groups:
-        path = f"{base}/{g}"
-        beats = []
-        for position, c in enumerate(contenders(client, f"{path}/leader")):
-            ident = Identity.parse(c.identifier)
-            beats.append({"role": "active" if position == 0 else "standby", "position": position, "node": c.node,
-                          "host": ident.host if ident else None, "pid": ident.pid if ident else None,
-                          "since": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(c.created)) if c.created else None,
-                          "for_s": round(now - c.created, 3) if c.created else 0.0})
-        ticks = {}
-        try:
-            names = sorted(client.get_children(f"{path}/ticks"))
-        except NoNodeError:
-            names = []
-        for n in names:
-            try:
-                record = TickRecord.parse(client.get(f"{path}/ticks/{n}")[0])
-            except NoNodeError:
-                continue
-            if record is not None:
-                ticks[unquote(n)] = {"seq": record.seq, "due": record.due.isoformat(), "state": record.state.value,
-                                        "by": record.by, "token": record.token}
-        report[unquote(g)] = {"beats": beats, "ticks": ticks}
-    return report
 
 
 def _echo_guards(found: dict) -> None:

@@ -4,6 +4,7 @@ the conditional tick write, a graceful handover, and ZooKeeper unreachable at st
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -13,8 +14,8 @@ import pytest
 from celery import Celery, signals
 
 from celery_zklock.beat import ZkScheduler, group_path
-from celery_zklock.beat.election import Election
 from celery_zklock.beat.ledger import Ledger
+from celery_zklock.beat.status import beat_report
 from celery_zklock.beat.rules import TickRecord, TickState, Written
 from celery_zklock.errors import LockUnavailable
 
@@ -85,7 +86,7 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
     return predicate()
 
 
-def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, root, sends):
+def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client, root, sends):
     a = Running(make_app(zk_server.hosts, root))
     assert wait_for(lambda: a.scheduler.election.term() is not None)
     b = Running(make_app(zk_server.hosts, root))
@@ -93,6 +94,9 @@ def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, root, send
         assert wait_for(lambda: len(sends) >= 4)
         assert {who for who, _, _ in sends} == {a.ident}, "the standby sent"
         assert b.scheduler.election.term() is None
+        report = beat_report(zk_client, root)["default"]  # what `celery zklock status` shows
+        assert [(x["role"], x["pid"]) for x in report["beats"]] == [("active", os.getpid()), ("standby", os.getpid())]
+        assert report["ticks"]["job"]["seq"] >= 4 and report["ticks"]["job"]["state"] == "sent"
         closed_at = time.monotonic()
         a.close()  # graceful: its election node goes at once
         assert wait_for(lambda: any(who == b.ident for who, _, _ in sends), 5.0)
