@@ -203,3 +203,21 @@ def test_the_wrapped_scheduler_is_named_by_a_setting_and_checked(zk_server, root
         ZkScheduler(app=make_app(zk_server.hosts, root, zklock_beat_scheduler="celery_zklock.beat:ZkScheduler"), lazy=True)
     lazy = ZkScheduler(app=make_app(zk_server.hosts, root), lazy=True)  # beat's banner: no connection
     assert lazy.election is None and "one active beat of group 'default'" in lazy.info
+
+
+def test_the_beat_metrics_say_leader_and_count_ticks(zk_server, root, sends):
+    import urllib.request
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    a = Running(make_app(zk_server.hosts, root, zklock_beat_metrics_port=port))
+    try:
+        assert wait_for(lambda: len(sends) >= 2)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        a.close()
+    assert 'zklock_beat_leader{group="default"} 1.0' in text
+    sent = [line for line in text.splitlines() if line.startswith('zklock_beat_ticks_total{group="default",outcome="sent"}')]
+    assert sent and float(sent[0].split()[-1]) >= 2
