@@ -24,6 +24,9 @@ from ..errors import LockUnavailable
 logger = get_logger("celery.beat.zklock")
 
 
+SHUTDOWN = "shutting down"
+
+
 class Role(Enum):
     LEADER = "leader"
     STANDBY = "standby"
@@ -92,7 +95,7 @@ class Election:
         lock = self._lock
         if lock is not None:
             lock.cancel()
-        self._thread.join(10.0)
+        self._thread.join(5.0)
         if self.client is not None:
             disconnect(self.client)
 
@@ -130,7 +133,7 @@ class Election:
             self._leading.clear()
             if self._closed.is_set():
                 lock.release()
-                self._on_change(Role.STANDBY, "shutting down")
+                self._on_change(Role.STANDBY, SHUTDOWN)
                 return
             self._on_change(Role.STANDBY, self._reason or "stepped down")
             lock.release(wait=False)

@@ -49,9 +49,10 @@ class Ledger:
         return self._known.get(encode_key(name), (None, None))[0]
 
     def refresh(self, name: str) -> TickRecord | None:
-        """Read ``name``'s record again (after a conflict or an unanswered write)."""
+        """Read ``name``'s record again (after a conflict or an unanswered write); raises kazoo's
+        errors, or the handler's timeout after ``timeout``."""
         try:
-            data, stat = self.client.get(self.node(name))
+            data, stat = self.client.get_async(self.node(name)).get(timeout=self.timeout)
         except NoNodeError:
             self._known.pop(encode_key(name), None)
             return None

@@ -11,7 +11,7 @@ import copy
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from enum import Enum
 
 #: A write's reply older than this share of the session timeout proves nothing about now:
@@ -104,7 +104,12 @@ def already_sent(record: TickRecord | None, last_run_at: datetime | None) -> boo
         return False
     if last_run_at is None:
         return True
-    return record.last_run_at > last_run_at
+    return _aware(record.last_run_at) > _aware(last_run_at)
+
+
+def _aware(moment: datetime) -> datetime:
+    """A naive time (an old schedule file's) is read as UTC, so comparing never raises."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def missed_due_times(schedule, last_run_at: datetime, now: datetime, cap: int = 10_000) -> int:
@@ -119,7 +124,7 @@ def missed_due_times(schedule, last_run_at: datetime, now: datetime, cap: int = 
         seconds = run_every.total_seconds()
         if seconds <= 0:
             return 0
-        return max(0, math.floor((now - last_run_at).total_seconds() / seconds + 1e-9))
+        return max(0, math.floor((_aware(now) - _aware(last_run_at)).total_seconds() / seconds + 1e-9))
     at_now = copy.copy(schedule)  # its own clock set to ``now``: the estimate is from then
     at_now.nowfun = lambda: now
     count, t = 0, last_run_at

@@ -25,7 +25,7 @@ from ..engine.client import connect
 from ..engine.identity import Identity
 from ..errors import ConfigurationError, LockUnavailable
 from ..keys import encode_key
-from .election import Election, Role
+from .election import SHUTDOWN, Election, Role
 from .ledger import Ledger
 from .rules import TickRecord, TickState, Verdict, Written, already_sent, handover, verdict
 
@@ -72,7 +72,9 @@ class ZkScheduler(Scheduler):
         self.ledger: Ledger | None = None
         self._adopted = None  # the election term whose records the inner scheduler holds
         self._unsure: dict[str, str] = {}  # entry: nonce of a recorded (or maybe recorded) tick not yet published
+        self._written: dict[str, str] = {}  # entry: nonce of the last tick this beat published, this term
         self._retry = False
+        self._adopt_failures = 0
         self._send = self.inner.apply_async
         if not lazy:
             self._start()
@@ -105,7 +107,8 @@ class ZkScheduler(Scheduler):
         if role is Role.LEADER:
             logger.info("beat: zklock: this beat (%s) is now the active scheduler of group %r (%s)", self.me, self.group, why)
         else:
-            logger.warning("beat: zklock: this beat (%s) stepped down in group %r: %s", self.me, self.group, why)
+            log = logger.info if why == SHUTDOWN else logger.warning
+            log("beat: zklock: this beat (%s) stepped down in group %r: %s", self.me, self.group, why)
 
     def close(self) -> None:
         try:
@@ -128,8 +131,9 @@ class ZkScheduler(Scheduler):
             return 0
         if self._adopted != term:
             if not self._adopt():
-                return RETRY
-            self._adopted = term
+                self._adopt_failures += 1
+                return min(5.0, RETRY * 2 ** self._adopt_failures)
+            self._adopted, self._adopt_failures = term, 0
         if not election.held():
             return RETRY  # suspended: doubt, send nothing, keep every due tick due
         self._retry = False
@@ -142,8 +146,11 @@ class ZkScheduler(Scheduler):
         try:
             self.ledger.load()
         except Exception as exc:
-            logger.warning("beat: zklock: cannot read the tick records at %s yet: %s", self.ledger.path, exc)
+            logger.warning("beat: zklock: cannot read the tick records at %s yet (sending nothing): %s",
+                           self.ledger.path, exc)
             return False
+        self._unsure.clear()
+        self._written.clear()
         now = self.app.now()
         for name, entry in list(self.inner.schedule.items()):
             record = self.ledger.read(name)
@@ -171,32 +178,18 @@ class ZkScheduler(Scheduler):
     def _apply_entry(self, entry, producer=None) -> None:
         """Record the tick (proving leadership), then publish it; or keep it due and send nothing."""
         name, advanced = entry.name, self.inner.schedule.get(entry.name)
-        nonce = self._unsure.get(name)
         try:
-            record = self.ledger.refresh(name) if nonce else self.ledger.read(name)
-        except Exception:
+            tick, written, sent_at = self._record(entry, advanced)
+        except Exception as exc:  # a read timed out, an ACL refused: nothing recorded, nothing sent
+            logger.warning("beat: zklock: %s: tick not recorded (%s: %s); kept due", name, type(exc).__name__, exc)
             return self._keep_due(entry)
-        for _ in range(2):
-            ours = record is not None and record.nonce == nonce
-            if not ours and already_sent(record, entry.last_run_at):
-                self._unsure.pop(name, None)
-                return self._take_record(name, advanced or entry, record)  # another leader sent it
-            tick = record if ours else self._new_tick(entry, advanced, record)
-            if not self.election.held():
-                return self._keep_due(entry)
-            sent_at = clock.boottime()
-            written = self.ledger.write(name, tick, self.election.node)
-            if written is Written.CONFLICT:
-                record = self.ledger.refresh(name)
-                continue
-            break
-        else:
-            return self._keep_due(entry)
+        if tick is None:  # another leader sent it: continue from its record
+            self._unsure.pop(name, None)
+            return self._take_record(name, advanced or entry, self.ledger.read(name))
         if written is Written.DEPOSED:
             self.election.step_down("the election node was gone at a tick's write")
             return self._keep_due(entry)
-        self._unsure[name] = tick.nonce
-        if written is Written.UNKNOWN:
+        if written is not Written.RECORDED:  # UNKNOWN, or CONFLICT twice: the next tick looks again
             return self._keep_due(entry)
         why = verdict(clock.boottime() - sent_at, self.settings.session_timeout, self.election.held())
         if why is not Verdict.PUBLISH:
@@ -204,6 +197,29 @@ class ZkScheduler(Scheduler):
             logger.warning("beat: zklock: %s: tick %d not sent (%s); kept due", name, tick.seq, why.value)
             return self._keep_due(entry)
         self._publish(entry, tick, producer)
+
+    def _record(self, entry, advanced) -> tuple[TickRecord | None, Written, float]:
+        """Write this tick's record: (the tick, what became of the write, when it was sent), or
+        (None, ...) when the record shows another leader sent this due time."""
+        name = entry.name
+        unsure = self._unsure.get(name)  # a tick of ours recorded (or maybe recorded), not published
+        record = self.ledger.refresh(name) if unsure else self.ledger.read(name)
+        written, sent_at, tick = Written.CONFLICT, 0.0, None
+        for _ in range(2):  # a conflict is read again once: it may be our own unanswered write
+            mine = record is not None and record.nonce in (unsure, self._written.get(name))
+            if not mine and already_sent(record, entry.last_run_at):
+                return None, written, sent_at
+            tick = record if record is not None and record.nonce == unsure else self._new_tick(entry, advanced, record)
+            if not self.election.held():
+                return tick, Written.UNKNOWN, sent_at
+            sent_at = clock.boottime()
+            written = self.ledger.write(name, tick, self.election.node)
+            if written is not Written.CONFLICT:
+                break
+            record = self.ledger.refresh(name)
+        if written in (Written.RECORDED, Written.UNKNOWN):
+            self._unsure[name] = tick.nonce
+        return tick, written, sent_at
 
     def _new_tick(self, entry, advanced, record: TickRecord | None) -> TickRecord:
         now = self.app.now()
@@ -225,14 +241,19 @@ class ZkScheduler(Scheduler):
         logger.info("Scheduler: Sending due task %s (%s) [zklock tick %d]", entry.name, entry.task, tick.seq)
         try:
             result = self._send(tagged, producer=producer, advance=False)
-        except Exception as exc:
-            logger.error("Message Error: %s (tick %d of %s stays recorded as unconfirmed)", exc, tick.seq, entry.name,
-                         exc_info=True)
+        except Exception as exc:  # as Celery's own apply_entry: said, not retried (a retry could send it twice)
+            self._unsure.pop(entry.name, None)
+            logger.error("Message Error: %s (tick %d of %s not sent; its record stays unconfirmed)", exc, tick.seq,
+                         entry.name, exc_info=True)
             return
         self._unsure.pop(entry.name, None)
+        self._written[entry.name] = tick.nonce
         metrics.beat_tick(self.group, "sent")
         logger.debug("%s sent. id->%s", entry.task, getattr(result, "id", None))
-        self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
+        try:
+            self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
+        except Exception:
+            pass
 
     def _keep_due(self, entry) -> None:
         """Put the entry back as it was before this send, so it is still due next tick."""

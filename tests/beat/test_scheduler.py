@@ -28,7 +28,10 @@ def make_app(hosts: str, root: str, **conf) -> Celery:
                      "beat_schedule": {"job": {"task": TASK, "schedule": 0.5}},
                      "zklock_hosts": hosts, "zklock_root": root, "zklock_session_timeout": 2.0,
                      "zklock_connect_timeout": 5.0, "zklock_beat_scheduler": "celery.beat:Scheduler", **conf})
-    app.task(name=TASK)(lambda: None)
+    @app.task(name=TASK)
+    def job() -> None:  # a def, not a lambda: Celery compiles the task's signature from its name
+        pass
+
     return app
 
 
@@ -221,3 +224,29 @@ def test_the_beat_metrics_say_leader_and_count_ticks(zk_server, root, sends):
     assert 'zklock_beat_leader{group="default"} 1.0' in text
     sent = [line for line in text.splitlines() if line.startswith('zklock_beat_ticks_total{group="default",outcome="sent"}')]
     assert sent and float(sent[0].split()[-1]) >= 2
+
+
+def test_a_failed_publish_is_said_and_never_sent_twice(zk_server, root, sends, caplog):
+    """At most once: a publish that raised is logged with its tick number and not retried (the
+    broker may have taken it); the next due time is the next tick."""
+    app = make_app(zk_server.hosts, root)
+    task = app.tasks[TASK]
+    publish = task.apply_async
+
+    def failing_once(*args, **options):  # the broker refuses tick 2's message (after the signal saw it)
+        result = publish(*args, **options) if options["headers"]["zklock_beat"]["seq"] != 2 else None
+        if result is None:
+            raise ConnectionError("broker gone for this one publish")
+        return result
+
+    task.apply_async = failing_once
+    with caplog.at_level(logging.ERROR, logger="celery.beat.zklock"):
+        a = Running(app)
+        try:
+            assert wait_for(lambda: len(sends) >= 3)
+        finally:
+            a.close()
+    seqs = [seq for _, seq, _ in sends]
+    assert 2 not in seqs and seqs[:2] == [1, 3], seqs  # tick 2 lost and said, never sent late
+    assert len(seqs) == len(set(seqs))
+    assert "tick 2 of job not sent" in caplog.text
