@@ -89,10 +89,15 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
     return predicate()
 
 
-def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client, root, sends):
-    a = Running(make_app(zk_server.hosts, root))
+def leader_and_standby(hosts: str, root: str) -> tuple[Running, Running]:
+    """Two schedulers of one group: the first leads (it joined first), the second stands by."""
+    a = Running(make_app(hosts, root))
     assert wait_for(lambda: a.scheduler.election.term() is not None)
-    b = Running(make_app(zk_server.hosts, root))
+    return a, Running(make_app(hosts, root))
+
+
+def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client, root, sends):
+    a, b = leader_and_standby(zk_server.hosts, root)
     try:
         assert wait_for(lambda: len(sends) >= 4)
         assert {who for who, _, _ in sends} == {a.ident}, "the standby sent"
@@ -114,9 +119,7 @@ def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client,
 
 
 def test_a_leader_whose_election_node_is_deleted_stops_sending(zk_server, zk_client, root, sends):
-    a = Running(make_app(zk_server.hosts, root))
-    assert wait_for(lambda: a.scheduler.election.term() is not None)
-    b = Running(make_app(zk_server.hosts, root))
+    a, b = leader_and_standby(zk_server.hosts, root)
     try:
         assert wait_for(lambda: len(sends) >= 2)
         zk_client.delete(a.scheduler.election.node)  # an operator, or a session ZooKeeper ended
