@@ -9,7 +9,6 @@ timeout of sending that write, or not at all.  See docs/beat.md.
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import uuid
@@ -179,7 +178,7 @@ class ZkScheduler(Scheduler):
         """Record the tick (proving leadership), then publish it; or keep it due and send nothing."""
         name, advanced = entry.name, self.inner.schedule.get(entry.name)
         try:
-            tick, written, sent_at = self._record(entry, advanced)
+            tick, written, sent_at = self._record(entry)
         except Exception as exc:  # a read timed out, an ACL refused: nothing recorded, nothing sent
             logger.warning("beat: zklock: %s: tick not recorded (%s: %s); kept due", name, type(exc).__name__, exc)
             return self._keep_due(entry)
@@ -198,7 +197,7 @@ class ZkScheduler(Scheduler):
             return self._keep_due(entry)
         self._publish(entry, tick, producer)
 
-    def _record(self, entry, advanced) -> tuple[TickRecord | None, Written, float]:
+    def _record(self, entry) -> tuple[TickRecord | None, Written, float]:
         """Write this tick's record: (the tick, what became of the write, when it was sent), or
         (None, ...) when the record shows another leader sent this due time."""
         name = entry.name
@@ -209,7 +208,7 @@ class ZkScheduler(Scheduler):
             mine = record is not None and record.nonce in (unsure, self._written.get(name))
             if not mine and already_sent(record, entry.last_run_at):
                 return None, written, sent_at
-            tick = record if record is not None and record.nonce == unsure else self._new_tick(entry, advanced, record)
+            tick = record if record is not None and record.nonce == unsure else self._new_tick(entry, record)
             if not self.election.held():
                 return tick, Written.UNKNOWN, sent_at
             sent_at = clock.boottime()
@@ -221,31 +220,34 @@ class ZkScheduler(Scheduler):
             self._unsure[name] = tick.nonce
         return tick, written, sent_at
 
-    def _new_tick(self, entry, advanced, record: TickRecord | None) -> TickRecord:
+    def _new_tick(self, entry, record: TickRecord | None) -> TickRecord:
+        """The tick for ``entry`` (as it was before this send), sent now: the base of its next
+        due time is now, as Celery's ``next(entry)`` makes it (read from the clock, not from the
+        inner scheduler, whose advanced entry a database scheduler does not keep)."""
         now = self.app.now()
-        last_run_at = advanced.last_run_at if advanced is not None and advanced is not entry else now
-        due = now
         try:
-            due = now + entry.schedule.remaining_estimate(entry.last_run_at)
+            due = min(now, now + entry.schedule.remaining_estimate(entry.last_run_at))
         except Exception:
-            pass
-        return TickRecord(last_run_at=last_run_at, due=min(due, now), seq=(record.seq + 1) if record else 1,
-                          runs=getattr(advanced, "total_run_count", 0) or 0, state=TickState.SENDING, by=self.me,
+            due = now
+        return TickRecord(last_run_at=now, due=due, seq=(record.seq + 1) if record else 1,
+                          runs=(entry.total_run_count or 0) + 1, state=TickState.SENDING, by=self.me,
                           token=self.election.token, nonce=uuid.uuid4().hex)
 
     def _publish(self, entry, tick: TickRecord, producer) -> None:
-        tagged = copy.copy(entry)
-        headers = dict(entry.options.get("headers") or {})
+        options = entry.options  # the header rides on the entry for this one send (entries of a
+        headers = dict(options.get("headers") or {})  # database scheduler do not copy)
         headers["zklock_beat"] = {"entry": entry.name, "seq": tick.seq, "due": tick.due.isoformat(), "token": tick.token}
-        tagged.options = {**entry.options, "headers": headers}
         logger.info("Scheduler: Sending due task %s (%s) [zklock tick %d]", entry.name, entry.task, tick.seq)
+        entry.options = {**options, "headers": headers}
         try:
-            result = self._send(tagged, producer=producer, advance=False)
+            result = self._send(entry, producer=producer, advance=False)
         except Exception as exc:  # as Celery's own apply_entry: said, not retried (a retry could send it twice)
             self._unsure.pop(entry.name, None)
             logger.error("Message Error: %s (tick %d of %s not sent; its record stays unconfirmed)", exc, tick.seq,
                          entry.name, exc_info=True)
             return
+        finally:
+            entry.options = options
         self._unsure.pop(entry.name, None)
         self._written[entry.name] = tick.nonce
         metrics.beat_tick(self.group, "sent")
