@@ -24,12 +24,10 @@ from ..errors import LockUnavailable
 logger = get_logger("celery.beat.zklock")
 
 
-SHUTDOWN = "shutting down"
-
-
 class Role(Enum):
     LEADER = "leader"
     STANDBY = "standby"
+    LEFT = "left"  # this beat left the election: it is shutting down
 
 
 class Election:
@@ -133,7 +131,7 @@ class Election:
             self._leading.clear()
             if self._closed.is_set():
                 lock.release()
-                self._on_change(Role.STANDBY, SHUTDOWN)
+                self._on_change(Role.LEFT, "shutting down")
                 return
             self._on_change(Role.STANDBY, self._reason or "stepped down")
             lock.release(wait=False)

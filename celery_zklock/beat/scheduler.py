@@ -24,7 +24,7 @@ from ..engine.client import connect
 from ..engine.identity import Identity
 from ..errors import ConfigurationError, LockUnavailable
 from ..keys import encode_key
-from .election import SHUTDOWN, Election, Role
+from .election import Election, Role
 from .ledger import Ledger
 from .rules import TickRecord, TickState, Verdict, Written, already_sent, handover, verdict
 
@@ -93,7 +93,9 @@ class ZkScheduler(Scheduler):
             logger.error("beat: zklock: %s; this beat stands by, sending nothing, until ZooKeeper answers "
                          "(zklock_on_unavailable='retry')", exc)
         metrics.start_beat(s.beat_metrics_port, self.group)
-        self.inner.apply_entry = self._apply_entry  # every tick of the inner scheduler is sent through here
+        # Every tick of the inner scheduler is sent through here: Celery's Scheduler.tick calls
+        # self.apply_entry, and an instance attribute is found before the class's method.
+        self.inner.apply_entry = self._apply_entry
         self.election.start(client)
         logger.info("beat: zklock: joined the election of group %r at %s (%s)", self.group, self.path, self.me)
 
@@ -106,7 +108,7 @@ class ZkScheduler(Scheduler):
         if role is Role.LEADER:
             logger.info("beat: zklock: this beat (%s) is now the active scheduler of group %r (%s)", self.me, self.group, why)
         else:
-            log = logger.info if why == SHUTDOWN else logger.warning
+            log = logger.info if role is Role.LEFT else logger.warning
             log("beat: zklock: this beat (%s) stepped down in group %r: %s", self.me, self.group, why)
 
     def close(self) -> None:
