@@ -113,6 +113,8 @@ class Election:
                     continue
             lock = self._lock = FairLock(self.client, self.path, identifier=self._identity, reentrant=False,
                                          on_lost=lambda lk: self.step_down(f"lost the election node: {lk.lost_reason}"))
+            self._ended.clear()  # before the acquire: a loss right after it must end the term it starts
+            self._reason = ""
             try:
                 held = lock.acquire()
             except Exception as exc:  # unavailable, refused: say so, wait, queue again
@@ -123,7 +125,6 @@ class Election:
                 lock.release()
                 continue
             self._term += 1
-            self._ended.clear()
             self._leading.set()
             self._on_change(Role.LEADER, f"token {lock.token}")
             while not self._ended.wait(1.0):
