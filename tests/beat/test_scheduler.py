@@ -207,6 +207,8 @@ def test_the_wrapped_scheduler_is_named_by_a_setting_and_checked(zk_server, root
         ZkScheduler(app=make_app(zk_server.hosts, root, zklock_beat_scheduler="nowhere:Nothing"), lazy=True)
     with pytest.raises(ConfigurationError, match="ZkScheduler itself"):
         ZkScheduler(app=make_app(zk_server.hosts, root, zklock_beat_scheduler="celery_zklock.beat:ZkScheduler"), lazy=True)
+    with pytest.raises(ConfigurationError, match="zklock_beat_grop.*zklock_beat_group"):  # a typo is not a default
+        ZkScheduler(app=make_app(zk_server.hosts, root, zklock_beat_grop="sales"), lazy=True)
     lazy = ZkScheduler(app=make_app(zk_server.hosts, root), lazy=True)  # beat's banner: no connection
     assert lazy.election is None and "one active beat of group 'default'" in lazy.info
 
