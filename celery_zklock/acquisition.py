@@ -26,6 +26,7 @@ from .errors import LockTimeout, LockUnavailable
 from .redelivery import Redelivery
 from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
+from .worker.agent_link import Verdict
 
 logger = get_task_logger("celery_zklock")
 
@@ -102,23 +103,24 @@ class LockAcquisition:
     def _claimed_lock(self, claimed, opts: ZkSettings, label, on_lost):
         """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
         link, verdict = claimed
+        decided = Verdict(verdict["verdict"])
         waited = float(verdict.get("waited") or 0.0)
         prerun.fire(self)  # decided by the agent: the run (or its policy) starts now
-        if verdict["verdict"] == "revoked":
+        if decided is Verdict.REVOKED:
             # Handed over while next in line, then revoked: the main process has recorded
             # REVOKED and deleted its node; the body never runs.
             logger.info("task %s revoked while waiting for lock %s: not run", self.request.id, label)
             raise Ignore()
-        if verdict["verdict"] == "shutdown":
+        if decided is Verdict.SHUTDOWN:
             # Warm shutdown while next in line: its message was acknowledged when this
             # process took it, so it goes back to the broker as a new message with the same
             # id, arguments and retry count (what Celery's retry publishes), and queues anew.
             logger.info("worker shutting down: task %s goes back to the broker (lock %s)", self.request.id, label)
             self.signature_from_request(self.request).apply_async()
             raise Ignore()
-        if verdict["verdict"] != "granted":
+        if decided is not Verdict.GRANTED:
             try:
-                if verdict["verdict"] == "timeout":
+                if decided is Verdict.TIMEOUT:
                     self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
                 self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
                                   opts, label, False)
@@ -127,7 +129,7 @@ class LockAcquisition:
             except BaseException as exc:
                 # Skipped or failed on its lock: its enqueue guard (left to this process by
                 # the agent) ends here, with the work deduped into it reported.
-                enqueue.finished(self, self.request, opts, ran=False, why=f"{verdict['verdict']}: {type(exc).__name__}")
+                enqueue.finished(self, self.request, opts, ran=False, why=f"{decided.value}: {type(exc).__name__}")
                 raise
         lock = agent_lock.AgentLock(
             link, self.request.id, verdict["tokens"], grace=agent_lock.silence_grace(opts.session_timeout, verdict),

@@ -16,14 +16,12 @@ import logging
 from ..engine.internals import State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_all_ready
-from ..engine.session import DELETED, LEASED, WRITTEN
-from .agent_link import Connection
+from ..engine.session import PROOFS
+from .agent_link import ClaimAnswer, Connection, Verdict
 from .agent_requests import Wait
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
-#: Outcomes of a release that prove the lock was held to the end.
-PROOFS = (DELETED, WRITTEN, LEASED)
 
 
 class ClaimDesk:
@@ -39,15 +37,15 @@ class ClaimDesk:
         wait = self.waits.get(request_id)
         if (wait is None or wait.done or wait.claimer is not None
                 or (wait.verdict is None and not wait.next_sent)):
-            peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
+            peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.UNKNOWN})
             return
         wait.claimer = peer
         self.claimed.add(wait)
         if wait.verdict is None:
-            peer.send({"op": "claimed", "id": request_id, "verdict": "pending"})
+            peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.PENDING})
             return
         self._send_verdict(wait)
-        if wait.verdict["verdict"] != "granted":
+        if wait.verdict["verdict"] is not Verdict.GRANTED:
             self._forget(wait)
 
     def _unclaim(self, peer: Connection, request_id: str) -> None:
@@ -114,7 +112,7 @@ class ClaimDesk:
 
     def _push_state(self, wait: Wait) -> None:
         if (wait.claimer is None or wait.done or wait.verdict is None
-                or wait.verdict.get("verdict") != "granted"):
+                or wait.verdict.get("verdict") is not Verdict.GRANTED):
             return
         state = self._state(wait)
         if wait.shown_held == state["held"] and not state["lost"]:
@@ -127,7 +125,7 @@ class ClaimDesk:
         granted before ZooKeeper became unreachable may be claimed only later (no free pool
         process until then), and its body must not start on the old grant alone."""
         message = wait.verdict
-        if message["verdict"] == "granted":
+        if message["verdict"] is Verdict.GRANTED:
             state = self._state(wait)
             wait.shown_held = state["held"]
             # The session the server granted, which may be shorter than the one asked for:

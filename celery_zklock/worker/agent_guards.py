@@ -15,6 +15,7 @@ import queue
 import threading
 
 from ..engine import clock, guards
+from .agent_link import Verdict
 from .agent_requests import Wait
 
 logger = logging.getLogger("celery_zklock.worker.agent")
@@ -55,7 +56,7 @@ class EnqueueGuards:
             if after is not None:
                 self.post(after, error)
 
-    def _guard_decided(self, wait: Wait, verdict: str) -> None:
+    def _guard_decided(self, wait: Wait, verdict: Verdict) -> None:
         """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
         node of our session (``finish``); revoked, it ends.  ``shutdown`` leaves it: the
         message goes back to the broker, still queued.  ``timeout`` and ``unavailable`` leave
@@ -63,10 +64,10 @@ class EnqueueGuards:
         over (no instant for a duplicate), or it ends it and reports the work deduped into
         it (:func:`celery_zklock.enqueue.unrun`); unclaimed, ``finished`` ends it here."""
         guard = wait.guard
-        if guard is None or verdict in ("shutdown", "timeout", "unavailable"):
+        if guard is None or verdict in (Verdict.SHUTDOWN, Verdict.TIMEOUT, Verdict.UNAVAILABLE):
             return
         retries = int(guard.get("retries") or 0)
-        if verdict == "granted":  # moved by _decide already
+        if verdict is Verdict.GRANTED:  # moved by _decide already
             if guard["until"] != "finish":
                 wait.guard = None
         else:
@@ -76,7 +77,7 @@ class EnqueueGuards:
     def _guard_finished(self, wait: Wait) -> None:
         """A granted request ran (or its process died before it could claim it): its running
         guard goes; an undecided one's guard (never moved) goes too."""
-        if wait.verdict is not None and wait.verdict.get("verdict") == "shutdown":
+        if wait.verdict is not None and wait.verdict.get("verdict") is Verdict.SHUTDOWN:
             return  # its message goes back to the broker, still queued under it
         guard, wait.guard = wait.guard, None
         if guard is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..engine import clock, guards
 from ..engine.contenders import holders_async
-from .agent_link import HANDOFF_MAX_WAIT, Connection
+from .agent_link import HANDOFF_MAX_WAIT, Cancel, Connection, Verdict
 from .cohort import Cohort
 
 #: How long a timeout's verdict waits for the report of who holds the key (s).
@@ -88,7 +88,7 @@ class RequestBook:
             return
         if len(wait.holds) == len(wait.paths):
             self.monitor.timers.cancel(wait.timer)
-            return self._decide(wait, {"verdict": "granted", "tokens": self._tokens(wait), "nodes": self._nodes(wait)})
+            return self._decide(wait, {"verdict": Verdict.GRANTED, "tokens": self._tokens(wait), "nodes": self._nodes(wait)})
         path = wait.paths[len(wait.holds)]
         cohort = self.cohorts.get((path, wait.max_holders))
         if cohort is None:
@@ -105,7 +105,7 @@ class RequestBook:
     def on_failed(self, wait: Wait, exc: BaseException) -> None:
         wait.current = None
         self._let_go(wait)
-        self._decide(wait, {"verdict": "unavailable", "error": str(exc)})
+        self._decide(wait, {"verdict": Verdict.UNAVAILABLE, "error": str(exc)})
 
     def on_timed_out(self, wait: Wait, path: str) -> None:
         """Free what it took, then say who holds the key: read asynchronously, and waited
@@ -115,7 +115,7 @@ class RequestBook:
 
         def told(holders) -> None:
             self.monitor.timers.cancel(bound)
-            self._decide(wait, {"verdict": "timeout", "holders": holders})
+            self._decide(wait, {"verdict": Verdict.TIMEOUT, "holders": holders})
 
         bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, [])
         holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))
@@ -171,7 +171,7 @@ class RequestBook:
         if wait.done or wait.verdict is not None:
             return
         self.monitor.timers.cancel(wait.timer)
-        if verdict["verdict"] == "granted" and wait.guard is not None and not wait.guard_moved:
+        if verdict["verdict"] is Verdict.GRANTED and wait.guard is not None and not wait.guard_moved:
             # Its enqueue guard ends (or becomes ours) before its body can start: a publish
             # after the start is then never deduped into a run that began without it.
             wait.guard_moved = True
@@ -180,18 +180,18 @@ class RequestBook:
                            after=lambda error: self._guard_started(wait, verdict, error))
             return
         wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(clock.monotonic() - wait.started, 6), **verdict}
-        if verdict["verdict"] == "granted":
+        if verdict["verdict"] is Verdict.GRANTED:
             wait.granted_at = clock.monotonic()
         self._guard_decided(wait, verdict["verdict"])
-        answer = {"op": verdict["verdict"], "id": wait.id}  # granted/timeout/unavailable/revoked/shutdown
+        answer = {"op": verdict["verdict"], "id": wait.id}
         if wait.queued:
             answer["queued"] = True
-        if verdict["verdict"] == "unavailable":
+        if verdict["verdict"] is Verdict.UNAVAILABLE:
             answer["error"] = verdict["error"]
         wait.owner.send(answer)
         if wait.claimer is not None:
             self._send_verdict(wait)
-            if verdict["verdict"] != "granted":
+            if verdict["verdict"] is not Verdict.GRANTED:
                 self._forget(wait)
 
     def _guard_started(self, wait: Wait, verdict: dict, error: BaseException | None) -> None:
@@ -201,9 +201,9 @@ class RequestBook:
         if error is None:
             return self._decide(wait, verdict)
         self._let_go(wait)
-        self._decide(wait, {"verdict": "unavailable", "error": f"could not end the enqueue guard at the start: {error!r}"})
+        self._decide(wait, {"verdict": Verdict.UNAVAILABLE, "error": f"could not end the enqueue guard at the start: {error!r}"})
 
-    def _cancel(self, request_id: str, why: str = "finished", in_pool: bool = False) -> None:
+    def _cancel(self, request_id: str, why: Cancel = Cancel.FINISHED, in_pool: bool = False) -> None:
         """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
         ``finished`` by the pool without claiming (a grant nobody claimed is let go).
 
@@ -216,9 +216,9 @@ class RequestBook:
             return
         if in_pool and wait.verdict is not None:
             return
-        if why == "revoked":
-            self._guard_decided(wait, "revoked")
-        elif why == "finished":
+        if why is Cancel.REVOKED:
+            self._guard_decided(wait, Verdict.REVOKED)
+        elif why is Cancel.FINISHED:
             # Done in the pool without claiming (its process died before it could, or it ran
             # in process): a guard moved at the grant, or never moved, must not outlive it.
             self._guard_finished(wait)
@@ -227,7 +227,7 @@ class RequestBook:
                 self._drop(wait)
             return
         self._let_go(wait)
-        self._decide(wait, {"verdict": why})
+        self._decide(wait, {"verdict": Verdict(why.value)})
 
     # ------------------------------------------------------------------ letting go
     def _let_go(self, wait: Wait) -> list:

@@ -17,7 +17,7 @@ import threading
 
 from ..engine import clock, guards
 from ..engine.client import disconnect
-from .agent_link import HEARTBEAT, Connection
+from .agent_link import HEARTBEAT, Cancel, Connection
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
@@ -116,10 +116,10 @@ class AgentServer:
         elif op == "wait":
             self._wait(peer, msg)
         elif op == "cancel":
-            self._cancel(msg["id"], msg["why"], bool(msg.get("in_pool")))
+            self._cancel(msg["id"], Cancel(msg["why"]), bool(msg.get("in_pool")))
         elif op == "finished":
             for request_id in msg.get("ids") or ():
-                self._cancel(request_id, "finished")
+                self._cancel(request_id, Cancel.FINISHED)
         elif op == "claim":
             self._claim(peer, msg["id"])
         elif op == "unclaim":

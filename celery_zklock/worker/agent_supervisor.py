@@ -23,7 +23,7 @@ import time
 from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
-from .agent_link import ENV, LineReader, encode, socket_path
+from .agent_link import ENV, LineReader, Verdict, encode, socket_path
 
 logger = get_logger("celery_zklock.worker")
 
@@ -130,15 +130,15 @@ class AgentSupervisor:
         self.last_ping = time.monotonic()
         for msg in self.reader.feed(data):
             op = msg.get("op")
-            if op in ("granted", "timeout", "unavailable", "bypass"):
+            if op in (Verdict.GRANTED, Verdict.TIMEOUT, Verdict.UNAVAILABLE, "bypass"):
                 # Only a grant that had to queue jumps the pool's queue: its key is
                 # contended, and tasks behind it wait for its release.
-                self._hand_over(msg["id"], first=op == "granted" and bool(msg.get("queued")))
+                self._hand_over(msg["id"], first=op == Verdict.GRANTED and bool(msg.get("queued")))
                 if msg["id"] in self.early:
                     self._early_done(msg["id"])  # decided: it no longer waits in its slot
             elif op == "next":
                 self._next_in_line(msg["id"], msg.get("hold"))
-            elif op == "revoked":
+            elif op == Verdict.REVOKED:
                 self._revoked_in_pool(msg["id"])
                 self._early_done(msg["id"])
             elif op == "queued":

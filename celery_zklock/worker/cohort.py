@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
-from ..engine.session import LEASED, WRITTEN, guaranteed_set
+from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews
 from .wait_queue import WaitQueue
@@ -113,15 +113,15 @@ class Cohort:
 
     def release(self, wait):
         """``wait`` lets go of its slot here.  Returns the proof: an async result resolving
-        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or a string when none can come."""
+        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or an Outcome at once when none can come."""
         slot = next((s for s in self.slots if s.holder is wait), None)
         if slot is None:
-            return "not held"
+            return Outcome.NOT_HELD
         slot.holder = None
         if slot.lost or slot.attempt.state is State.LOST:
             self._drop(slot, replace=True)  # a node of ours may still be there: keep the place
             self.pump()
-            return "lost"
+            return Outcome.LOST
         nxt = self._next_waiter()
         if (nxt is not None and slot.held and passes_locally(
                 slot.grants, slot.since or 0.0, self.clock(), slot.foreign,
@@ -271,7 +271,7 @@ class Cohort:
             self.pump()
         slot.attempt.cancel()
         _, outcome = slot.attempt.release()
-        return outcome if outcome is not None else "not held"
+        return outcome if outcome is not None else Outcome.NOT_HELD
 
     # ------------------------------------------------------------------ ZooKeeper's answers
     def _decided(self, slot: Slot, result) -> None:

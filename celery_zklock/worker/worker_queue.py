@@ -43,7 +43,7 @@ from ..engine.identity import Identity
 from ..options import is_locked_task
 from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
-from .agent_link import HEARTBEAT, LineReader
+from .agent_link import HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
 from .pool_handoff import hand_over_early, handoff_slots, pool_size, run_next
@@ -227,11 +227,11 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             req = self.held.pop(request_id)
             self.next_up.pop(request_id, None)
             self._not_waiting(request_id, req)
-            self._send({"op": "cancel", "id": request_id, "why": "revoked"})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED})
             req.revoked()  # acknowledges, stores REVOKED, sends the event and signal
         for request_id in [i for i in self.early if i in worker_state.revoked and i not in self.revoking]:
             self.revoking.add(request_id)  # the agent answers "revoked" unless already granted
-            self._send({"op": "cancel", "id": request_id, "why": "revoked", "in_pool": True})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED, "in_pool": True})
 
     def request_finished(self, request_id: str) -> None:
         """The pool is done with a request: free a grant it never claimed (no-op otherwise).
@@ -258,7 +258,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.timers = []
         returned = failed = 0
         for request_id, req in list(self.held.items()):
-            self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN})
             self._not_waiting(request_id, req)
             try:
                 req.reject(requeue=True)
@@ -278,7 +278,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told
             # "shutdown" and publishes it back to the broker instead of running it.
-            self._send({"op": "cancel", "id": request_id, "why": "shutdown", "in_pool": True})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN, "in_pool": True})
 
     shutdown = stop
 

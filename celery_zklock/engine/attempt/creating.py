@@ -26,7 +26,7 @@ from kazoo.exceptions import (
 
 from .. import kazoo_compat, znodes
 from ..session import RETRYABLE
-from .state import RECENT, State
+from .state import RECENT, Pending, State
 
 
 #: A multi's replies for ops it did not run because another op failed (before it, after it).
@@ -40,7 +40,7 @@ class Creating:
         if self._deadline_passed and not same_try:
             return self._give_up(False)
         if not self.client.connected:
-            return self._await("create")
+            return self._await(Pending.CREATE)
         self._pending = None
         session = kazoo_compat.session_id(self.client)
         self._create_session = session
@@ -126,9 +126,9 @@ class Creating:
                 return self._settle_cleanup()
             except RETRYABLE:
                 # The create may have run with its reply lost: resolve it once connected.
-                return self._await("ghost")
+                return self._await(Pending.GHOST)
             except SessionExpiredError:
-                return self._await("create")
+                return self._await(Pending.CREATE)
             except NoAuthError:
                 if not self._finished:
                     self._give_up(znodes.no_auth_error(self.lk.path, "joining the lock queue"))

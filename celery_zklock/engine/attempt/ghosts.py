@@ -41,7 +41,7 @@ class Ghosts:
             except NoNodeError:
                 children = []  # the container was reaped: no node of ours can exist
             except RETRYABLE:
-                return self._await("cleanup" if delete_only else "ghost")
+                return self._await(Pending.CLEANUP if delete_only else Pending.GHOST)
             except Exception as exc:
                 if delete_only:
                     return self._settle_cleanup()
@@ -63,7 +63,7 @@ class Ghosts:
                 try:
                     stat = r.get()
                 except RETRYABLE:
-                    return self._await("cleanup" if delete_only else "ghost")
+                    return self._await(Pending.CLEANUP if delete_only else Pending.GHOST)
                 except Exception:
                     continue
                 if stat is None:

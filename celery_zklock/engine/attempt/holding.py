@@ -22,7 +22,7 @@ from kazoo.protocol.states import EventType, KazooState
 
 from .. import kazoo_compat
 from ..session import RETRYABLE
-from .state import HELD_STATES, WAITING_STATES, State
+from .state import HELD_STATES, WAITING_STATES, Pending, State
 
 #: Seconds after a grant by which the holder's watch on its own node is set (see above).
 OWN_WATCH_WITHIN = 0.02
@@ -100,7 +100,7 @@ class Holding:
             elif state == KazooState.CONNECTED:
                 if self.state is State.HELD_SUSPENDED:
                     self._verify(epoch)
-                elif self._pending == "cleanup" or (not self._finished and self.state in WAITING_STATES):
+                elif self._pending == Pending.CLEANUP or (not self._finished and self.state in WAITING_STATES):
                     self._resume()
             elif state == KazooState.LOST:
                 if self.state in HELD_STATES:

@@ -15,7 +15,7 @@ from .creating import Creating
 from .ghosts import Ghosts
 from .holding import Holding
 from .releasing import Releasing
-from .state import WAITING_STATES, State
+from .state import WAITING_STATES, Pending, State
 from .waiting import Waiting
 
 
@@ -44,7 +44,7 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
         self._guard = threading.RLock()
         self._finished = False  # the result is set
         self._look = 0
-        self._pending: str | None = None  # what to do once connected: create/ghost/read
+        self._pending: Pending | None = None  # what to do once connected
         self._create_in_flight = False
         self._create_session: int | None = None
         self._waited = False
@@ -74,7 +74,7 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
     def _give_up(self, value: bool | BaseException) -> None:
         """Deadline, cancel or error before holding: delete whatever node we have or may have."""
         self.state = State.IDLE
-        self._pending = "cleanup" if self._pending == "ghost" else None
+        self._pending = Pending.CLEANUP if self._pending == Pending.GHOST else None
         node, self.node, self.token = self.node, None, None
         if node is not None:
             self.cleanup = self._delete(node, self.session)
@@ -97,10 +97,10 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
             if self.state is State.WAITING or self._pending is not None:
                 self._give_up(False)
 
-    def _await(self, kind: str | None) -> None:
+    def _await(self, kind: Pending | None) -> None:
         """A request failed for want of a connection: go on with ``kind`` once connected."""
         if self._finished:
-            kind = "cleanup" if kind in ("ghost", "cleanup") else None
+            kind = Pending.CLEANUP if kind in (Pending.GHOST, Pending.CLEANUP) else None
         self._pending = kind
         if self._deadline_passed and not self._finished:
             return self._give_up(False)
@@ -113,18 +113,18 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
         pending = self._pending
         if self._create_in_flight:
             return  # its reply (success or connection loss) decides what comes next
-        if pending == "cleanup":
+        if pending == Pending.CLEANUP:
             return self._clean_ghosts()
         if self._finished or self.state not in WAITING_STATES:
             return
         if self.node is not None and kazoo_compat.session_id(self.client) != self.session:
             self._requeue()  # our node died with the old session
-        elif pending == "ghost":
+        elif pending == Pending.GHOST:
             if kazoo_compat.session_id(self.client) != self._create_session:
                 self._send_create()  # a ghost of the old session died with it
             else:
                 self._adopt_ghost()
-        elif pending == "create" or self.node is None:
+        elif pending == Pending.CREATE or self.node is None:
             self._send_create()
         else:
             self._read_children()

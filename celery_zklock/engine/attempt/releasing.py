@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from .. import kazoo_compat, znodes
-from ..session import guaranteed_delete
+from ..session import Outcome, guaranteed_delete
 from .state import HELD_STATES, State
 
 
 class Releasing:
     def release(self):
-        """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node, the
-        string :data:`~celery_zklock.engine.session.EXPIRED`, or the guaranteed delete's async result."""
+        """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node,
+        :attr:`~celery_zklock.engine.session.Outcome.EXPIRED`, or the guaranteed delete's async result."""
         with self._guard:
             if not self._finished:
                 self._give_up(False)
@@ -25,7 +25,7 @@ class Releasing:
         if node is None:
             return was_held, None
         if session != kazoo_compat.session_id(self.client):
-            return was_held, "expired"
+            return was_held, Outcome.EXPIRED
         outcome = self._delete(node, session)
         if not znodes.uses_containers(self.client):
             self.client.delete_async(self.lk.path)  # best effort: goes once its last child has

@@ -19,5 +19,14 @@ class State(enum.Enum):
     LOST = "lost"  # was held and is not any more; ``lost_reason`` says why
 
 
+class Pending(enum.Enum):
+    """What an attempt cut off from ZooKeeper does once connected again."""
+
+    CREATE = "create"  # send our create (again)
+    GHOST = "ghost"  # a create's reply was lost: adopt our node if it was made, else create
+    READ = "read"  # read the queue again
+    CLEANUP = "cleanup"  # given up with a create's reply lost: delete any node of ours
+
+
 WAITING_STATES = (State.CREATING, State.WAITING)
 HELD_STATES = (State.HELD, State.HELD_SUSPENDED)

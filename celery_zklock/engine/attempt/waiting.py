@@ -17,7 +17,7 @@ from kazoo.protocol.states import EventType
 from .. import kazoo_compat, znodes
 from ..driver import gets_the_lock
 from ..session import RETRYABLE
-from .state import WAITING_STATES, State
+from .state import WAITING_STATES, Pending, State
 
 
 class Waiting:
@@ -38,9 +38,9 @@ class Waiting:
             except NoNodeError:
                 children = []  # the parent is gone, and our node with it
             except RETRYABLE:
-                return self._await("read")
+                return self._await(Pending.READ)
             except SessionExpiredError:
-                return self._await("create")
+                return self._await(Pending.CREATE)
             except NoAuthError:
                 return self._give_up(znodes.no_auth_error(self.lk.path, "reading the lock queue"))
             except Exception as exc:
@@ -80,9 +80,9 @@ class Waiting:
             except NoNodeError:
                 self._advance(handoff)  # gone before our watch was set
             except RETRYABLE:
-                self._await("read")
+                self._await(Pending.READ)
             except Exception:
-                self._pending = "read"  # session trouble: the next CONNECTED decides
+                self._pending = Pending.READ  # session trouble: the next CONNECTED decides
 
     def _on_watch(self, look, handoff: bool, event) -> None:
         with self._guard:
