@@ -221,7 +221,7 @@ class Checks:
         others = [n for n in self.server.nodes.get(key).children if f"{key}/{n}" != path
                   and self.server.nodes[f"{key}/{n}"].owner == session] if key in self.server.nodes else []
         creating = worker.client.sent_creates_under(key) or any(
-            s.attempt.state is State.CREATING and not s.attempt._finished for s in cohort.slots)
+            s.attempt.state is State.CREATING and not s.attempt.finished for s in cohort.slots)
         if not others and not creating:
             self.fail(f"{worker.name} deletes {path} while {len(cohort.queue)} of its requests wait for the key, "
                       "with no other node of its own there or on its way: they lose their place")

@@ -47,9 +47,9 @@ MUTANTS = [
     Mutant("own-watch", "2. the holder's watch on its own node is not set again after a write fires it "
            "(finding 1: a force-delete after a local handoff goes unseen)",
            "engine/attempt/holding.py",
-           "            elif event.type == EventType.CHANGED and self.state is State.HELD:\n"
+           "            elif event.type == EventType.CHANGED and at.state is State.HELD:\n"
            "                self._watch_own_node()",
-           "            elif event.type == EventType.CHANGED and self.state is State.HELD:\n"
+           "            elif event.type == EventType.CHANGED and at.state is State.HELD:\n"
            "                pass"),
     Mutant("suspend-clock", "3. the lease read from a clock that stops in a host's suspend (finding 2)",
            "worker/lease_clock.py",
@@ -82,14 +82,14 @@ MUTANTS = [
     Mutant("ghost-twice", "9. a ghost create adopted twice: the create in flight at a reconnection is sent "
            "again, and both replies are taken",
            "engine/attempt/machine.py",
-           "        if self._create_in_flight:\n            return  # its reply",
+           "        if self.create_in_flight:\n            return  # its reply",
            "        if False:\n            return  # its reply"),
     Mutant("batch-not-resent", "10. a group-commit batch whose rolled-back creates are not sent again",
-           "engine/attempt/creating.py",
-           "                if not self._finished and self.state is State.CREATING:\n"
-           "                    self._send_create(same_try=True)\n",
-           "                if not rolled_back and not self._finished and self.state is State.CREATING:\n"
-           "                    self._send_create(same_try=True)\n"),
+           "engine/attempt/parents.py",
+           "                if not at.finished and at.state is State.CREATING:\n"
+           "                    at.send_create(same_try=True)\n",
+           "                if not rolled_back and not at.finished and at.state is State.CREATING:\n"
+           "                    at.send_create(same_try=True)\n"),
     Mutant("same-token", "11. a local handoff that does not count its grant: two holders share a token",
            "worker/cohort.py",
            "        slot.grants += 1\n",
@@ -122,8 +122,8 @@ MUTANTS = [
     Mutant("exists-own-watch", "17. the holder's own-node watch set with exists: a creation watch left on the "
            "server for a deleted node, and the deletion not seen",
            "engine/attempt/holding.py",
-           "        kazoo_compat.on_ready(self.client.get_async(f\"{self.lk.path}/{node}\", watch=self._own_watcher[2]),",
-           "        kazoo_compat.on_ready(self.client.exists_async(f\"{self.lk.path}/{node}\", watch=self._own_watcher[2]),"),
+           "        kazoo_compat.on_ready(at.client.get_async(f\"{at.lk.path}/{node}\", watch=self._own_watcher[2]),",
+           "        kazoo_compat.on_ready(at.client.exists_async(f\"{at.lk.path}/{node}\", watch=self._own_watcher[2]),"),
     Mutant("blocking-holders", "18. a timeout's verdict waits for a blocking read of the key's holders",
            "worker/agent_requests.py",
            "        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))\n",
