@@ -61,8 +61,8 @@ MUTANTS = [
            "            return\n"),
     Mutant("late-claim", "5. a claim answered after the pool process gave up on it keeps its grant "
            "(finding 4: the agent ignores unclaim)",
-           "worker/agent_server.py",
-           '        elif op == "unclaim":\n            self._unclaim(peer, msg["id"])\n',
+           "worker/agent.py",
+           '        elif op == "unclaim":\n            self.claims.unclaim(peer, msg["id"])\n',
            '        elif op == "unclaim":\n            pass\n'),
     Mutant("delete-first", "6. a streak ends by deleting the old node before queueing the new one",
            "worker/cohort.py",
@@ -77,8 +77,8 @@ MUTANTS = [
            "            self._grant(slot, nxt, reserved=True)\n"),
     Mutant("revoke-stays-queued", "8. a revoked request is forgotten but left in its key's local queue",
            "worker/agent_requests.py",
-           "        if not in_pool:\n            if wait.claimer is None:\n                self._drop(wait)\n",
-           "        if not in_pool:\n            if wait.claimer is None:\n                self._forget(wait)\n"),
+           "        if not in_pool:\n            if wait.claimer is None:\n                self.abandon(wait)\n",
+           "        if not in_pool:\n            if wait.claimer is None:\n                self.forget(wait)\n"),
     Mutant("ghost-twice", "9. a ghost create adopted twice: the create in flight at a reconnection is sent "
            "again, and both replies are taken",
            "engine/attempt/machine.py",
@@ -104,9 +104,9 @@ MUTANTS = [
            "    if True:\n        return True\n"),
     Mutant("orphan-agent", "14. an agent that exits only once ZooKeeper answers: cut off when its worker "
            "goes, it stays behind",
-           "worker/agent_server.py",
-           "        if self.main_seen and self.main is None and not self._claimed():\n            self.stopped.set()",
-           "        if self.main_seen and self.main is None and not self._claimed() and self.client.connected:\n"
+           "worker/agent.py",
+           "        if self.main_seen and self.main is None and not self.claims.claimed:\n            self.stopped.set()",
+           "        if self.main_seen and self.main is None and not self.claims.claimed and self.client.connected:\n"
            "            self.stopped.set()"),
     # The bugs the simulator itself found (docs/simulation.md, "What it found"):
     Mutant("lost-node-kept", "15. a handoff whose write succeeds after its node was marked lost keeps the node "
