@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, NamedTuple
 
 from celery.states import STARTED
 from celery.exceptions import Ignore, Retry
@@ -31,16 +32,25 @@ from .worker.agent_link import Verdict
 logger = get_task_logger("celery_zklock")
 
 
+class Taken(NamedTuple):
+    """A lock waited for in process: held (``lock``), or not (``result``: what the policy returned)."""
+
+    lock: Any
+    waited: float
+    result: Any = None
+
+
 class LockAcquisition:
     """The two ways :class:`ZkLockedTask` gets its lock before the body runs."""
 
-    def _lock_in_process(self, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost, started: float):
-        """Wait for the lock in this process.  Returns (lock, waited, None) when held, or
-        (None, waited, value) after a policy that returns instead of raising."""
+    def _lock_in_process(self, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost,
+                         started: float) -> "Taken":
+        """Wait for the lock in this process: held, or not (after a policy that returns
+        instead of raising, its value is the call's result)."""
         try:
             client = get_client(opts)
         except LockUnavailable as exc:
-            return None, 0.0, self._unavailable(exc, opts, label, direct)
+            return Taken(None, 0.0, self._unavailable(exc, opts, label, direct))
 
         identity = Identity.of_this_process(
             task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname,
@@ -90,15 +100,16 @@ class LockAcquisition:
                 raise Ignore()
             if not acquired:
                 if not client.connected:
-                    return None, waited, self._unavailable(
+                    return Taken(None, waited, self._unavailable(
                         LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
                         opts, label, direct,
-                    )
-                return None, waited, self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
+                    ))
+                timed_out = LockTimeout(label, opts.timeout, _holders(lock))
+                return Taken(None, waited, self._timed_out(timed_out, opts, waited, direct))
         except BaseException:
             lock.release()
             raise
-        return lock, waited, None
+        return Taken(lock, waited)
 
     def _claimed_lock(self, claimed, opts: ZkSettings, label, on_lost):
         """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""

@@ -117,10 +117,6 @@ class FairLock:
         return [self]
 
     @property
-    def _prefix(self) -> str:
-        return self._internals.prefix
-
-    @property
     def _suspended(self) -> bool:
         return self.state is State.HELD_SUSPENDED
 

@@ -153,7 +153,7 @@ class AgentSupervisor:
         self.c.hub.remove(self.sock.fileno())
         self.sock.close()
         self.sock = None
-        logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.held))
+        logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.aside))
         _agent.kill()
         # Requests in the pool next in line lost their nodes with the agent: their claims
         # now find no verdict, and they lock in-process.
@@ -174,14 +174,14 @@ class AgentSupervisor:
         except SystemExit as exc:
             delay = self.restart_delay = min(30.0, self.restart_delay * 2) if self.restart_delay else 1.0
             logger.error("%s; %d waiting request(s) follow on_lock_unavailable in the pool; trying again in %.0fs",
-                         exc, len(self.held), delay)
-            for request_id in list(self.held):
+                         exc, len(self.aside), delay)
+            for request_id in list(self.aside):
                 self._hand_over(request_id)
             self.c.hub.call_later(delay, self._restart_agent)
             return
         self.restart_delay = 0.0
         self._connect()
-        for req in list(self.held.values()):
+        for req in list(self.aside.values()):
             self._submit(req)
 
     def _check_agent(self) -> None:

@@ -70,7 +70,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         global _step
         self.c = c
         self.inner = c.on_task_request
-        self.held: dict[str, object] = {}  # waiting for a verdict, here
+        self.aside: dict[str, object] = {}  # requests held aside, waiting for a verdict here
         self.early: dict[str, object] = {}  # handed to the pool while next in line
         self.next_up: dict[str, float] = {}  # held ids next in line awaiting a slot -> expected wait
         self.revoking: set[str] = set()  # early ids whose revocation was sent to the agent
@@ -105,9 +105,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
     # ------------------------------------------------------------------ requests
     def on_request(self, req) -> None:
         task = req.task
-        if self.sock is None or task.acks_late or not req.id or req.id in self.held or not is_locked_task(task):
+        if self.sock is None or task.acks_late or not req.id or req.id in self.aside or not is_locked_task(task):
             return self.inner(req)
-        self.held[req.id] = req
+        self.aside[req.id] = req
         if len(self.counted) < MAX_HELD:
             # A waiting request must not use up the prefetch window (as Celery does for ETA
             # tasks) -- up to MAX_HELD of them; beyond, each held request takes a place in
@@ -135,7 +135,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _hand_over(self, request_id: str, first: bool = False) -> None:
         self.next_up.pop(request_id, None)
-        req = self.held.pop(request_id, None)
+        req = self.aside.pop(request_id, None)
         if req is None:
             return
         self._not_waiting(request_id, req)
@@ -148,7 +148,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         to be short and a handoff slot is free, hand it to the pool now (at the head of
         its queue), where it claims and waits for the release; the grant then reaches a
         process already running it."""
-        req = self.held.get(request_id)
+        req = self.aside.get(request_id)
         if req is None:
             return
         when = hand_over_early(hold, len(self.early), self._slots())
@@ -178,7 +178,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         cohorting they wait in memory, not in ZooKeeper (``celery zklock status`` asks)."""
         out: dict[str, list[dict]] = {}
         now = time.time()
-        for request_id, req in [*self.held.items(), *self.early.items()]:
+        for request_id, req in [*self.aside.items(), *self.early.items()]:
             paths, since = self.paths.get(request_id, ([], now))
             for path in paths:
                 out.setdefault(path, []).append({"task_id": request_id, "task": req.task.name, "worker": req.hostname,
@@ -206,7 +206,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             req.revoked()
 
     def _queued(self, request_id: str, position) -> None:
-        req = self.held.get(request_id)
+        req = self.aside.get(request_id)
         if req is None:
             return
         key = req.task.lock_keys(tuple(req.args or ()), dict(req.kwargs or {}))
@@ -223,8 +223,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _check_revoked(self) -> None:
         """A revoked waiting request: its node goes at once and it never reaches the pool."""
-        for request_id in [i for i in self.held if i in worker_state.revoked]:
-            req = self.held.pop(request_id)
+        for request_id in [i for i in self.aside if i in worker_state.revoked]:
+            req = self.aside.pop(request_id)
             self.next_up.pop(request_id, None)
             self._not_waiting(request_id, req)
             self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED})
@@ -257,7 +257,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             tref.cancel()
         self.timers = []
         returned = failed = 0
-        for request_id, req in list(self.held.items()):
+        for request_id, req in list(self.aside.items()):
             self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN})
             self._not_waiting(request_id, req)
             try:
@@ -271,7 +271,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             logger.info("celery-zklock: stopping: %d waiting task(s) went back to the broker%s%s", returned,
                         f", {failed} could not (see above)" if failed else "",
                         f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
-        self.held.clear()
+        self.aside.clear()
         self.counted.clear()
         self.paths.clear()
         self.next_up.clear()
