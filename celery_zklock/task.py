@@ -9,7 +9,7 @@ Lock state lives in locals and a context variable (:mod:`celery_zklock.held`), n
 
 This module holds the class users subclass: its options and the call path, each step in
 one place.  How the lock is waited for is :mod:`celery_zklock.acquisition`; what a task
-does when it does not get or loses it, :mod:`celery_zklock.outcomes` (both mixed in).
+does when it does not get or loses it, :mod:`celery_zklock.outcomes` (functions of the task).
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ from celery.utils.log import get_task_logger
 
 from .worker import agent_lock, worker_loss
 
-from . import by_config, config, enqueue, prerun, signals
-from .acquisition import LockAcquisition
+from . import acquisition, by_config, config, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockReentered, LockUnavailable
 from .held import CURRENT, HeldLock, NestedLock, current_lock, lost_reason_of, tokens_of
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
-from .outcomes import LockOutcomes
 from .states import LOCK_WAITING, SKIPPED
 
 #: The public names; HeldLock and current_lock live in celery_zklock.held, the states in
@@ -47,7 +45,7 @@ logger = get_task_logger("celery_zklock")
 _CLAIM_TIMEOUT = 5.0
 
 
-class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
+class ZkLockedTask(Task):
     """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
 
     Options are decorator kwargs or class attributes: ``lock_key``, ``lock_max_holders``
@@ -135,7 +133,7 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         if not call.opts.reentrant:
             prerun.fire(self)
             holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
-            self._lock_event("task-lock-reentered", key=label, holder=holder, refused=True)
+            outcomes.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
             raise LockReentered(label, holder)
         if missing:
             # The rest are taken in process, as a nested call always waits (see the README
@@ -147,7 +145,7 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
                         acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id)
         logger.debug("re-entered lock %s under %s[%s] (token %s)", label, outer.task, outer.task_id, held.token)
-        self._lock_event("task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
+        outcomes.lock_event(self, "task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
         ctx_token = CURRENT.set(held)
         try:
             return self._run_body(call)
@@ -163,7 +161,7 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         except LockUnavailable as exc:
             lock.release()
             try:
-                self._unavailable(exc, opts, label, direct)
+                outcomes.unavailable(self, exc, opts, label, direct)
             except Retry:
                 raise  # the retry names this id in the guard: publishes dedupe into it
             except BaseException:
@@ -191,11 +189,11 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
             # agent for a claimed request, here for one that locks in process.
             guarded = claimed is None and nested is None and not direct
             if claimed is not None:
-                lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
+                lock, waited = acquisition.claimed_lock(self, claimed, opts, label, on_lost)
             else:
                 try:
-                    taken = self._lock_in_process(req, direct, opts, nested.label if nested else label,
-                                                  nested.take if nested else paths, on_lost, started)
+                    taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else label,
+                                                        nested.take if nested else paths, on_lost, started)
                     lock, waited = taken.lock, taken.waited
                 except Retry:
                     raise  # the retry took its enqueue guard over: publishes dedupe into it
@@ -219,7 +217,7 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
-        self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
+        outcomes.lock_event(self, "task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
         signals.lock_acquired.send(sender=self, task_id=req.id, key=label, paths=paths, token=held.token, wait=waited)
         ctx_token = CURRENT.set(held)
         proven = False
@@ -239,14 +237,14 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
                 if guarded:
                     enqueue.finished(self, req, opts)
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
-                self._lock_event("task-lock-released", key=label, token=held.token, proven=proven,
+                outcomes.lock_event(self, "task-lock-released", key=label, token=held.token, proven=proven,
                                  held=round(time.monotonic() - acquired_at, 6))
         except LockLost:
-            raise self._lost_error(label, run_state) from None
+            raise outcomes.lost_error(self, label, run_state) from None
         if not proven and run_state.reason is None:
             run_state.reason = lost_reason_of(lock) or "lock not held at release"
         if run_state.reason is not None:
-            raise self._lost_error(label, run_state)
+            raise outcomes.lost_error(self, label, run_state)
         return result
 
 
