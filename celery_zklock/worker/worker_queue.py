@@ -1,29 +1,12 @@
 """Waiting outside the pool: the worker's main process queues locked requests in the agent.
 
-Why here and not in the task: a locked task that waits inside a prefork child takes a
-pool slot for as long as it waits, so one hot key starves every other key on the worker.
-Instead, when a locked request arrives, the main process asks the worker's lock agent
-(:mod:`celery_zklock.worker.agent`, one ZooKeeper session per worker) to queue for its lock and
-keeps the request aside — unacknowledged, outside the prefetch window
-(``qos.increment_eventually``, as Celery does for ETA tasks) — and hands it to the pool
-only once the agent has decided: granted, timed out or unavailable.  The pool process
-then claims that verdict (:mod:`celery_zklock.worker.agent_lock`) and runs the body, or applies
-the timeout/unavailable policy exactly as an in-pool wait would.
-
-One exception, bounded: a request the agent says is *next in line* (only holders ahead),
-on a key whose locks are held briefly, may go to a pool process before its grant and wait
-there for the release (see :func:`hand_over_early`), so a hot key's chain does not pay a
-dispatch and a wait for a free process at every handoff.
-
-The request handler is wrapped in a consumer bootstep (``c.on_task_request``), so ETA,
-countdown and rate-limited requests pass through it too.  The main process talks to the
-agent through the event loop (the hub): no thread ever runs in the forking parent.
-Pools: prefork and solo.  threads/gevent/eventlet pools keep waiting in the pool, where
-a waiting task costs a thread or a greenlet, not a process.
-
-Here: the consumer step's bookkeeping of the requests it holds and its Celery hooks.
-Keeping the agent alive and linked: :mod:`celery_zklock.worker.agent_supervisor`; the
-rules and pool internals of a handoff: :mod:`celery_zklock.worker.pool_handoff`.
+A locked request is kept aside (unacknowledged, outside the prefetch window) while the
+worker's lock agent queues for its lock, and handed to the pool once decided — or, next in
+line on a briefly held key, just before (:func:`hand_over_early`).  A consumer bootstep
+wraps ``c.on_task_request``; it talks to the agent through the hub, with no thread in the
+forking parent.  Prefork and solo pools only.  Why: docs/design.md, "Waiting outside the
+pool".  Keeping the agent alive: :mod:`celery_zklock.worker.agent_supervisor`; a handoff's
+rules: :mod:`celery_zklock.worker.pool_handoff`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A held lock is HELD_SUSPENDED (not held) while disconnected; re-verified (node exists,
 owned by our session) on reconnection; LOST when the suspension outlasts its grace (a
 third of the session timeout by default) or our node is deleted.  Why these numbers, and
-why the own-node watch waits :data:`OWN_WATCH_WITHIN`: docs/engine.md, "Holding".
+why the own-node watch waits :data:`OWN_WATCH_WITHIN`: docs/design.md, "Holding".
 """
 
 from __future__ import annotations

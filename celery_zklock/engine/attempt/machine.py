@@ -5,7 +5,7 @@ Every handler runs under the attempt's ``mutex``, sends only asynchronous reques
 never blocks.  What goes wrong on the way is handled by collaborators the path calls by
 name: :class:`~.parents.KeyParent` (the key's container), :class:`~.ghosts.Ghosts` (a
 create whose reply was lost) and :class:`~.holding.HoldWatch` (suspension, grace, the
-watch on our own node).  Why each step is as it is: docs/engine.md, "The attempt".
+watch on our own node).  Why each step is as it is: docs/design.md, "The attempt".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ parent probably does not exist.  Once the server has shown it knows containers, 
 ``multi`` makes it and our node (new keys that arrive together share one:
 :mod:`celery_zklock.engine.group_commit`); until then ``createContainer`` is pipelined
 beside our create.  A create that finds no parent makes it and tries again, within the
-same try.  The measurements behind this: docs/engine.md, "Creating our node".
+same try.  Why: docs/design.md, "Creating our node".
 """
 
 from __future__ import annotations
