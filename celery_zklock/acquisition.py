@@ -110,7 +110,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
     return Taken(lock, waited)
 
 
-def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost):
+def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
     """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
     link, verdict = claimed
     decided = Verdict(verdict["verdict"])
@@ -157,7 +157,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost):
             lock.abandon()
             outcomes.unavailable(task, LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
                               opts, label, False)
-    return lock, waited
+    return Taken(lock, waited)
 
 
 def _store_started(task) -> None:

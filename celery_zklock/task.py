@@ -171,49 +171,57 @@ class ZkLockedTask(Task):
     def _locked_call(self, call: "Call", nested: "Nested | None" = None) -> Any:
         """Take the lock (all of the call's paths, or only those a ``nested`` call's outer hold
         lacks), run the body, release with the proof."""
-        req, direct, opts, keys, paths, label = call.req, call.direct, call.opts, call.keys, call.paths, call.label
-        outer = nested.outer if nested is not None else None
         run_state = RunState(threading.get_ident())
 
         def on_lost(lock) -> None:
-            run_state.lost(lock.lost_reason or "lock lost", opts.on_lost == "interrupt")
+            run_state.lost(lock.lost_reason or "lock lost", call.opts.on_lost == "interrupt")
 
-        started = time.monotonic()
-        # Queued by the worker's lock agent before the pool got the request (prefork/solo
-        # with zklock_wait_in="worker"): claim its verdict.  acks_late tasks wait here, in
-        # process, where redelivered copies are recognised.
         try:
-            claimed = (None if direct or nested is not None or self.acks_late or not req.id
-                       else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
-            # Its enqueue guard (lock_enqueue) ends or moves where its lock is decided: in the
-            # agent for a claimed request, here for one that locks in process.
-            guarded = claimed is None and nested is None and not direct
-            if claimed is not None:
-                lock, waited = acquisition.claimed_lock(self, claimed, opts, label, on_lost)
-            else:
-                try:
-                    taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else label,
-                                                        nested.take if nested else paths, on_lost, started)
-                    lock, waited = taken.lock, taken.waited
-                except Retry:
-                    raise  # the retry took its enqueue guard over: publishes dedupe into it
-                except BaseException as exc:
-                    if guarded:  # ends unrun
-                        enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
-                    raise
-                if lock is None:
-                    if guarded:
-                        enqueue.finished(self, req, opts, ran=False, why="not run")
-                    return taken.result
-                if guarded:
-                    self._start_guard(req, opts, label, lock, direct)
+            taken, guarded = self._take_lock(call, nested, on_lost)
         finally:
             prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
+        if taken.lock is None:
+            return taken.result  # not run: the policy's value
+        return self._run_holding(call, nested, taken, guarded, run_state)
+
+    def _take_lock(self, call: "Call", nested: "Nested | None", on_lost) -> tuple[acquisition.Taken, bool]:
+        """The lock claimed from the worker's lock agent, which queued for it before the pool got
+        the request (prefork/solo with zklock_wait_in="worker"), or waited for here (acks_late
+        tasks too: redelivered copies are recognised here); and whether its enqueue guard is
+        this process's to end (it ends or moves where the lock is decided)."""
+        req, direct, opts = call.req, call.direct, call.opts
+        started = time.monotonic()
+        claimed = (None if direct or nested is not None or self.acks_late or not req.id
+                   else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
+        if claimed is not None:
+            return acquisition.claimed_lock(self, claimed, opts, call.label, on_lost), False
+        guarded = nested is None and not direct
+        try:
+            taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else call.label,
+                                                nested.take if nested else call.paths, on_lost, started)
+        except Retry:
+            raise  # the retry took its enqueue guard over: publishes dedupe into it
+        except BaseException as exc:
+            if guarded:  # ends unrun
+                enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
+            raise
+        if taken.lock is None:
+            if guarded:
+                enqueue.finished(self, req, opts, ran=False, why="not run")
+        elif guarded:
+            self._start_guard(req, opts, call.label, taken.lock, direct)
+        return taken, guarded
+
+    def _run_holding(self, call: "Call", nested: "Nested | None", taken: acquisition.Taken, guarded: bool,
+                     run_state: RunState) -> Any:
+        """Run the body with the hold set as :func:`current_lock`; release with the proof."""
+        req, opts, paths, label, lock, waited = call.req, call.opts, call.paths, call.label, taken.lock, taken.waited
         tokens = tokens_of(lock)
-        if outer is not None:  # keys the outer holds keep its tokens; the lock is both
-            tokens = {**{p: outer.tokens[p] for p in paths if p in outer.tokens}, **tokens}
-            lock = NestedLock(outer._lock, lock)
-        held = HeldLock(keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name, task_id=req.id)
+        if nested is not None:  # keys the outer holds keep its tokens; the lock is both
+            tokens = {**{p: nested.outer.tokens[p] for p in paths if p in nested.outer.tokens}, **tokens}
+            lock = NestedLock(nested.outer._lock, lock)
+        held = HeldLock(call.keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name,
+                        task_id=req.id)
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
@@ -238,7 +246,7 @@ class ZkLockedTask(Task):
                     enqueue.finished(self, req, opts)
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
                 outcomes.lock_event(self, "task-lock-released", key=label, token=held.token, proven=proven,
-                                 held=round(time.monotonic() - acquired_at, 6))
+                                    held=round(time.monotonic() - acquired_at, 6))
         except LockLost:
             raise outcomes.lost_error(self, label, run_state) from None
         if not proven and run_state.reason is None:
