@@ -98,7 +98,7 @@ def running() -> AgentProcess | None:
 
 
 class AgentSupervisor:
-    """The consumer step's link to the agent (a mixin of
+    """The consumer step's link to the agent (the base class of
     :class:`~celery_zklock.worker.worker_queue.WaitOutsidePool`, which holds the state and
     handles what the agent says)."""
 
