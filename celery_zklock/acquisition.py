@@ -4,20 +4,22 @@ worker's lock agent, which waited for it before the pool got the request.
 Why apart from the wrapper: both ways end the same (a lock to hold, or a policy that
 gives up; prerun sent either way), but each has its own hazards — a node left behind on
 any exception, a redelivered copy queued behind its original, a grant that is no longer
-safe by the time the pool process claims it.  Mixed into
-:class:`celery_zklock.task.ZkLockedTask`, next to :class:`celery_zklock.outcomes.LockOutcomes`.
+safe by the time the pool process claims it.  Functions of the running
+:class:`celery_zklock.task.ZkLockedTask`; what it does when it does not get the lock is
+:mod:`celery_zklock.outcomes`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any, NamedTuple
 
 from celery.states import STARTED
 from celery.exceptions import Ignore, Retry
 from celery.utils.log import get_task_logger
 
-from . import enqueue, metrics, prerun
+from . import enqueue, metrics, outcomes, prerun
 from .config import ZkSettings
 from .engine.client import get_client
 from .engine.identity import Identity
@@ -26,132 +28,143 @@ from .errors import LockTimeout, LockUnavailable
 from .redelivery import Redelivery
 from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
+from .worker.agent_link import Verdict
 
 logger = get_task_logger("celery_zklock")
 
 
-class LockAcquisition:
-    """The two ways :class:`ZkLockedTask` gets its lock before the body runs."""
+class Taken(NamedTuple):
+    """A lock waited for in process: held (``lock``), or not (``result``: what the policy returned)."""
 
-    def _lock_in_process(self, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost, started: float):
-        """Wait for the lock in this process.  Returns (lock, waited, None) when held, or
-        (None, waited, value) after a policy that returns instead of raising."""
-        try:
-            client = get_client(opts)
-        except LockUnavailable as exc:
-            return None, 0.0, self._unavailable(exc, opts, label, direct)
+    lock: Any
+    waited: float
+    result: Any = None
 
-        identity = Identity.of_this_process(
-            task_id=req.id, retries=req.retries or 0, task=self.name, worker=req.hostname,
-            holders=self.lock_max_holders if self.lock_max_holders > 1 else None,
-        ).to_bytes()
-        copies = Redelivery(self, client, req.id, req.retries or 0, enabled=bool(self.acks_late and not direct))
 
-        counted_waiting = [False]  # in the zklock_waiting gauge until the wait ends
+def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost,
+                    started: float) -> Taken:
+    """Wait for the lock in this process: held, or not (after a policy that returns
+    instead of raising, its value is the call's result)."""
+    try:
+        client = get_client(opts)
+    except LockUnavailable as exc:
+        return Taken(None, 0.0, outcomes.unavailable(task, exc, opts, label, direct))
 
-        def on_wait(fair: FairLock, position: int) -> None:
-            # Monitoring only: nothing here may fail the task or escape into the lock.
-            if copies.queued_behind_original(fair):
-                logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
-                return  # never LOCK_WAITING: the original's state must not be overwritten
-            logger.info("waiting for lock %s (position %s)", label, position)
-            self._lock_event("task-lock-waiting", key=label, position=position)
-            counted_waiting[0] = True
-            if req.id and not direct and stores_waiting(self):
-                try:
-                    self.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
-                except Exception as exc:
-                    logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
+    identity = Identity.of_this_process(
+        task_id=req.id, retries=req.retries or 0, task=task.name, worker=req.hostname,
+        holders=task.lock_max_holders if task.lock_max_holders > 1 else None,
+    ).to_bytes()
+    copies = Redelivery(task, client, req.id, req.retries or 0, enabled=bool(task.acks_late and not direct))
 
-        common = dict(max_holders=self.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
-        lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
+    counted_waiting = [False]  # in the zklock_waiting gauge until the wait ends
 
-        # From the first acquire until the body's own try below, any exception (a kazoo
-        # error, the backend read, a signal) must not leave our node behind.
-        try:
+    def on_wait(fair: FairLock, position: int) -> None:
+        # Monitoring only: nothing here may fail the task or escape into the lock.
+        if copies.queued_behind_original(fair):
+            logger.info("copy of task %s queued behind its original under lock %s; waiting", req.id, label)
+            return  # never LOCK_WAITING: the original's state must not be overwritten
+        logger.info("waiting for lock %s (position %s)", label, position)
+        outcomes.lock_event(task, "task-lock-waiting", key=label, position=position)
+        counted_waiting[0] = True
+        if req.id and not direct and stores_waiting(task):
             try:
-                acquired = copies.acquire(lock, opts.timeout, self.lock_max_holders)
-            finally:
-                if counted_waiting[0]:
-                    metrics.record("waited", self)
-            waited = time.monotonic() - started
-            prerun.fire(self)  # the lock is decided: the run (or its policy) starts now
-            if acquired and counted_waiting[0] and self.track_started and not self.ignore_result and not direct:
-                # The wait overwrote the tracer's STARTED with LOCK_WAITING: started is now.
-                self._store_started()
-            if acquired and copies.finished_elsewhere():
-                lock.release()
-                logger.warning(
-                    "task %s already finished under lock %s (this is a redelivered copy): not running it again",
-                    req.id, label,
-                )
-                self._lock_event("task-lock-duplicate", key=label)
-                raise Ignore()
-            if not acquired:
-                if not client.connected:
-                    return None, waited, self._unavailable(
-                        LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
-                        opts, label, direct,
-                    )
-                return None, waited, self._timed_out(LockTimeout(label, opts.timeout, _holders(lock)), opts, waited, direct)
-        except BaseException:
+                task.update_state(state=LOCK_WAITING, meta={"key": label, "position": position})
+            except Exception as exc:
+                logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
+
+    common = dict(max_holders=task.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
+    lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
+
+    # From the first acquire until the body's own try below, any exception (a kazoo
+    # error, the backend read, a signal) must not leave our node behind.
+    try:
+        try:
+            acquired = copies.acquire(lock, opts.timeout, task.lock_max_holders)
+        finally:
+            if counted_waiting[0]:
+                metrics.record("waited", task)
+        waited = time.monotonic() - started
+        prerun.fire(task)  # the lock is decided: the run (or its policy) starts now
+        if acquired and counted_waiting[0] and task.track_started and not task.ignore_result and not direct:
+            # The wait overwrote the tracer's STARTED with LOCK_WAITING: started is now.
+            _store_started(task)
+        if acquired and copies.finished_elsewhere():
             lock.release()
-            raise
-        return lock, waited, None
-
-    def _claimed_lock(self, claimed, opts: ZkSettings, label, on_lost):
-        """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
-        link, verdict = claimed
-        waited = float(verdict.get("waited") or 0.0)
-        prerun.fire(self)  # decided by the agent: the run (or its policy) starts now
-        if verdict["verdict"] == "revoked":
-            # Handed over while next in line, then revoked: the main process has recorded
-            # REVOKED and deleted its node; the body never runs.
-            logger.info("task %s revoked while waiting for lock %s: not run", self.request.id, label)
+            logger.warning(
+                "task %s already finished under lock %s (this is a redelivered copy): not running it again",
+                req.id, label,
+            )
+            outcomes.lock_event(task, "task-lock-duplicate", key=label)
             raise Ignore()
-        if verdict["verdict"] == "shutdown":
-            # Warm shutdown while next in line: its message was acknowledged when this
-            # process took it, so it goes back to the broker as a new message with the same
-            # id, arguments and retry count (what Celery's retry publishes), and queues anew.
-            logger.info("worker shutting down: task %s goes back to the broker (lock %s)", self.request.id, label)
-            self.signature_from_request(self.request).apply_async()
-            raise Ignore()
-        if verdict["verdict"] != "granted":
-            try:
-                if verdict["verdict"] == "timeout":
-                    self._timed_out(LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
-                self._unavailable(LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
-                                  opts, label, False)
-            except Retry:
-                raise  # the retry took its enqueue guard over: publishes dedupe into it
-            except BaseException as exc:
-                # Skipped or failed on its lock: its enqueue guard (left to this process by
-                # the agent) ends here, with the work deduped into it reported.
-                enqueue.finished(self, self.request, opts, ran=False, why=f"{verdict['verdict']}: {type(exc).__name__}")
-                raise
-        lock = agent_lock.AgentLock(
-            link, self.request.id, verdict["tokens"], grace=agent_lock.silence_grace(opts.session_timeout, verdict),
-            release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,
-        )
-        if lock.suspended_reason is not None or lock.lost_reason is not None:
-            # Granted, but the lock is not safe to hold now (the connection dropped between
-            # the grant and this claim, or the lock is already lost): the body waits until
-            # the agent's session is confirmed again, or the lock is declared lost; it never
-            # runs on hope, and a lock lost before the body started is not a LockLost run.
-            logger.warning("lock %s not confirmed at start (%s): waiting for ZooKeeper", label,
-                           lock.lost_reason or lock.suspended_reason)
-            if not lock.confirmed(opts.session_timeout + 1.0):
-                why = lock.lost_reason or lock.suspended_reason or "not confirmed"
-                lock.abandon()
-                self._unavailable(LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
-                                  opts, label, False)
-        return lock, waited
+        if not acquired:
+            if not client.connected:
+                return Taken(None, waited, outcomes.unavailable(task, 
+                    LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
+                    opts, label, direct,
+                ))
+            timed_out = LockTimeout(label, opts.timeout, _holders(lock))
+            return Taken(None, waited, outcomes.timed_out(task, timed_out, opts, waited, direct))
+    except BaseException:
+        lock.release()
+        raise
+    return Taken(lock, waited)
 
-    def _store_started(self) -> None:
+
+def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
+    """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
+    link, verdict = claimed
+    decided = Verdict(verdict["verdict"])
+    waited = float(verdict.get("waited") or 0.0)
+    prerun.fire(task)  # decided by the agent: the run (or its policy) starts now
+    if decided is Verdict.REVOKED:
+        # Handed over while next in line, then revoked: the main process has recorded
+        # REVOKED and deleted its node; the body never runs.
+        logger.info("task %s revoked while waiting for lock %s: not run", task.request.id, label)
+        raise Ignore()
+    if decided is Verdict.SHUTDOWN:
+        # Warm shutdown while next in line: its message was acknowledged when this
+        # process took it, so it goes back to the broker as a new message with the same
+        # id, arguments and retry count (what Celery's retry publishes), and queues anew.
+        logger.info("worker shutting down: task %s goes back to the broker (lock %s)", task.request.id, label)
+        task.signature_from_request(task.request).apply_async()
+        raise Ignore()
+    if decided is not Verdict.GRANTED:
         try:
-            self.update_state(state=STARTED, meta={"pid": os.getpid(), "hostname": self.request.hostname})
-        except Exception as exc:  # monitoring only
-            logger.warning("could not store state %s for task %s: %r", STARTED, self.request.id, exc)
+            if decided is Verdict.TIMEOUT:
+                outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
+            outcomes.unavailable(task, LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
+                              opts, label, False)
+        except Retry:
+            raise  # the retry took its enqueue guard over: publishes dedupe into it
+        except BaseException as exc:
+            # Skipped or failed on its lock: its enqueue guard (left to this process by
+            # the agent) ends here, with the work deduped into it reported.
+            enqueue.finished(task, task.request, opts, ran=False, why=f"{decided.value}: {type(exc).__name__}")
+            raise
+    lock = agent_lock.AgentLock(
+        link, task.request.id, verdict["tokens"], grace=agent_lock.silence_grace(opts.session_timeout, verdict),
+        release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,
+    )
+    if lock.suspended_reason is not None or lock.lost_reason is not None:
+        # Granted, but the lock is not safe to hold now (the connection dropped between
+        # the grant and this claim, or the lock is already lost): the body waits until
+        # the agent's session is confirmed again, or the lock is declared lost; it never
+        # runs on hope, and a lock lost before the body started is not a LockLost run.
+        logger.warning("lock %s not confirmed at start (%s): waiting for ZooKeeper", label,
+                       lock.lost_reason or lock.suspended_reason)
+        if not lock.confirmed(opts.session_timeout + 1.0):
+            why = lock.lost_reason or lock.suspended_reason or "not confirmed"
+            lock.abandon()
+            outcomes.unavailable(task, LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
+                              opts, label, False)
+    return Taken(lock, waited)
+
+
+def _store_started(task) -> None:
+    try:
+        task.update_state(state=STARTED, meta={"pid": os.getpid(), "hostname": task.request.hostname})
+    except Exception as exc:  # monitoring only
+        logger.warning("could not store state %s for task %s: %r", STARTED, task.request.id, exc)
 
 
 def _holders(lock) -> list[str | None]:

@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import LockLost
 
-_current: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
+#: The hold of the locked run in this thread or greenlet (set by celery_zklock.task around the body).
+CURRENT: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
 
 
 @dataclass
@@ -51,18 +52,18 @@ class HeldLock:
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still held (no I/O)."""
         if not self._lock.is_held():
-            raise LockLost(self.key, _lost_reason(self._lock) or "not held")
+            raise LockLost(self.key, lost_reason_of(self._lock) or "not held")
 
 
 def current_lock() -> HeldLock:
     """The lock held by the locked task running in this thread/greenlet."""
-    held = _current.get()
+    held = CURRENT.get()
     if held is None:
         raise RuntimeError("current_lock() called outside a running ZkLockedTask")
     return held
 
 
-class _UnderOuter:
+class NestedLock:
     """A nested call's hold: the outer's keys (never released here) and the ones it took."""
 
     def __init__(self, outer, taken) -> None:
@@ -80,10 +81,10 @@ class _UnderOuter:
         return self.taken.release()
 
 
-def _tokens_of(lock) -> dict[str, int]:
+def tokens_of(lock) -> dict[str, int]:
     tokens = getattr(lock, "tokens", None)  # MultiLock and AgentLock: per path
     return dict(tokens) if tokens is not None else {lock.path: lock.token}
 
 
-def _lost_reason(lock) -> str | None:
+def lost_reason_of(lock) -> str | None:
     return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)

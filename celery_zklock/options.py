@@ -83,7 +83,7 @@ def _is_routine(value: Any) -> bool:
 
 
 def own_attributes(base: type) -> dict[str, Any]:
-    """The attributes ``base`` (ZkLockedTask) and its lock mixins define that
+    """The attributes ``base`` (ZkLockedTask) defines that
     :class:`celery.Task` does not, minus the lock options: its methods and internals."""
     from celery import Task
 
@@ -103,7 +103,7 @@ def check_option_names(cls: type, base: type, where: str) -> None:
     Celery allows — unless the name starts like a lock option or is a near miss of one,
     a typo that would silently change locking.
 
-    The rule for a name ZkLockedTask (or a lock mixin) defines and Celery's Task does not
+    The rule for a name ZkLockedTask defines and Celery's Task does not
     (``lock_keys``, ``lock_paths``, ``lock_options``, ``_locked_call``...): a function
     (or staticmethod, classmethod, property) replacing one of its methods is an override
     (``class MyTask(ZkLockedTask): def lock_keys(self, args, kwargs): ...``) and is kept;

@@ -9,7 +9,7 @@ Lock state lives in locals and a context variable (:mod:`celery_zklock.held`), n
 
 This module holds the class users subclass: its options and the call path, each step in
 one place.  How the lock is waited for is :mod:`celery_zklock.acquisition`; what a task
-does when it does not get or loses it, :mod:`celery_zklock.outcomes` (both mixed in).
+does when it does not get or loses it, :mod:`celery_zklock.outcomes` (functions of the task).
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ from celery.utils.log import get_task_logger
 
 from .worker import agent_lock, worker_loss
 
-from . import by_config, config, enqueue, prerun, signals
-from .acquisition import LockAcquisition
+from . import acquisition, by_config, config, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
 from .errors import LockLost, LockReentered, LockUnavailable
-from .held import HeldLock, _current, _lost_reason, _tokens_of, _UnderOuter, current_lock
+from .held import CURRENT, HeldLock, NestedLock, current_lock, lost_reason_of, tokens_of
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
-from .outcomes import LockOutcomes
 from .states import LOCK_WAITING, SKIPPED
 
 #: The public names; HeldLock and current_lock live in celery_zklock.held, the states in
@@ -47,7 +45,7 @@ logger = get_task_logger("celery_zklock")
 _CLAIM_TIMEOUT = 5.0
 
 
-class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
+class ZkLockedTask(Task):
     """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
 
     Options are decorator kwargs or class attributes: ``lock_key``, ``lock_max_holders``
@@ -97,8 +95,7 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         return spec.keys(args, kwargs)
 
     def lock_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> list[str]:
-        settings = settings or load_settings(self.app.conf)
-        return [key_path(settings.root, k) for k in self.lock_keys(args, kwargs)]
+        return _paths(settings or load_settings(self.app.conf), self.lock_keys(args, kwargs))
 
     # -------------------------------------------------------------- publishing
     def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
@@ -115,45 +112,45 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
 
     # -------------------------------------------------------------- the wrapper
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        req = self.request
-        direct = bool(req.called_directly)
         opts = self.lock_options()
         keys = self.lock_keys(args, kwargs)
-        paths = [key_path(opts.root, k) for k in keys]
-        label = keys[0] if len(keys) == 1 else keys
-        outer = _current.get()
-        if outer is not None and not set(paths).isdisjoint(outer.paths):
-            return self._reentered(outer, args, kwargs, direct, opts, keys, paths, label)
-        return self._locked_call(args, kwargs, req, direct, opts, keys, paths, label)
+        call = Call(args, kwargs, self.request, bool(self.request.called_directly), opts, keys, _paths(opts, keys))
+        outer = CURRENT.get()
+        if outer is not None and not set(call.paths).isdisjoint(outer.paths):
+            return self._reentered(outer, call)
+        return self._locked_call(call)
 
-    def _reentered(self, outer: HeldLock, args, kwargs, direct: bool, opts: ZkSettings, keys, paths, label) -> Any:
+    def _run_body(self, call: "Call") -> Any:
+        return super().__call__(*call.args, **call.kwargs) if call.direct else self.run(*call.args, **call.kwargs)
+
+    def _reentered(self, outer: HeldLock, call: "Call") -> Any:
         """A locked call inside a locked body of this thread, on keys that body holds
         (Curator's re-entry, at task level): it runs at once under the outer hold, which
         it never releases; only keys the outer does not hold are taken (and released) here."""
+        keys, paths, label = call.keys, call.paths, call.label
         held_paths = [p for p in paths if p in outer.paths]
         missing = [p for p in paths if p not in outer.paths]
-        if not opts.reentrant:
+        if not call.opts.reentrant:
             prerun.fire(self)
             holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
-            self._lock_event("task-lock-reentered", key=label, holder=holder, refused=True)
+            outcomes.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
             raise LockReentered(label, holder)
         if missing:
             # The rest are taken in process, as a nested call always waits (see the README
             # on deadlocks: the canonical order no longer spans the whole set).
             sub_keys = [k for k, p in zip(keys, paths) if p in missing]
             inner_label = sub_keys[0] if len(sub_keys) == 1 else sub_keys
-            return self._locked_call(args, kwargs, self.request, direct, opts, keys, paths, label,
-                                     take=missing, inner_label=inner_label, outer=outer)
+            return self._locked_call(call, Nested(outer, missing, inner_label))
         prerun.fire(self)
         held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
                         acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id)
         logger.debug("re-entered lock %s under %s[%s] (token %s)", label, outer.task, outer.task_id, held.token)
-        self._lock_event("task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
-        ctx_token = _current.set(held)
+        outcomes.lock_event(self, "task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
+        ctx_token = CURRENT.set(held)
         try:
-            return super().__call__(*args, **kwargs) if direct else self.run(*args, **kwargs)
+            return self._run_body(call)
         finally:
-            _current.reset(ctx_token)
+            CURRENT.reset(ctx_token)
 
     def _start_guard(self, req, opts: ZkSettings, label, lock, direct: bool) -> None:
         """End (or move) its enqueue guard before the body runs; if ZooKeeper cannot, the body
@@ -164,78 +161,83 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
         except LockUnavailable as exc:
             lock.release()
             try:
-                self._unavailable(exc, opts, label, direct)
+                outcomes.unavailable(self, exc, opts, label, direct)
             except Retry:
                 raise  # the retry names this id in the guard: publishes dedupe into it
             except BaseException:
                 enqueue.finished(self, req, opts, ran=False, why="LockUnavailable")
                 raise
 
-    def _locked_call(self, args, kwargs, req, direct: bool, opts: ZkSettings, keys, paths, label,
-                     take: list[str] | None = None, inner_label: Any = None, outer: HeldLock | None = None) -> Any:
-        """Take the lock (all of ``paths``, or only ``take`` under an ``outer`` hold), run the
-        body, release with the proof."""
-
+    def _locked_call(self, call: "Call", nested: "Nested | None" = None) -> Any:
+        """Take the lock (all of the call's paths, or only those a ``nested`` call's outer hold
+        lacks), run the body, release with the proof."""
         run_state = RunState(threading.get_ident())
 
         def on_lost(lock) -> None:
-            run_state.lost(lock.lost_reason or "lock lost", opts.on_lost == "interrupt")
+            run_state.lost(lock.lost_reason or "lock lost", call.opts.on_lost == "interrupt")
 
-        started = time.monotonic()
-        # Queued by the worker's lock agent before the pool got the request (prefork/solo
-        # with zklock_wait_in="worker"): claim its verdict.  acks_late tasks wait here, in
-        # process, where redelivered copies are recognised.
         try:
-            nested = outer is not None
-            claimed = (None if direct or nested or self.acks_late or not req.id
-                       else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
-            # Its enqueue guard (lock_enqueue) ends or moves where its lock is decided: in the
-            # agent for a claimed request, here for one that locks in process.
-            guarded = claimed is None and not nested and not direct
-            if claimed is not None:
-                lock, waited = self._claimed_lock(claimed, opts, label, on_lost)
-            else:
-                try:
-                    lock, waited, early = self._lock_in_process(req, direct, opts, inner_label if nested else label,
-                                                                take if nested else paths, on_lost, started)
-                except Retry:
-                    raise  # the retry took its enqueue guard over: publishes dedupe into it
-                except BaseException as exc:
-                    if guarded:  # ends unrun
-                        enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
-                    raise
-                if lock is None:
-                    if guarded:
-                        enqueue.finished(self, req, opts, ran=False, why="not run")
-                    return early
-                if guarded:
-                    self._start_guard(req, opts, label, lock, direct)
+            taken, guarded = self._take_lock(call, nested, on_lost)
         finally:
             prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
-        tokens = _tokens_of(lock)
-        if outer is not None:  # keys the outer holds keep its tokens; the lock is both
-            tokens = {**{p: outer.tokens[p] for p in paths if p in outer.tokens}, **tokens}
-            lock = _UnderOuter(outer._lock, lock)
-        held = HeldLock(keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name, task_id=req.id)
+        if taken.lock is None:
+            return taken.result  # not run: the policy's value
+        return self._run_holding(call, nested, taken, guarded, run_state)
+
+    def _take_lock(self, call: "Call", nested: "Nested | None", on_lost) -> tuple[acquisition.Taken, bool]:
+        """The lock claimed from the worker's lock agent, which queued for it before the pool got
+        the request (prefork/solo with zklock_wait_in="worker"), or waited for here (acks_late
+        tasks too: redelivered copies are recognised here); and whether its enqueue guard is
+        this process's to end (it ends or moves where the lock is decided)."""
+        req, direct, opts = call.req, call.direct, call.opts
+        started = time.monotonic()
+        claimed = (None if direct or nested is not None or self.acks_late or not req.id
+                   else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
+        if claimed is not None:
+            return acquisition.claimed_lock(self, claimed, opts, call.label, on_lost), False
+        guarded = nested is None and not direct
+        try:
+            taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else call.label,
+                                                nested.take if nested else call.paths, on_lost, started)
+        except Retry:
+            raise  # the retry took its enqueue guard over: publishes dedupe into it
+        except BaseException as exc:
+            if guarded:  # ends unrun
+                enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
+            raise
+        if taken.lock is None:
+            if guarded:
+                enqueue.finished(self, req, opts, ran=False, why="not run")
+        elif guarded:
+            self._start_guard(req, opts, call.label, taken.lock, direct)
+        return taken, guarded
+
+    def _run_holding(self, call: "Call", nested: "Nested | None", taken: acquisition.Taken, guarded: bool,
+                     run_state: RunState) -> Any:
+        """Run the body with the hold set as :func:`current_lock`; release with the proof."""
+        req, opts, paths, label, lock, waited = call.req, call.opts, call.paths, call.label, taken.lock, taken.waited
+        tokens = tokens_of(lock)
+        if nested is not None:  # keys the outer holds keep its tokens; the lock is both
+            tokens = {**{p: nested.outer.tokens[p] for p in paths if p in nested.outer.tokens}, **tokens}
+            lock = NestedLock(nested.outer._lock, lock)
+        held = HeldLock(call.keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name,
+                        task_id=req.id)
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
-        self._lock_event("task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
+        outcomes.lock_event(self, "task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
         signals.lock_acquired.send(sender=self, task_id=req.id, key=label, paths=paths, token=held.token, wait=waited)
-        ctx_token = _current.set(held)
+        ctx_token = CURRENT.set(held)
         proven = False
         run_state.enter()
         try:
             try:
-                if direct:
-                    result = super().__call__(*args, **kwargs)
-                else:
-                    result = self.run(*args, **kwargs)
+                result = self._run_body(call)
             finally:
                 # leave() first: after it no interrupt can be raised into this thread, so
                 # the release below always runs to the end.
                 run_state.leave_for_good()
-                _current.reset(ctx_token)
+                CURRENT.reset(ctx_token)
                 # The release's reply is the proof that the lock was ours to the end (see
                 # FairLock.release): a process frozen or cut off past its session timeout
                 # learns here that someone else may have run meanwhile.
@@ -243,19 +245,52 @@ class ZkLockedTask(LockAcquisition, LockOutcomes, Task):
                 if guarded:
                     enqueue.finished(self, req, opts)
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
-                self._lock_event("task-lock-released", key=label, token=held.token, proven=proven,
-                                 held=round(time.monotonic() - acquired_at, 6))
+                outcomes.lock_event(self, "task-lock-released", key=label, token=held.token, proven=proven,
+                                    held=round(time.monotonic() - acquired_at, 6))
         except LockLost:
-            raise self._lost_error(label, run_state) from None
+            raise outcomes.lost_error(self, label, run_state) from None
         if not proven and run_state.reason is None:
-            run_state.reason = _lost_reason(lock) or "lock not held at release"
+            run_state.reason = lost_reason_of(lock) or "lock not held at release"
         if run_state.reason is not None:
-            raise self._lost_error(label, run_state)
+            raise outcomes.lost_error(self, label, run_state)
         return result
 
 
 for _option, _default in OPTION_DEFAULTS.items():
     setattr(ZkLockedTask, _option, _default)
+
+
+# ------------------------------------------------------------------ what a call carries
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a locked task: its arguments, request and options, and the keys it locks."""
+
+    args: tuple
+    kwargs: dict
+    req: Any  # celery's Context
+    direct: bool  # called directly (``task(...)``), not run by a worker or eagerly
+    opts: ZkSettings
+    keys: list[str]
+    paths: list[str]
+
+    @property
+    def label(self) -> Any:
+        """The key, or the keys of a multi-key lock: as events and errors name it."""
+        return self.keys[0] if len(self.keys) == 1 else self.keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """A locked call inside a locked body of this thread: the outer hold, and the paths
+    (with their label) it does not hold, taken and released by this call."""
+
+    outer: HeldLock
+    take: list[str]
+    label: Any
+
+
+def _paths(settings: ZkSettings, keys: list[str]) -> list[str]:
+    return [key_path(settings.root, k) for k in keys]
 
 
 # ------------------------------------------------------------------ class helpers

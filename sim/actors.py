@@ -2,7 +2,7 @@
 and pool processes around it), foreign contenders on the same keys, and an operator.
 
 The agent is :class:`celery_zklock.worker.agent.Agent`, unchanged: its event thread is a
-simulated thread that runs :meth:`~celery_zklock.worker.agent_server.AgentServer.run_event`,
+simulated thread that runs :meth:`~celery_zklock.worker.agent.Agent.run_event`,
 its ZooKeeper client a :class:`~sim.zk.SimClient`, its peers' sockets simulated links
 carrying the same messages (:mod:`celery_zklock.worker.agent_link`).  The main process and
 pool processes are models that speak that protocol as ``worker_queue`` and ``agent_lock``
@@ -124,13 +124,13 @@ class Worker:
         self.agent = Agent(self.settings, f"/sim/{name}.sock", client=self.client)
         self.agent.events = _Events(self.agent, Thread(self.agent_proc, "events"), run.checks)
         self.granted = []  # (time, wait id, path, token, node path, session): every grant the agent made
-        original = self.agent.on_granted
+        original = self.agent.requests.on_granted
 
         def on_granted(wait, cohort, slot, token):
             run.checks.granted(self, wait, cohort, slot, token)
             return original(wait, cohort, slot, token)
 
-        self.agent.on_granted = on_granted
+        self.agent.requests.on_granted = on_granted
         self.main = MainProcess(self)
         self.pools = [PoolProcess(self, i) for i in range(pools)]
         self.dead_pools: list = []
@@ -152,23 +152,23 @@ class Worker:
         to_actor = Wire(self.world, f"{self.name}.agent->{label}", actor.receive, actor.proc)
         peer = AgentPeer(to_actor, label)
         actor.to_agent = Wire(self.world, f"{self.name}.{label}->agent",
-                              lambda msg: self.agent.post(self.agent._handle, peer, msg), self.agent_proc)
+                              lambda msg: self.agent.post(self.agent.handle, peer, msg), self.agent_proc)
         return peer
 
     def gone(self, actor) -> None:
         """A process's end of the socket closed: the agent hears it after what it sent."""
         peer = actor.peer
         self.world.at(actor.to_agent.last + 0.0001, f"{self.name}.{peer.label}->agent",
-                      lambda: self.agent.post(self.agent._gone, peer), proc=self.agent_proc)
+                      lambda: self.agent.post(self.agent.gone, peer), proc=self.agent_proc)
         peer.wire.open = False
 
     def _heartbeat(self) -> None:
-        """agent_server._heartbeat: ping every peer, and let the event thread tick."""
+        """Agent._heartbeat: ping every peer, and let the event thread tick."""
         if self.agent.stopped.is_set():
             return self._stopped()
         for peer in list(self.agent.peers):
             peer.send({"op": "ping"})
-        self.agent.post(self.agent._tick)
+        self.agent.post(self.agent.tick)
         self.world.at(self.world.now + HEARTBEAT, f"{self.name}.heartbeat", self._heartbeat, proc=self.agent_proc)
 
     def _stopped(self) -> None:

@@ -133,7 +133,7 @@ class Checks:
     def bookkeeping(self, agent) -> None:
         """After each agent event: its per-key books add up (a callback run twice, say by
         kazoo's rawlink, shows here first)."""
-        for cohort in agent.cohorts.values():
+        for cohort in agent.requests.cohorts.values():
             for slot in cohort.slots:
                 if slot.writing < 0:
                     self.fail(f"{cohort.path}: {slot.node_path} has {slot.writing} writes in flight "
@@ -211,7 +211,7 @@ class Checks:
         if worker.client.in_listener:
             return  # a reconnection resumes every attempt in turn: its deletes and creates go together
         key = path.rsplit("/", 1)[0]
-        cohort = next((c for (p, _m), c in worker.agent.cohorts.items() if p == key), None)
+        cohort = next((c for (p, _m), c in worker.agent.requests.cohorts.items() if p == key), None)
         if cohort is None or not cohort.queue:
             return
         session = worker.client._session_id
@@ -221,7 +221,7 @@ class Checks:
         others = [n for n in self.server.nodes.get(key).children if f"{key}/{n}" != path
                   and self.server.nodes[f"{key}/{n}"].owner == session] if key in self.server.nodes else []
         creating = worker.client.sent_creates_under(key) or any(
-            s.attempt.state is State.CREATING and not s.attempt._finished for s in cohort.slots)
+            s.attempt.state is State.CREATING and not s.attempt.finished for s in cohort.slots)
         if not others and not creating:
             self.fail(f"{worker.name} deletes {path} while {len(cohort.queue)} of its requests wait for the key, "
                       "with no other node of its own there or on its way: they lose their place")
@@ -241,12 +241,12 @@ class Checks:
             if problems:
                 break
             agent = worker.agent
-            if agent.waits:
-                problems.append(f"{worker.name}: the agent still has requests {sorted(agent.waits)[:5]}")
-            if agent.claimed:
+            if agent.requests.waits:
+                problems.append(f"{worker.name}: the agent still has requests {sorted(agent.requests.waits)[:5]}")
+            if agent.claims.claimed:
                 problems.append(f"{worker.name}: the agent still has claimed requests")
-            if agent.cohorts:
-                problems.append(f"{worker.name}: the agent still has cohorts {list(agent.cohorts)[:5]}")
+            if agent.requests.cohorts:
+                problems.append(f"{worker.name}: the agent still has cohorts {list(agent.requests.cohorts)[:5]}")
             monitor = agent.monitor
             if monitor._subscribers:
                 problems.append(f"{worker.name}: {len(monitor._subscribers)} attempts still subscribed")

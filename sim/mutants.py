@@ -47,9 +47,9 @@ MUTANTS = [
     Mutant("own-watch", "2. the holder's watch on its own node is not set again after a write fires it "
            "(finding 1: a force-delete after a local handoff goes unseen)",
            "engine/attempt/holding.py",
-           "            elif event.type == EventType.CHANGED and self.state is State.HELD:\n"
+           "            elif event.type == EventType.CHANGED and at.state is State.HELD:\n"
            "                self._watch_own_node()",
-           "            elif event.type == EventType.CHANGED and self.state is State.HELD:\n"
+           "            elif event.type == EventType.CHANGED and at.state is State.HELD:\n"
            "                pass"),
     Mutant("suspend-clock", "3. the lease read from a clock that stops in a host's suspend (finding 2)",
            "worker/lease_clock.py",
@@ -61,8 +61,8 @@ MUTANTS = [
            "            return\n"),
     Mutant("late-claim", "5. a claim answered after the pool process gave up on it keeps its grant "
            "(finding 4: the agent ignores unclaim)",
-           "worker/agent_server.py",
-           '        elif op == "unclaim":\n            self._unclaim(peer, msg["id"])\n',
+           "worker/agent.py",
+           '        elif op == "unclaim":\n            self.claims.unclaim(peer, msg["id"])\n',
            '        elif op == "unclaim":\n            pass\n'),
     Mutant("delete-first", "6. a streak ends by deleting the old node before queueing the new one",
            "worker/cohort.py",
@@ -77,19 +77,19 @@ MUTANTS = [
            "            self._grant(slot, nxt, reserved=True)\n"),
     Mutant("revoke-stays-queued", "8. a revoked request is forgotten but left in its key's local queue",
            "worker/agent_requests.py",
-           "        if not in_pool:\n            if wait.claimer is None:\n                self._drop(wait)\n",
-           "        if not in_pool:\n            if wait.claimer is None:\n                self._forget(wait)\n"),
+           "        if not in_pool:\n            if wait.claimer is None:\n                self.abandon(wait)\n",
+           "        if not in_pool:\n            if wait.claimer is None:\n                self.forget(wait)\n"),
     Mutant("ghost-twice", "9. a ghost create adopted twice: the create in flight at a reconnection is sent "
            "again, and both replies are taken",
            "engine/attempt/machine.py",
-           "        if self._create_in_flight:\n            return  # its reply",
+           "        if self.create_in_flight:\n            return  # its reply",
            "        if False:\n            return  # its reply"),
     Mutant("batch-not-resent", "10. a group-commit batch whose rolled-back creates are not sent again",
-           "engine/attempt/creating.py",
-           "                if not self._finished and self.state is State.CREATING:\n"
-           "                    self._send_create(same_try=True)\n",
-           "                if not rolled_back and not self._finished and self.state is State.CREATING:\n"
-           "                    self._send_create(same_try=True)\n"),
+           "engine/attempt/parents.py",
+           "                if not at.finished and at.state is State.CREATING:\n"
+           "                    at.send_create(same_try=True)\n",
+           "                if not rolled_back and not at.finished and at.state is State.CREATING:\n"
+           "                    at.send_create(same_try=True)\n"),
     Mutant("same-token", "11. a local handoff that does not count its grant: two holders share a token",
            "worker/cohort.py",
            "        slot.grants += 1\n",
@@ -104,9 +104,9 @@ MUTANTS = [
            "    if True:\n        return True\n"),
     Mutant("orphan-agent", "14. an agent that exits only once ZooKeeper answers: cut off when its worker "
            "goes, it stays behind",
-           "worker/agent_server.py",
-           "        if self.main_seen and self.main is None and not self._claimed():\n            self.stopped.set()",
-           "        if self.main_seen and self.main is None and not self._claimed() and self.client.connected:\n"
+           "worker/agent.py",
+           "        if self.main_seen and self.main is None and not self.claims.claimed:\n            self.stopped.set()",
+           "        if self.main_seen and self.main is None and not self.claims.claimed and self.client.connected:\n"
            "            self.stopped.set()"),
     # The bugs the simulator itself found (docs/simulation.md, "What it found"):
     Mutant("lost-node-kept", "15. a handoff whose write succeeds after its node was marked lost keeps the node "
@@ -122,8 +122,8 @@ MUTANTS = [
     Mutant("exists-own-watch", "17. the holder's own-node watch set with exists: a creation watch left on the "
            "server for a deleted node, and the deletion not seen",
            "engine/attempt/holding.py",
-           "        kazoo_compat.on_ready(self.client.get_async(f\"{self.lk.path}/{node}\", watch=self._own_watcher[2]),",
-           "        kazoo_compat.on_ready(self.client.exists_async(f\"{self.lk.path}/{node}\", watch=self._own_watcher[2]),"),
+           "        kazoo_compat.on_ready(at.client.get_async(f\"{at.lk.path}/{node}\", watch=self._own_watcher[2]),",
+           "        kazoo_compat.on_ready(at.client.exists_async(f\"{at.lk.path}/{node}\", watch=self._own_watcher[2]),"),
     Mutant("blocking-holders", "18. a timeout's verdict waits for a blocking read of the key's holders",
            "worker/agent_requests.py",
            "        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))\n",

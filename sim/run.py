@@ -294,7 +294,7 @@ class Run:
         for worker in self.workers:
             if any(not r["done"] for r in worker.main.requests.values()):
                 return False
-            if worker.agent.waits or worker.agent.cohorts:
+            if worker.agent.requests.waits or worker.agent.requests.cohorts:
                 return False
         return not any(c.holding or (c.attempt is not None and not c.attempt.result.ready()) for c in self.contenders)
 

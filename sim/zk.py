@@ -275,26 +275,30 @@ class SimHandler:
 def _takes_engine_lock(fn, seen: set | None = None) -> bool:
     """Would this completion callback take an attempt's lock?  Then it must wait for the
     caller (which may hold it); others may run while the caller is descheduled.  It does if
-    an Attempt is reachable through its partials, bound self or closures (wrappers such as
-    ``on_ready``'s ``once`` included)."""
+    an Attempt (or one of its collaborators, which take its lock) is reachable through its
+    partials, bound self or closures (wrappers such as ``on_ready``'s ``once`` included)."""
     from functools import partial
 
     from celery_zklock.engine.attempt.machine import Attempt
+
+    def engine(value) -> bool:
+        return isinstance(value, Attempt) or isinstance(getattr(value, "attempt", None), Attempt) and \
+            type(value).__module__.startswith("celery_zklock.engine.attempt.")
 
     seen = set() if seen is None else seen
     if id(fn) in seen:
         return False
     seen.add(id(fn))
     if isinstance(fn, partial):
-        return any(isinstance(a, Attempt) for a in fn.args) or _takes_engine_lock(fn.func, seen)
-    if isinstance(getattr(fn, "__self__", None), Attempt):
+        return any(engine(a) for a in fn.args) or _takes_engine_lock(fn.func, seen)
+    if engine(getattr(fn, "__self__", None)):
         return True
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # not filled yet
             continue
-        if isinstance(value, Attempt) or (callable(value) and _takes_engine_lock(value, seen)):
+        if engine(value) or (callable(value) and _takes_engine_lock(value, seen)):
             return True
     return False
 

@@ -297,7 +297,7 @@ def test_user_attributes_unlike_lock_options_are_kept():
 
 
 def _shadowable_names() -> list[str]:
-    """Every public and private attribute name ZkLockedTask (and its lock mixins) defines
+    """Every public and private attribute name ZkLockedTask defines
     that celery.Task does not, minus the declared lock options (from dir(), not a list)."""
     from celery import Task
 

@@ -186,29 +186,23 @@ def test_readme_task_options_table_matches_the_declarations():
             assert row[1].strip("`") == TASK_OPTIONS[option] in SETTINGS, row
 
 
-#: Issue 27's limits: a module a reader can hold, a class a reader can follow.
-MAX_MODULE_LINES = 400
-MAX_CLASS_LINES = 300
+#: An accident catcher, not a design rule (issue 38): a module this long was pasted, generated
+#: or grew unnoticed.  When to split is decided by cohesion (docs/architecture.md, "When to
+#: split a module"), never to get under this number.
+MAX_MODULE_LINES = 800
 
 
 def _too_big(source: str, name: str) -> list[str]:
-    found = []
-    if source.count("\n") > MAX_MODULE_LINES:
-        found.append(f"{name}: {source.count(chr(10))} lines")
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
-            found.append(f"{name}: class {node.name} {node.end_lineno - node.lineno + 1} lines")
-    return found
+    lines = source.count("\n")
+    return [f"{name}: {lines} lines"] if lines > MAX_MODULE_LINES else []
 
 
 def test_size_check_itself():
     assert _too_big("x = 1\n" * (MAX_MODULE_LINES + 1), "m") == [f"m: {MAX_MODULE_LINES + 1} lines"]
-    big_class = "class C:\n" + "    x = 1\n" * MAX_CLASS_LINES
-    assert _too_big(big_class, "m") == [f"m: class C {MAX_CLASS_LINES + 1} lines"]
-    assert _too_big("class C:\n    x = 1\n", "m") == []
+    assert _too_big("class C:\n" + "    x = 1\n" * 500, "m") == []
 
 
-def test_no_module_over_400_lines_and_no_class_over_300():
+def test_no_module_over_800_lines():
     found = [f for p in PACKAGE.rglob("*.py") for f in _too_big(p.read_text(), str(p.relative_to(PACKAGE)))]
     assert found == []
 

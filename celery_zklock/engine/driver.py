@@ -35,8 +35,12 @@ class Decision(NamedTuple):
     soon: tuple[str, ...] = ()
 
 
+#: A child's 10 sequence digits (they compare as the numbers do; see znodes.sequence_key).
+_SEQUENCE = slice(-10, None)
+
+
 def _tail(name: str) -> str:
-    return name[-10:]
+    return name[_SEQUENCE]
 
 
 def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decision:
@@ -57,7 +61,7 @@ def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decis
     mine = sequence_key(node)
     if mine is None or node not in children:
         return Decision(False, None, (), False)
-    ahead = [name for name in children if name[-10:] < mine and sequence_key(name) is not None]
+    ahead = [name for name in children if name[_SEQUENCE] < mine and sequence_key(name) is not None]
     index = len(ahead)
     if index < max_holders:
         return Decision(True, index, (), False)

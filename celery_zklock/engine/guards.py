@@ -1,41 +1,11 @@
 """Enqueue-time singletons: one guard znode per key while a task for it is queued (or running).
 
-Why a znode, and why ZooKeeper decides: two publishers at the same instant both see "nothing
-queued" if they read first and write after (celery-once's Redis ``SET NX`` gets this right,
-but pays with a TTL).  Here the publisher *creates* ``<root>/.enqueue/<task>/<key>`` — one
-transaction for every key of the task — and the create that succeeds is the one message
-published; the others find the node, read whose it is, and dedupe or refuse.
-
-Why no work is lost (issue 40):
-
-* A guard is created *unconfirmed* and confirmed once the broker took its message.  A
-  publisher that finds an unconfirmed guard waits for it (a publish takes milliseconds):
-  it never dedupes into a message that may never be sent.  One left unconfirmed past
-  :data:`PUBLISH_WINDOW` (its publisher died, or the create's reply was lost) is stale.
-* A queued guard ends when its task starts (``until="start"``), is revoked or expires at a
-  worker, or its lock wait ends without running it; a failure to end it at the start keeps
-  the body from running (the task is then "unavailable": retried), since a guard that
-  outlives the start would swallow the work that arrives during the run.
-* A running guard (``until="finish"``) becomes, at its start and in one transaction, an
-  *ephemeral* node of the session that runs it: it ends with the task, or with the worker's
-  session if the worker dies.
-* The one case no worker sees — the broker lost the message — is bounded by the guard's own
-  ``bound``: its message's ETA (or publish time) plus ``zklock_enqueue_expires``, or the
-  message's own ``expires`` when the caller gave one.  The message itself is never given an
-  ``expires`` it did not ask for: a backlog longer than the bound costs a duplicate (the next
-  publish queues again), never the queued task.
-* Each publish deduped into a queued guard is counted beside it
-  (:mod:`~celery_zklock.engine.guard_counts`), so a task that then ends unrun says how much
-  work went with it (:func:`release` returns the guards it ended, with their counts).
-
-A guard names its task id *and* its retry count: a retry republishes the same id, takes over
-its own guard (never refused by it), and the run that retried can no longer delete it; a
-later try ends any guard of an earlier try of its id (one a retry could not take over).
-
-Everything here is plain kazoo calls on a started client, with no Celery import: the
-publisher, a pool process, the worker's lock agent and the helper a prefork parent starts
-(``python -m celery_zklock.engine.guards``, job on stdin) all use it.  Every call is bounded
-by ``timeout``: a publisher with ZooKeeper gone gets an error, not a hang.
+The publisher *creates* ``<root>/.enqueue/<task>/<key>`` (one transaction for every key of
+the task): the create that succeeds is the one message published; the others dedupe into
+it or are refused.  A guard is confirmed once the broker took its message, ends at its
+task's start (or, ``until="finish"``, becomes an ephemeral node of the run), and is bounded
+by ``bound`` when no worker ever sees it.  Plain kazoo calls, each bounded by ``timeout``;
+no Celery import.  Why no work is lost, case by case: docs/design.md, "Enqueue guards".
 """
 
 from __future__ import annotations

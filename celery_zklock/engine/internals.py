@@ -8,10 +8,8 @@ process can wait on thousands of keys with no thread per waiter; the blocking
 
 Protocol: each contender creates an EPHEMERAL_SEQUENTIAL child ``_c_<uuid>-lock-<seq>``;
 the ``max_holders`` lowest sequences hold (:func:`~celery_zklock.engine.driver.gets_the_lock`
-decides).  The attempt's state machine lives in :mod:`celery_zklock.engine.attempt`, one
-module per room: creating our node in one round trip, adopting or deleting ghosts of a
-lost create, waiting with handoff watches, holding through connection trouble, releasing.
-This module holds what stays the same across a lock's attempts.
+decides).  One acquisition is :class:`~celery_zklock.engine.attempt.machine.Attempt`, read
+top to bottom; this module holds what stays the same across a lock's attempts.
 
 The fencing token is derived from our node's ``czxid``
 (:func:`~celery_zklock.engine.znodes.fencing_token`): zxids are totally ordered, so a later
@@ -72,9 +70,9 @@ class LockInternals:
 
         ``on_wait(position)`` is called once if the attempt has to queue, ``on_next()`` once
         when it is next in line (every node ahead of it is a holder: the first release makes
-        it a holder, without another read), and callbacks
-        rawlinked to ``attempt.result`` run on kazoo's completion thread: neither may
-        block (no I/O waits), since they share that thread with every other lock.
+        it a holder, without another read).  They, and callbacks linked to ``attempt.result``
+        with :func:`~celery_zklock.engine.kazoo_compat.on_ready`, run on kazoo's completion
+        thread: none may block (no I/O waits), since they share that thread with every lock.
 
         Each attempt after the first gets a fresh node prefix: a node that an earlier,
         abandoned attempt is still cleaning up must never be adopted as this one's ghost.

@@ -19,14 +19,14 @@ from . import clock, kazoo_compat, znodes
 from .contenders import contenders
 from .internals import LockInternals, State
 from .owner import current_owner
-from .session import DELETED, EXPIRED, GONE
+from .session import DELETED, EXPIRED, GONE, Outcome
 from .znodes import Contender
 
 __all__ = ["FairLock", "MultiLock", "Contender", "contenders"]
 
 LostCallback = Callable[["FairLock"], None]
 
-DEFERRED = "deferred"  # the release's delete still retries in the background
+DEFERRED = Outcome.DEFERRED
 _LOST_AT_RELEASE = {
     GONE: "lock node was already gone at release",
     EXPIRED: "ZooKeeper session expired before release",
@@ -115,10 +115,6 @@ class FairLock:
     def locks(self) -> list["FairLock"]:
         """``[self]``: a FairLock is a MultiLock of one path, for code that handles both."""
         return [self]
-
-    @property
-    def _prefix(self) -> str:
-        return self._internals.prefix
 
     @property
     def _suspended(self) -> bool:

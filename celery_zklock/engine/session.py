@@ -16,6 +16,7 @@ that owned the node is gone (kazoo #732 leaks nodes on error).
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import threading
@@ -34,15 +35,26 @@ from . import clock, group_commit, kazoo_compat
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)
 
-# Outcomes of a guaranteed delete.
-DELETED = "deleted"  # our delete removed the node
-GONE = "gone"  # the node was not there at our first try: someone else deleted it
-EXPIRED = "expired"  # the owning session ended: the node went with it
-WRITTEN = "written"  # our set reached the node: it was still ours (a proof, like DELETED)
-#: A lease, not a reply: a set sent moments ago reached the node, and ZooKeeper cannot have
-#: expired our session since (it waits the session timeout after it last heard from us), so
-#: the node was still ours (a proof, like DELETED; see celery_zklock.worker.cohort).
-LEASED = "leased"
+class Outcome(str, enum.Enum):
+    """What a release (a guaranteed delete, or a local handoff's write) says about the hold.
+
+    Str-valued, so that the value is the stable encoding wherever an outcome is logged or sent."""
+
+    DELETED = "deleted"  # our delete removed the node
+    GONE = "gone"  # the node was not there at our first try: someone else deleted it
+    EXPIRED = "expired"  # the owning session ended: the node went with it
+    WRITTEN = "written"  # our set reached the node: it was still ours (a proof, like DELETED)
+    #: A lease, not a reply: a set sent moments ago reached the node, and ZooKeeper cannot
+    #: have expired our session since (docs/waiting.md): a proof, like DELETED.
+    LEASED = "leased"
+    DEFERRED = "deferred"  # the release's delete still retries in the background
+    NOT_HELD = "not held"  # nothing of ours to release (a cohort's slot without this holder)
+    LOST = "lost"  # the hold was lost before the release
+
+
+DELETED, GONE, EXPIRED, WRITTEN, LEASED = Outcome.DELETED, Outcome.GONE, Outcome.EXPIRED, Outcome.WRITTEN, Outcome.LEASED
+#: The outcomes that prove the lock was held to the end.
+PROOFS = (Outcome.DELETED, Outcome.WRITTEN, Outcome.LEASED)
 
 
 class Timers:

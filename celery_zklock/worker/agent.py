@@ -1,24 +1,20 @@
 """The lock agent: one process per worker that waits for locks so that pool processes do not.
 
-Why a process of its own, exec'd rather than forked: the worker's main process forks pool
-children, and a kazoo client's threads alive in a forking process can be copied
-mid-operation (kazoo #554/#519/#628); the pool processes must not wait either — a waiting
-task in a prefork child takes a slot that other keys need.  So the agent holds the
-worker's only ZooKeeper session, queues for every locked request the main process
-receives (the event-driven engine: no thread per waiter), and hands each lock to the pool
-process that claims it.  Protocol: :mod:`celery_zklock.worker.agent_link`.
+It holds the worker's only ZooKeeper session, queues for every locked request the main
+process receives (the event-driven engine: no thread per waiter), and hands each lock to
+the pool process that claims it.  It is exec'd, not forked (a kazoo client's threads must
+not be copied by a fork), and exits once the worker's main process and every pool process
+holding a lock through it have gone.  Why a process of its own: docs/waiting.md.
 
 Run by the worker (:mod:`celery_zklock.worker.worker_queue`) as ``python -m celery_zklock.worker.agent
 SOCKET`` with the settings as JSON on stdin (they may carry credentials: never argv).
-It exits once the worker's main process and every pool process that holds a lock
-through it have gone; closing its session deletes whatever it still had.
 
-Its parts, one job each, all mixed into :class:`Agent` (which holds their state):
-:mod:`~celery_zklock.worker.agent_server` (socket, event thread, heartbeat, peers leaving),
-:mod:`~celery_zklock.worker.agent_requests` (each request's locks, up to its verdict),
-:mod:`~celery_zklock.worker.agent_claims` (pool processes claiming, lock states, releases),
-:mod:`~celery_zklock.worker.agent_guards` (enqueue guards) and, per key,
-:mod:`~celery_zklock.worker.cohort`.
+:class:`Agent` is the plumbing (socket, one event thread, heartbeat, peers leaving) and the
+dispatch of each message to its parts, each an object with its own state:
+:class:`~celery_zklock.worker.agent_requests.Requests` (a request's life up to its verdict,
+and the key's :class:`~celery_zklock.worker.cohort.Cohort`),
+:class:`~celery_zklock.worker.agent_claims.Claims` (pool processes claiming, lock states,
+releases) and :class:`~celery_zklock.worker.agent_guards.GuardJobs` (enqueue guards).
 """
 
 from __future__ import annotations
@@ -27,27 +23,31 @@ import json
 import logging
 import os
 import queue
+import socket
 import sys
 import threading
 
 from kazoo.protocol.states import KazooState
 
 from ..config import ZkSettings, from_wire
-from ..engine import clock
-from ..engine.client import connect
+from ..engine import clock, guards
+from ..engine.client import connect, disconnect
 from ..engine.session import monitor_for
-from .agent_claims import ClaimDesk
-from .agent_guards import EnqueueGuards
-from .agent_link import Connection
-from .agent_requests import RequestBook, Wait
-from .agent_server import AgentServer
-from .cohort import Cohort
+from .agent_claims import Claims
+from .agent_guards import GuardJobs
+from .agent_link import HEARTBEAT, Cancel, Connection
+from .agent_requests import Requests
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
+#: The agent's event thread is stuck (not merely busy) when work waits and none has been
+#: done for this long; its heartbeats then stop, and the worker restarts it.
+STUCK_AFTER = 1.0
 
-class Agent(AgentServer, RequestBook, ClaimDesk, EnqueueGuards):
-    """Serves the worker's processes; every decision runs on one event thread (:meth:`post`)."""
+
+class Agent:
+    """Serves the worker's processes; every decision runs on one event thread (:meth:`post`),
+    so its parts need no locks of their own."""
 
     def __init__(self, settings: ZkSettings, path: str, client=None) -> None:
         self.settings = settings
@@ -56,20 +56,130 @@ class Agent(AgentServer, RequestBook, ClaimDesk, EnqueueGuards):
         self.monitor = monitor_for(self.client)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.progress = clock.monotonic()  # when the event thread last finished an event
-        self.peers_guard = threading.Lock()
+        self.peers_lock = threading.Lock()
         self.peers: set[Connection] = set()
-        self.waits: dict[str, Wait] = {}
-        self.claimed: set[Wait] = set()  # granted and claimed: their states are pushed
-        self.cohorts: dict[tuple[str, int], Cohort] = {}
         self.main: Connection | None = None
         self.main_seen = False
         self.stopped = threading.Event()
         self.parent = os.getppid()
-        # Mean time a lock was held (grant to release), per lock path and per task name:
-        # how long a request next in line would idle in a pool process if handed over.
-        self.hold_by_path: dict[str, float] = {}
-        self.hold_by_task: dict[str, float] = {}
-        self.guard_jobs: queue.SimpleQueue | None = None
+        self.guards = GuardJobs(self)
+        self.claims = Claims(self.post, self.client, self.guards)
+        self.requests = Requests(self, self.claims, self.guards)
+        self.claims.requests = self.requests
+
+    # ------------------------------------------------------------------ threads
+    def post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the event thread: ZooKeeper callbacks and peer messages only
+        enqueue, so no lock orders between the agent and the engine's attempts exist."""
+        self.events.put((fn, args))
+
+    def _loop(self) -> None:
+        while not self.stopped.is_set():
+            fn, args = self.events.get()
+            if fn is None:
+                return
+            self.run_event(fn, args)
+
+    def run_event(self, fn, args) -> None:
+        """One event of the event thread (the simulator calls this in its own order)."""
+        try:
+            fn(*args)
+        except Exception:  # one bad event must not take the agent down
+            logger.exception("zklock agent: %s failed", getattr(fn, "__name__", fn))
+        self.progress = clock.monotonic()
+
+    def serve(self) -> None:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(self.path)
+        os.chmod(self.path, 0o600)
+        server.listen(128)
+        for target, name in ((self._loop, "events"), (self._heartbeat, "heartbeat")):
+            threading.Thread(target=target, name=f"zklock-agent-{name}", daemon=True).start()
+        threading.Thread(target=self._accept, args=(server,), name="zklock-agent-accept", daemon=True).start()
+        print("READY", flush=True)  # the worker waits for this line before forking its pool
+        self.stopped.wait()
+        self.events.put((None, ()))
+        server.close()
+        disconnect(self.client)
+
+    def _accept(self, server: socket.socket) -> None:
+        while not self.stopped.is_set():
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            peer = Connection(sock)
+            with self.peers_lock:
+                self.peers.add(peer)
+            threading.Thread(target=self._read, args=(peer,), name="zklock-agent-peer", daemon=True).start()
+
+    def _read(self, peer: Connection) -> None:
+        while True:
+            messages = peer.receive()
+            if messages is None:
+                return self.post(self.gone, peer)
+            for message in messages:
+                self.post(self.handle, peer, message)
+
+    def _heartbeat(self) -> None:
+        """Ping everyone while the event thread makes progress (busy is fine, stuck is not),
+        and let it push lock states to claimers and retry stalled keys."""
+        while not self.stopped.wait(HEARTBEAT):
+            if os.getppid() != self.parent and self.main is None and not self.claims.claimed:
+                self.stopped.set()  # the worker died, and no process of it holds a lock
+                return
+            if self.events.qsize() and clock.monotonic() - self.progress > STUCK_AFTER:
+                continue  # stuck: silence tells the worker to restart us
+            with self.peers_lock:
+                peers = list(self.peers)
+            for peer in peers:
+                peer.send({"op": "ping"})
+            self.post(self.tick)
+
+    def tick(self) -> None:
+        for wait in list(self.claims.claimed):
+            self.claims.push_state(wait)
+        self.requests.tidy_all()
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, peer: Connection, msg: dict) -> None:
+        """One message from a peer (protocol: :mod:`celery_zklock.worker.agent_link`)."""
+        op = msg.get("op")
+        if op == "hello":
+            if msg.get("role") == "main":
+                self.main, self.main_seen = peer, True
+        elif op == "wait":
+            self.requests.wait(peer, msg)
+        elif op == "cancel":
+            self.requests.cancel(msg["id"], Cancel(msg["why"]), bool(msg.get("in_pool")))
+        elif op == "finished":
+            for request_id in msg.get("ids") or ():
+                self.requests.cancel(request_id, Cancel.FINISHED)
+        elif op == "claim":
+            self.claims.claim(peer, msg["id"])
+        elif op == "unclaim":
+            self.claims.unclaim(peer, msg["id"])
+        elif op == "release":
+            self.claims.release(peer, msg["id"])
+        elif op == "unguard":
+            self.guards.op(guards.release, msg["paths"], msg["id"], int(msg.get("retries") or 0))
+
+    # ------------------------------------------------------------------ peers leaving
+    def gone(self, peer: Connection) -> None:
+        """A process closed its end (exited, or was killed): free what it held at once."""
+        with self.peers_lock:
+            self.peers.discard(peer)
+        if peer is self.main:
+            self.main = None
+        for wait in [w for w in self.requests.waits.values() if not w.done]:
+            if wait.claimer is peer:
+                self.guards.finished(wait)
+                self.requests.abandon(wait)
+                logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
+            elif wait.owner is peer and wait.claimer is None:
+                self.requests.abandon(wait)
+        if self.main_seen and self.main is None and not self.claims.claimed:
+            self.stopped.set()
 
 
 def main() -> int:

@@ -1,12 +1,10 @@
 """The lock agent's pool side: a pool process claims a request's verdict, is told whether
 its locks are still safe, and releases them with a proof.
 
-Why apart from the requests (:mod:`celery_zklock.worker.agent_requests`): once a pool
-process claims a request, the lock belongs to that connection, and what matters is no
-longer queueing but safety — a grant carries the locks' state *now*, later changes are
-pushed (:meth:`ClaimDesk._push_state`), and a release is answered only once ZooKeeper (or
-the local handoff's write) proves the lock was held to the end.  On the agent's event
-thread, like everything in it.
+Once claimed, a lock belongs to that connection: a grant carries the locks' state *now*,
+later changes are pushed (:meth:`Claims.push_state`), and a release is answered only once
+ZooKeeper (or the local handoff's write) proves the lock was held to the end.  On the
+agent's event thread.
 """
 
 from __future__ import annotations
@@ -16,41 +14,47 @@ import logging
 from ..engine.internals import State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_all_ready
-from ..engine.session import DELETED, LEASED, WRITTEN
-from .agent_link import Connection
-from .agent_requests import Wait
+from ..engine.session import PROOFS
+from .agent_link import ClaimAnswer, Connection, Verdict
+from .agent_requests import GuardsView, Requests, Wait
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
-#: Outcomes of a release that prove the lock was held to the end.
-PROOFS = (DELETED, WRITTEN, LEASED)
 
 
-class ClaimDesk:
-    """Claims, lock states and releases (a mixin of :class:`~celery_zklock.worker.agent.Agent`,
-    which holds the state)."""
+class Claims:
+    """Claims, lock states and releases; its own state is the set of claimed requests
+    (granted and claimed: their states are pushed on every heartbeat)."""
 
-    def _claim(self, peer: Connection, request_id: str) -> None:
+    def __init__(self, post, client, guards: GuardsView) -> None:
+        self.post, self.client, self.guards = post, client, guards
+        self.requests: Requests | None = None  # set by the Agent once both exist
+        self.claimed: set[Wait] = set()
+
+    def discard(self, wait: Wait) -> None:
+        self.claimed.discard(wait)
+
+    def claim(self, peer: Connection, request_id: str) -> None:
         """Hand a decided request, or one next in line, to the pool process that runs it.
 
         A next-in-line claimer is told ``pending`` and gets the verdict the moment it is
         decided.  Other undecided requests are not claimable: the claimer would run
         in-process and could queue behind our own node."""
-        wait = self.waits.get(request_id)
+        wait = self.requests.waits.get(request_id)
         if (wait is None or wait.done or wait.claimer is not None
                 or (wait.verdict is None and not wait.next_sent)):
-            peer.send({"op": "claimed", "id": request_id, "verdict": "unknown"})
+            peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.UNKNOWN})
             return
         wait.claimer = peer
         self.claimed.add(wait)
         if wait.verdict is None:
-            peer.send({"op": "claimed", "id": request_id, "verdict": "pending"})
+            peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.PENDING})
             return
-        self._send_verdict(wait)
-        if wait.verdict["verdict"] != "granted":
-            self._forget(wait)
+        self.send_verdict(wait)
+        if wait.verdict["verdict"] is not Verdict.GRANTED:
+            self.requests.forget(wait)
 
-    def _unclaim(self, peer: Connection, request_id: str) -> None:
+    def unclaim(self, peer: Connection, request_id: str) -> None:
         """The claimer stopped waiting for its claim's answer and locks in-process instead.
 
         Why: a busy agent may answer a claim after the pool process's claim timeout; the
@@ -59,27 +63,27 @@ class ClaimDesk:
         exits.  The claim came first on the same connection, so it is decided here already;
         only that claimer's request is let go.  Its enqueue guard is left to the pool
         process, which now locks guarded in-process (:mod:`celery_zklock.task`)."""
-        wait = self.waits.get(request_id)
+        wait = self.requests.waits.get(request_id)
         if wait is None or wait.done or wait.claimer is not peer:
             return  # not claimed by it ("unknown": it owes nothing here)
         wait.guard = None
-        self._drop(wait)
+        self.requests.abandon(wait)
         logger.warning("zklock agent: request %s: its pool process stopped waiting for the claim's answer "
                        "(this agent answered late: busy?) and locks in-process; its lock here is let go", request_id)
 
-    def _release(self, peer: Connection, request_id: str) -> None:
+    def release(self, peer: Connection, request_id: str) -> None:
         """Let go of a claimed request's locks; the answer says whether each one was proven
         held to the end (the delete, or the local handoff's write, found our node).
         Answered from those replies: no thread waits."""
-        wait = self.waits.get(request_id)
+        wait = self.requests.waits.get(request_id)
         if wait is None or wait.claimer is not peer or wait.done:
             peer.send({"op": "released", "id": request_id, "proven": False, "reason": "not held through the agent"})
             return
-        self._learn_hold(wait)
-        self._guard_finished(wait)
+        self.requests.learn_hold(wait)
+        self.guards.finished(wait)
         reason = self._lost_reason(wait)
-        outcomes = self._let_go(wait)
-        self._forget(wait)
+        outcomes = self.requests.let_go(wait)
+        self.requests.forget(wait)
         pending = [p for p in outcomes if not isinstance(p, str)]
 
         def answer() -> None:
@@ -94,7 +98,7 @@ class ClaimDesk:
     # ------------------------------------------------------------------ lock state
     @staticmethod
     def _lost_reason(wait: Wait) -> str | None:
-        for _c, slot, _t in wait.holds.values():
+        for slot in (hold.slot for hold in wait.holds.values()):
             if slot.attempt.lost_reason:
                 return slot.attempt.lost_reason
             if slot.lost:
@@ -103,7 +107,7 @@ class ClaimDesk:
 
     def _state(self, wait: Wait) -> dict:
         """Whether the request's locks are safe to hold right now, as a claimer is told."""
-        slots = [slot for _c, slot, _t in wait.holds.values()]
+        slots = [hold.slot for hold in wait.holds.values()]
         held = bool(slots) and all(s.held for s in slots)
         lost = any(s.lost or s.attempt.state is State.LOST for s in slots)
         reason = self._lost_reason(wait)
@@ -112,9 +116,9 @@ class ClaimDesk:
             reason = "ZooKeeper connection suspended" if suspended else "not held"
         return {"held": held, "lost": lost, "reason": reason}
 
-    def _push_state(self, wait: Wait) -> None:
+    def push_state(self, wait: Wait) -> None:
         if (wait.claimer is None or wait.done or wait.verdict is None
-                or wait.verdict.get("verdict") != "granted"):
+                or wait.verdict.get("verdict") is not Verdict.GRANTED):
             return
         state = self._state(wait)
         if wait.shown_held == state["held"] and not state["lost"]:
@@ -122,12 +126,12 @@ class ClaimDesk:
         wait.shown_held = state["held"]
         wait.claimer.send({"op": "state", "id": wait.id, **state})
 
-    def _send_verdict(self, wait: Wait) -> None:
+    def send_verdict(self, wait: Wait) -> None:
         """Tell the claimer its verdict; a grant carries the locks' state *now*: a request
         granted before ZooKeeper became unreachable may be claimed only later (no free pool
         process until then), and its body must not start on the old grant alone."""
         message = wait.verdict
-        if message["verdict"] == "granted":
+        if message["verdict"] is Verdict.GRANTED:
             state = self._state(wait)
             wait.shown_held = state["held"]
             # The session the server granted, which may be shorter than the one asked for:

@@ -1,11 +1,9 @@
 """The lock agent's enqueue guards (``lock_enqueue``): ended or moved as requests are decided.
 
-Why apart: a guard's updates are blocking ZooKeeper calls (:mod:`celery_zklock.engine.guards`)
-that must not run on the agent's event thread, and must run in order (a task's end must
-not overtake its start) — so they have one thread of their own, and only their
-completions come back to the event thread.  When to move a granted request's guard is part
-of its verdict (:meth:`~celery_zklock.worker.agent_requests.RequestBook._decide`), which
-stays with the verdict.
+A guard's updates are blocking ZooKeeper calls (:mod:`celery_zklock.engine.guards`): they run
+in order on one thread of their own (a task's end must not overtake its start), and only
+their completions come back to the event thread.  When a grant's guard starts is part of
+its verdict (:meth:`Requests._tell_verdict <celery_zklock.worker.agent_requests.Requests._tell_verdict>`).
 """
 
 from __future__ import annotations
@@ -15,27 +13,37 @@ import queue
 import threading
 
 from ..engine import clock, guards
-from .agent_requests import Wait
+from .agent_link import Verdict
+from .agent_requests import EventLoop, Wait
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
 
-class EnqueueGuards:
-    """Guard updates, in order, off the event thread (a mixin of
-    :class:`~celery_zklock.worker.agent.Agent`, which holds ``guard_jobs``)."""
+class GuardJobs:
+    """Guard updates, in order, off the event thread; its own state is the job queue (and
+    its thread, started with the first job)."""
 
-    def _guard_op(self, fn, *args, after=None) -> None:
+    def __init__(self, loop: EventLoop) -> None:
+        self.client, self.monitor, self.post = loop.client, loop.monitor, loop.post
+        self.jobs: queue.SimpleQueue | None = None
+
+    def start(self, wait: Wait, after) -> None:
+        """A granted request's guard ends (or becomes ours) before its body may start."""
+        guard = wait.guard
+        self.op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"], after=after)
+
+    def op(self, fn, *args, after=None) -> None:
         """A guard's blocking ZooKeeper calls, off the event thread and in order on one
         thread of their own (a task's end must not overtake its start); ``after(error)`` then
         runs on the event thread, whatever the outcome (``error`` is None when it was done)."""
-        if self.guard_jobs is None:
-            self.guard_jobs = queue.SimpleQueue()
-            threading.Thread(target=self._guard_loop, name="zklock-agent-guards", daemon=True).start()
-        self.guard_jobs.put((fn, args, after, 0))
+        if self.jobs is None:
+            self.jobs = queue.SimpleQueue()
+            threading.Thread(target=self._loop, name="zklock-agent-guards", daemon=True).start()
+        self.jobs.put((fn, args, after, 0))
 
-    def _guard_loop(self) -> None:
+    def _loop(self) -> None:
         while True:
-            fn, args, after, tries = self.guard_jobs.get()
+            fn, args, after, tries = self.jobs.get()
             error = None
             try:
                 done = fn(self.client, *args)
@@ -45,7 +53,7 @@ class EnqueueGuards:
                 if fn is guards.release and after is None and tries < _RELEASE_TRIES:
                     # A guard left in place swallows every publish of its key: try again
                     # (each try is bounded by the client's timeout), until its bound would.
-                    self.monitor.timers.call_at(clock.monotonic() + 1.0, self.guard_jobs.put, (fn, args, None, tries + 1))
+                    self.monitor.timers.call_at(clock.monotonic() + 1.0, self.jobs.put, (fn, args, None, tries + 1))
             else:
                 if fn is guards.release:
                     for gone in done or ():
@@ -55,7 +63,7 @@ class EnqueueGuards:
             if after is not None:
                 self.post(after, error)
 
-    def _guard_decided(self, wait: Wait, verdict: str) -> None:
+    def decided(self, wait: Wait, verdict: Verdict) -> None:
         """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
         node of our session (``finish``); revoked, it ends.  ``shutdown`` leaves it: the
         message goes back to the broker, still queued.  ``timeout`` and ``unavailable`` leave
@@ -63,24 +71,24 @@ class EnqueueGuards:
         over (no instant for a duplicate), or it ends it and reports the work deduped into
         it (:func:`celery_zklock.enqueue.unrun`); unclaimed, ``finished`` ends it here."""
         guard = wait.guard
-        if guard is None or verdict in ("shutdown", "timeout", "unavailable"):
+        if guard is None or verdict in (Verdict.SHUTDOWN, Verdict.TIMEOUT, Verdict.UNAVAILABLE):
             return
         retries = int(guard.get("retries") or 0)
-        if verdict == "granted":  # moved by _decide already
+        if verdict is Verdict.GRANTED:  # started by start() already
             if guard["until"] != "finish":
                 wait.guard = None
         else:
             wait.guard = None
-            self._guard_op(guards.release, guard["paths"], wait.id, retries)
+            self.op(guards.release, guard["paths"], wait.id, retries)
 
-    def _guard_finished(self, wait: Wait) -> None:
+    def finished(self, wait: Wait) -> None:
         """A granted request ran (or its process died before it could claim it): its running
         guard goes; an undecided one's guard (never moved) goes too."""
-        if wait.verdict is not None and wait.verdict.get("verdict") == "shutdown":
+        if wait.verdict is not None and wait.verdict.get("verdict") is Verdict.SHUTDOWN:
             return  # its message goes back to the broker, still queued under it
         guard, wait.guard = wait.guard, None
         if guard is not None:
-            self._guard_op(guards.release, guard["paths"], wait.id, int(guard.get("retries") or 0))
+            self.op(guards.release, guard["paths"], wait.id, int(guard.get("retries") or 0))
 
 
 #: How many times (about a second apart) the agent tries a guard's release again.

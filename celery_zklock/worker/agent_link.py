@@ -43,6 +43,7 @@ Requests (``op``) and the agent's answers:
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import socket
@@ -59,6 +60,32 @@ HEARTBEAT = 0.2
 #: its path (or of its task) have been held at most this long on average (seconds): that
 #: process idles until the holder releases.
 HANDOFF_MAX_WAIT = 0.5
+
+
+class Verdict(str, enum.Enum):
+    """A request's one verdict: the ``op`` of the agent's answer to the main process, and the
+    ``verdict`` of a claim's answer.  The value is the wire encoding (JSON strings)."""
+
+    GRANTED = "granted"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    REVOKED = "revoked"
+    SHUTDOWN = "shutdown"
+
+
+class ClaimAnswer(str, enum.Enum):
+    """A claim's answer when no verdict can be told (yet), in place of one."""
+
+    PENDING = "pending"  # next in line: the verdict follows when decided
+    UNKNOWN = "unknown"  # nothing to claim: the pool process locks in-process
+
+
+class Cancel(str, enum.Enum):
+    """Why the main process stops waiting for a request (``cancel`` and ``finished``)."""
+
+    REVOKED = "revoked"
+    SHUTDOWN = "shutdown"
+    FINISHED = "finished"  # the pool is done with it without claiming it
 
 
 def socket_path() -> str:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 
-from .agent_link import ENV, Connection
+from .agent_link import ENV, ClaimAnswer, Connection
 
 _link_guard = threading.Lock()
 _link: "AgentLink | None" = None
@@ -211,7 +211,7 @@ def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
     if current is None:
         return None
     reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout,
-                         until=lambda r: r.get("verdict") != "pending")
+                         until=lambda r: r.get("verdict") != ClaimAnswer.PENDING)
     if reply is None and current.alive:
         # No answer in time (a busy agent): this process locks in-process now, so the
         # agent must let go of whatever it decides for the claim (a late grant would hold
@@ -220,6 +220,6 @@ def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
         current.conn.send({"op": "unclaim", "id": request_id})
         with current._guard:
             current._early.pop(request_id, None)
-    if reply is None or reply.get("verdict") == "unknown":
+    if reply is None or reply.get("verdict") == ClaimAnswer.UNKNOWN:
         return None
     return current, reply

@@ -1,25 +1,33 @@
 """The lock agent's requests: each one's locks taken path by path, then one verdict.
 
-Why apart from the pool's claims (:mod:`celery_zklock.worker.agent_claims`): the main
-process's side of a request — queue for its locks, be told ``queued``/``next``, get a
-verdict, cancel — is one life that ends in :meth:`RequestBook._decide`; what a pool process
-is told once it claims that verdict is another.  A request's paths are taken in canonical
-order through the key's :class:`~celery_zklock.worker.cohort.Cohort` (one node per key, a
-local queue behind it), all or nothing, so two multi-key requests never deadlock.
-All of it runs on the agent's event thread (:mod:`celery_zklock.worker.agent_server`).
+The main process's side of a request: queue for its locks, be told ``queued``/``next``, get
+one verdict, or be cancelled.  Paths are taken in canonical order through each key's
+:class:`~celery_zklock.worker.cohort.Cohort`, all or nothing, so two multi-key requests
+never deadlock.  Runs on the agent's event thread; what a pool process is told once it
+claims the verdict is :mod:`celery_zklock.worker.agent_claims`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 from ..engine import clock, guards
 from ..engine.contenders import holders_async
-from .agent_link import HANDOFF_MAX_WAIT, Connection
+from .agent_link import HANDOFF_MAX_WAIT, Cancel, Connection, Verdict
 from .cohort import Cohort
 
 #: How long a timeout's verdict waits for the report of who holds the key (s).
 HOLDERS_WITHIN = 0.5
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One path a request holds: the key's cohort, the slot (our node) and its fencing token."""
+
+    cohort: Cohort
+    slot: Any  # celery_zklock.worker.cohort.Slot
+    token: int
 
 
 @dataclass(eq=False)
@@ -37,7 +45,7 @@ class Wait:
     guard: dict | None = None  # its enqueue guard (lock_enqueue): ended or moved when decided
     guard_moved: bool = False  # the guard's start is done (or under way) for its grant
     claimer: Connection | None = None
-    holds: dict = field(default_factory=dict)  # path -> (cohort, slot, token), in order taken
+    holds: dict[str, "Hold"] = field(default_factory=dict)  # path -> its hold, in the order taken
     current: Cohort | None = None  # the cohort whose local queue it waits in
     expired: bool = False  # its deadline passed; a fresh node's first answer decides
     verdict: dict | None = None  # what a claim is told once decided
@@ -51,12 +59,60 @@ class Wait:
     done: bool = False  # released or cancelled
 
 
-class RequestBook:
-    """Requests from queueing to verdict, and the cohorts they wait in (a mixin of
-    :class:`~celery_zklock.worker.agent.Agent`, which holds the state; the cohorts call
-    back its ``on_*`` methods)."""
+class EventLoop(Protocol):
+    """What the agent's parts need of the :class:`~celery_zklock.worker.agent.Agent`: its
+    ZooKeeper client, session monitor and settings, and its one event thread."""
 
-    def _wait(self, peer: Connection, msg: dict) -> None:
+    client: Any  # kazoo's KazooClient (the simulator's, under sim/)
+    monitor: Any  # the client's SessionMonitor: its timers
+    settings: Any  # celery_zklock.config.ZkSettings
+
+    def post(self, fn: Callable, *args: Any) -> None: ...
+
+
+class ClaimsView(Protocol):
+    """What :class:`Requests` tells :class:`~celery_zklock.worker.agent_claims.Claims`."""
+
+    def send_verdict(self, wait: Wait) -> None: ...
+    def push_state(self, wait: Wait) -> None: ...
+    def discard(self, wait: Wait) -> None: ...
+
+
+class GuardsView(Protocol):
+    """What :class:`Requests` asks of :class:`~celery_zklock.worker.agent_guards.GuardJobs`."""
+
+    def start(self, wait: Wait, after: Callable[[BaseException | None], None]) -> None: ...
+    def decided(self, wait: Wait, verdict: Verdict) -> None: ...
+    def finished(self, wait: Wait) -> None: ...
+
+
+class Requests:
+    """Requests from queueing to verdict, and the cohorts they wait in (each cohort's host).
+
+    A grant, in order (:meth:`_take_next` is where it starts):
+
+    1. the key's cohort grants a slot (:meth:`Cohort._grant <celery_zklock.worker.cohort.Cohort._grant>`,
+       with the slot's fencing token) and calls :meth:`on_granted`;
+    2. with every path held, :meth:`_take_next` makes the verdict (tokens and nodes);
+    3. :meth:`_tell_verdict` first has the request's enqueue guard started, off the event
+       thread (:meth:`GuardJobs.start <celery_zklock.worker.agent_guards.GuardJobs.start>`),
+       and resumes in :meth:`_guard_started` (a guard that could not start: ``unavailable``);
+    4. the verdict is recorded, the main process told, and a claimer waiting for it told
+       (:meth:`Claims.send_verdict <celery_zklock.worker.agent_claims.Claims.send_verdict>`).
+    """
+
+    def __init__(self, loop: EventLoop, claims: ClaimsView, guards: GuardsView) -> None:
+        self.client, self.monitor, self.settings, self.post = loop.client, loop.monitor, loop.settings, loop.post
+        self.claims = claims
+        self.guards = guards
+        self.waits: dict[str, Wait] = {}
+        self.cohorts: dict[tuple[str, int], Cohort] = {}
+        # Mean time a lock was held (grant to release), per lock path and per task name:
+        # how long a request next in line would idle in a pool process if handed over.
+        self.hold_by_path: dict[str, float] = {}
+        self.hold_by_task: dict[str, float] = {}
+
+    def wait(self, peer: Connection, msg: dict) -> None:
         timeout = msg.get("timeout")
         wait = Wait(
             id=msg["id"],
@@ -88,7 +144,9 @@ class RequestBook:
             return
         if len(wait.holds) == len(wait.paths):
             self.monitor.timers.cancel(wait.timer)
-            return self._decide(wait, {"verdict": "granted", "tokens": self._tokens(wait), "nodes": self._nodes(wait)})
+            tokens = {path: hold.token for path, hold in wait.holds.items()}
+            nodes = {path: hold.slot.node_path for path, hold in wait.holds.items()}
+            return self._tell_verdict(wait, {"verdict": Verdict.GRANTED, "tokens": tokens, "nodes": nodes})
         path = wait.paths[len(wait.holds)]
         cohort = self.cohorts.get((path, wait.max_holders))
         if cohort is None:
@@ -98,24 +156,24 @@ class RequestBook:
 
     # The cohort's callbacks (on the event thread).
     def on_granted(self, wait: Wait, cohort: Cohort, slot, token: int) -> None:
-        wait.holds[cohort.path] = (cohort, slot, token)
+        wait.holds[cohort.path] = Hold(cohort, slot, token)
         wait.current = None
         self._take_next(wait)
 
     def on_failed(self, wait: Wait, exc: BaseException) -> None:
         wait.current = None
-        self._let_go(wait)
-        self._decide(wait, {"verdict": "unavailable", "error": str(exc)})
+        self.let_go(wait)
+        self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": str(exc)})
 
     def on_timed_out(self, wait: Wait, path: str) -> None:
         """Free what it took, then say who holds the key: read asynchronously, and waited
         for at most :data:`HOLDERS_WITHIN` (a timeout is told on time, ZooKeeper or not)."""
         wait.current = None
-        self._let_go(wait)
+        self.let_go(wait)
 
         def told(holders) -> None:
             self.monitor.timers.cancel(bound)
-            self._decide(wait, {"verdict": "timeout", "holders": holders})
+            self._tell_verdict(wait, {"verdict": Verdict.TIMEOUT, "holders": holders})
 
         bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, [])
         holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))
@@ -128,8 +186,7 @@ class RequestBook:
 
     def on_next(self, wait: Wait) -> None:
         """Every path but the last is held and only a holder is ahead of it on the last: the
-        main process may hand it to the pool now, so the release that grants it reaches a
-        pool process already claiming (no dispatch, no wait for a free slot)."""
+        main process may hand it to the pool now (docs/waiting.md, "Next in line")."""
         if (not wait.early or wait.done or wait.verdict is not None or wait.next_sent
                 or len(wait.holds) != len(wait.paths) - 1):
             return
@@ -140,7 +197,7 @@ class RequestBook:
         wait.owner.send({"op": "next", "id": wait.id, "hold": expected})
 
     def on_slot_lost(self, wait: Wait) -> None:
-        self._push_state(wait)
+        self.claims.push_state(wait)
 
     def _deadline(self, wait: Wait) -> None:
         if wait.done or wait.verdict is not None or wait.current is None:
@@ -148,13 +205,11 @@ class RequestBook:
         if wait.current.expire(wait):
             self.on_timed_out(wait, wait.current.path)
 
-    # Mean time a lock was held (grant to release), per lock path and per task name: how
-    # long a request next in line would idle in a pool process if handed over.
     def _expected_hold(self, wait: Wait) -> float | None:
         held = self.hold_by_path.get(wait.paths[-1])
         return held if held is not None else self.hold_by_task.get(wait.task)
 
-    def _learn_hold(self, wait: Wait) -> None:
+    def learn_hold(self, wait: Wait) -> None:
         if wait.granted_at is None:
             return
         held = clock.monotonic() - wait.granted_at
@@ -164,73 +219,69 @@ class RequestBook:
             mean = table.get(key)
             table[key] = held if mean is None else mean + 0.3 * (held - mean)
 
-    def _decide(self, wait: Wait, verdict: dict) -> None:
+    def _tell_verdict(self, wait: Wait, verdict: dict) -> None:
         """The request's one verdict, told to the main process (and to its claimer, if any).
-        Its enqueue guard's moves stay in this transition, not in :mod:`agent_guards
-        <celery_zklock.worker.agent_guards>`: a grant is told only once its guard's start is done."""
+        A grant is told only once its enqueue guard's start is done (step 3 above)."""
         if wait.done or wait.verdict is not None:
             return
         self.monitor.timers.cancel(wait.timer)
-        if verdict["verdict"] == "granted" and wait.guard is not None and not wait.guard_moved:
+        if verdict["verdict"] is Verdict.GRANTED and wait.guard is not None and not wait.guard_moved:
             # Its enqueue guard ends (or becomes ours) before its body can start: a publish
             # after the start is then never deduped into a run that began without it.
             wait.guard_moved = True
-            guard = wait.guard
-            self._guard_op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"],
-                           after=lambda error: self._guard_started(wait, verdict, error))
+            self.guards.start(wait, after=lambda error: self._guard_started(wait, verdict, error))
             return
         wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(clock.monotonic() - wait.started, 6), **verdict}
-        if verdict["verdict"] == "granted":
+        if verdict["verdict"] is Verdict.GRANTED:
             wait.granted_at = clock.monotonic()
-        self._guard_decided(wait, verdict["verdict"])
-        answer = {"op": verdict["verdict"], "id": wait.id}  # granted/timeout/unavailable/revoked/shutdown
+        self.guards.decided(wait, verdict["verdict"])
+        answer = {"op": verdict["verdict"], "id": wait.id}
         if wait.queued:
             answer["queued"] = True
-        if verdict["verdict"] == "unavailable":
+        if verdict["verdict"] is Verdict.UNAVAILABLE:
             answer["error"] = verdict["error"]
         wait.owner.send(answer)
         if wait.claimer is not None:
-            self._send_verdict(wait)
-            if verdict["verdict"] != "granted":
-                self._forget(wait)
+            self.claims.send_verdict(wait)
+            if verdict["verdict"] is not Verdict.GRANTED:
+                self.forget(wait)
 
     def _guard_started(self, wait: Wait, verdict: dict, error: BaseException | None) -> None:
-        """A grant whose guard could not be ended (or moved) is not told as granted: the body
-        would run past a guard that swallows the work published meanwhile.  Its locks go and
-        the pool process follows ``on_lock_unavailable`` (its retry takes the guard over)."""
+        """A grant whose guard could not be ended (or moved) is not told as granted: its locks
+        go and the pool process follows ``on_lock_unavailable`` (its retry takes the guard over)."""
         if error is None:
-            return self._decide(wait, verdict)
-        self._let_go(wait)
-        self._decide(wait, {"verdict": "unavailable", "error": f"could not end the enqueue guard at the start: {error!r}"})
+            return self._tell_verdict(wait, verdict)
+        self.let_go(wait)
+        self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE,
+                                  "error": f"could not end the enqueue guard at the start: {error!r}"})
 
-    def _cancel(self, request_id: str, why: str = "finished", in_pool: bool = False) -> None:
+    def cancel(self, request_id: str, why: Cancel = Cancel.FINISHED, in_pool: bool = False) -> None:
         """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
         ``finished`` by the pool without claiming (a grant nobody claimed is let go).
 
-        A request the main process handed to the pool while next in line (``in_pool``) and
-        still undecided is given the verdict ``why`` instead: its pool process, claiming or
-        about to, must not run it.  Decided, it runs (or ran) as granted: its own release
-        lets go."""
+        A request handed to the pool while next in line (``in_pool``) and still undecided
+        gets the verdict ``why`` instead: its pool process must not run it.  Decided, it
+        runs (or ran) as granted: its own release lets go."""
         wait = self.waits.get(request_id)
         if wait is None or wait.done or (wait.claimer is not None and wait.verdict is not None):
             return
         if in_pool and wait.verdict is not None:
             return
-        if why == "revoked":
-            self._guard_decided(wait, "revoked")
-        elif why == "finished":
+        if why is Cancel.REVOKED:
+            self.guards.decided(wait, Verdict.REVOKED)
+        elif why is Cancel.FINISHED:
             # Done in the pool without claiming (its process died before it could, or it ran
             # in process): a guard moved at the grant, or never moved, must not outlive it.
-            self._guard_finished(wait)
+            self.guards.finished(wait)
         if not in_pool:
             if wait.claimer is None:
-                self._drop(wait)
+                self.abandon(wait)
             return
-        self._let_go(wait)
-        self._decide(wait, {"verdict": why})
+        self.let_go(wait)
+        self._tell_verdict(wait, {"verdict": Verdict(why.value)})
 
     # ------------------------------------------------------------------ letting go
-    def _let_go(self, wait: Wait) -> list:
+    def let_go(self, wait: Wait) -> list:
         """Leave the local queue and let go of every path taken (the next of ours may get
         it at once); the release proof per path, newest first."""
         if wait.current is not None:
@@ -238,9 +289,9 @@ class RequestBook:
             cohort.leave(wait)
             self._tidy(cohort)
         outcomes = []
-        for cohort, _slot, _token in reversed(list(wait.holds.values())):
-            outcomes.append(cohort.release(wait))
-            self._tidy(cohort)
+        for hold in reversed(list(wait.holds.values())):
+            outcomes.append(hold.cohort.release(wait))
+            self._tidy(hold.cohort)
         wait.holds.clear()
         return outcomes
 
@@ -248,22 +299,21 @@ class RequestBook:
         if cohort.idle and self.cohorts.get((cohort.path, cohort.max_holders)) is cohort:
             del self.cohorts[(cohort.path, cohort.max_holders)]
 
-    def _drop(self, wait: Wait) -> None:
-        """Stop waiting for, or let go of, a request nobody runs."""
-        self._forget(wait)
-        self._let_go(wait)
+    def tidy_all(self) -> None:
+        """On the heartbeat: pump keys whose node was suspended while free, forget idle ones."""
+        for cohort in list(self.cohorts.values()):
+            if cohort.queue and not cohort.busy:
+                cohort.pump()  # a node suspended while free: granted once verified again
+            self._tidy(cohort)
 
-    def _forget(self, wait: Wait) -> None:
+    def abandon(self, wait: Wait) -> None:
+        """Stop waiting for, or let go of, a request nobody runs."""
+        self.forget(wait)
+        self.let_go(wait)
+
+    def forget(self, wait: Wait) -> None:
         wait.done = True
-        self.claimed.discard(wait)
+        self.claims.discard(wait)
         self.monitor.timers.cancel(wait.timer)
         if self.waits.get(wait.id) is wait:
             del self.waits[wait.id]
-
-    @staticmethod
-    def _tokens(wait: Wait) -> dict[str, int]:
-        return {path: token for path, (_c, _s, token) in wait.holds.items()}
-
-    @staticmethod
-    def _nodes(wait: Wait) -> dict[str, str]:
-        return {path: slot.node_path for path, (_c, slot, _t) in wait.holds.items()}

@@ -23,7 +23,7 @@ import time
 from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
-from .agent_link import ENV, LineReader, encode, socket_path
+from .agent_link import ENV, LineReader, Verdict, encode, socket_path
 
 logger = get_logger("celery_zklock.worker")
 
@@ -98,7 +98,7 @@ def running() -> AgentProcess | None:
 
 
 class AgentSupervisor:
-    """The consumer step's link to the agent (a mixin of
+    """The consumer step's link to the agent (the base class of
     :class:`~celery_zklock.worker.worker_queue.WaitOutsidePool`, which holds the state and
     handles what the agent says)."""
 
@@ -130,15 +130,15 @@ class AgentSupervisor:
         self.last_ping = time.monotonic()
         for msg in self.reader.feed(data):
             op = msg.get("op")
-            if op in ("granted", "timeout", "unavailable", "bypass"):
+            if op in (Verdict.GRANTED, Verdict.TIMEOUT, Verdict.UNAVAILABLE, "bypass"):
                 # Only a grant that had to queue jumps the pool's queue: its key is
                 # contended, and tasks behind it wait for its release.
-                self._hand_over(msg["id"], first=op == "granted" and bool(msg.get("queued")))
+                self._hand_over(msg["id"], first=op == Verdict.GRANTED and bool(msg.get("queued")))
                 if msg["id"] in self.early:
                     self._early_done(msg["id"])  # decided: it no longer waits in its slot
             elif op == "next":
                 self._next_in_line(msg["id"], msg.get("hold"))
-            elif op == "revoked":
+            elif op == Verdict.REVOKED:
                 self._revoked_in_pool(msg["id"])
                 self._early_done(msg["id"])
             elif op == "queued":
@@ -153,7 +153,7 @@ class AgentSupervisor:
         self.c.hub.remove(self.sock.fileno())
         self.sock.close()
         self.sock = None
-        logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.held))
+        logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.aside))
         _agent.kill()
         # Requests in the pool next in line lost their nodes with the agent: their claims
         # now find no verdict, and they lock in-process.
@@ -174,14 +174,14 @@ class AgentSupervisor:
         except SystemExit as exc:
             delay = self.restart_delay = min(30.0, self.restart_delay * 2) if self.restart_delay else 1.0
             logger.error("%s; %d waiting request(s) follow on_lock_unavailable in the pool; trying again in %.0fs",
-                         exc, len(self.held), delay)
-            for request_id in list(self.held):
+                         exc, len(self.aside), delay)
+            for request_id in list(self.aside):
                 self._hand_over(request_id)
             self.c.hub.call_later(delay, self._restart_agent)
             return
         self.restart_delay = 0.0
         self._connect()
-        for req in list(self.held.values()):
+        for req in list(self.aside.values()):
             self._submit(req)
 
     def _check_agent(self) -> None:

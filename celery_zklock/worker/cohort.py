@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
-from ..engine.session import LEASED, WRITTEN, guaranteed_set
+from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews
 from .wait_queue import WaitQueue
@@ -73,7 +73,7 @@ class Slot:
 class Cohort:
     """One key (path and holder count) as this agent sees it: its slots and local queue."""
 
-    host: CohortHost  # the Agent
+    host: CohortHost  # the agent's Requests
     path: str
     max_holders: int
     queue: WaitQueue = field(default_factory=WaitQueue)  # our waiters, in arrival order
@@ -88,7 +88,7 @@ class Cohort:
         if self.queue.last() is wait:  # not granted (the queue is scanned by no one:
             index = len(self.queue) - 1  # a backlog of thousands costs O(1) per join)
             if index >= self._fresh():
-                self.host.on_queued(wait, index + self._busy())  # it waits for a holder of ours
+                self.host.on_queued(wait, index + self.busy)  # it waits for a holder of ours
         self._tell_next()
 
     def leave(self, wait) -> bool:
@@ -113,15 +113,15 @@ class Cohort:
 
     def release(self, wait):
         """``wait`` lets go of its slot here.  Returns the proof: an async result resolving
-        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or a string when none can come."""
+        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or an Outcome at once when none can come."""
         slot = next((s for s in self.slots if s.holder is wait), None)
         if slot is None:
-            return "not held"
+            return Outcome.NOT_HELD
         slot.holder = None
         if slot.lost or slot.attempt.state is State.LOST:
-            self._drop(slot, replace=True)  # a node of ours may still be there: keep the place
+            self._drop_slot(slot, replace=True)  # a node of ours may still be there: keep the place
             self.pump()
-            return "lost"
+            return Outcome.LOST
         nxt = self._next_waiter()
         if (nxt is not None and slot.held and passes_locally(
                 slot.grants, slot.since or 0.0, self.clock(), slot.foreign,
@@ -139,7 +139,7 @@ class Cohort:
             slot.holder, slot.handing_on = nxt, True
             self._on_passed(proof, slot, nxt, now)
             return proof
-        proof = self._drop(slot, replace=True)
+        proof = self._drop_slot(slot, replace=True)
         self.pump()
         return proof
 
@@ -171,7 +171,7 @@ class Cohort:
         if slot in self.slots and (not written or not slot.held):
             # Lost meanwhile (a suspension past its grace, then the write went through): a node
             # not held must go, or it stays first in the key's queue with nobody to grant.
-            self._drop(slot, replace=True)
+            self._drop_slot(slot, replace=True)
         self.pump()
 
     # ------------------------------------------------------------------ the cohort's engine
@@ -181,19 +181,21 @@ class Cohort:
             if slot.holder is None and slot.held:
                 nxt = self._next_waiter()
                 if nxt is None:
-                    self._drop(slot)
+                    self._drop_slot(slot)
                 else:
                     self._grant(slot, nxt)
         pending = [s for s in self.slots if s.holder is None]
-        want = max(0, min(len(self.queue), self.max_holders - self._busy()))
+        want = max(0, min(len(self.queue), self.max_holders - self.busy))
         while len(pending) < want:
             pending.append(self._new_slot())
         for slot in pending[want:]:
             if slot.attempt.state not in (State.HELD, State.HELD_SUSPENDED):
-                self._drop(slot)
+                self._drop_slot(slot)
         self._expire_answered()
 
-    def _busy(self) -> int:
+    @property
+    def busy(self) -> int:
+        """How many of our slots have a holder."""
         return sum(1 for s in self.slots if s.holder is not None)
 
     def _fresh(self) -> int:
@@ -262,7 +264,7 @@ class Cohort:
         on_ready(slot.attempt.result, lambda result: post(self._decided, slot, result))
         return slot
 
-    def _drop(self, slot: Slot, replace: bool = False):
+    def _drop_slot(self, slot: Slot, replace: bool = False):
         """Let go of a node (delete it, or stop waiting).  With ``replace``, first queue a new
         one for the waiters, so the next holder is woken by this delete and we keep a place."""
         if slot in self.slots:
@@ -271,7 +273,7 @@ class Cohort:
             self.pump()
         slot.attempt.cancel()
         _, outcome = slot.attempt.release()
-        return outcome if outcome is not None else "not held"
+        return outcome if outcome is not None else Outcome.NOT_HELD
 
     # ------------------------------------------------------------------ ZooKeeper's answers
     def _decided(self, slot: Slot, result) -> None:
@@ -297,7 +299,7 @@ class Cohort:
         """The node had to queue: its waiters learn they wait; those whose deadline passed
         meanwhile give up now."""
         slot.answered = True
-        busy = self._busy()
+        busy = self.busy
         # Only waiters that joined behind a fresh node were not told yet (join tells the
         # others), and they joined within its first max_holders places; a reserved waiter
         # put back at the front moves them one place per slot at most.  So the scan is
@@ -331,7 +333,7 @@ class Cohort:
         if slot.holder is not None:
             self.host.on_slot_lost(slot.holder)
         elif slot in self.slots:
-            self._drop(slot, replace=True)
+            self._drop_slot(slot, replace=True)
             self.pump()
 
     def _watch_queue(self, slot: Slot) -> None:

@@ -5,7 +5,7 @@ waiter's place were linear in the backlog.  When the worker's main process goes,
 of its requests leave in one event of the agent's one thread, in any order: out of order,
 5,000 leaves cost 12.5M comparisons (0.25 s measured; quadratic, so 10,000 cost about
 1 s), and an event thread that busy stops its heartbeats and is killed as frozen
-(``agent_server.STUCK_AFTER``).  An insertion-ordered dict keyed by identity joins, leaves,
+(``agent.STUCK_AFTER``).  An insertion-ordered dict keyed by identity joins, leaves,
 and finds the first and last in O(1); :meth:`WaitQueue.within` answers the one position
 question the cohort asks (among the first ``k``? ``k`` is a handful of fresh nodes) in
 O(k).  Waiters are compared by identity only: a request is itself, never an equal copy.

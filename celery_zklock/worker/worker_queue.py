@@ -1,29 +1,12 @@
 """Waiting outside the pool: the worker's main process queues locked requests in the agent.
 
-Why here and not in the task: a locked task that waits inside a prefork child takes a
-pool slot for as long as it waits, so one hot key starves every other key on the worker.
-Instead, when a locked request arrives, the main process asks the worker's lock agent
-(:mod:`celery_zklock.worker.agent`, one ZooKeeper session per worker) to queue for its lock and
-keeps the request aside — unacknowledged, outside the prefetch window
-(``qos.increment_eventually``, as Celery does for ETA tasks) — and hands it to the pool
-only once the agent has decided: granted, timed out or unavailable.  The pool process
-then claims that verdict (:mod:`celery_zklock.worker.agent_lock`) and runs the body, or applies
-the timeout/unavailable policy exactly as an in-pool wait would.
-
-One exception, bounded: a request the agent says is *next in line* (only holders ahead),
-on a key whose locks are held briefly, may go to a pool process before its grant and wait
-there for the release (see :func:`hand_over_early`), so a hot key's chain does not pay a
-dispatch and a wait for a free process at every handoff.
-
-The request handler is wrapped in a consumer bootstep (``c.on_task_request``), so ETA,
-countdown and rate-limited requests pass through it too.  The main process talks to the
-agent through the event loop (the hub): no thread ever runs in the forking parent.
-Pools: prefork and solo.  threads/gevent/eventlet pools keep waiting in the pool, where
-a waiting task costs a thread or a greenlet, not a process.
-
-Here: the consumer step's bookkeeping of the requests it holds and its Celery hooks.
-Keeping the agent alive and linked: :mod:`celery_zklock.worker.agent_supervisor`; the
-rules and pool internals of a handoff: :mod:`celery_zklock.worker.pool_handoff`.
+A locked request is kept aside (unacknowledged, outside the prefetch window) while the
+worker's lock agent queues for its lock, and handed to the pool once decided — or, next in
+line on a briefly held key, just before (:func:`hand_over_early`).  A consumer bootstep
+wraps ``c.on_task_request``; it talks to the agent through the hub, with no thread in the
+forking parent.  Prefork and solo pools only.  Why: docs/design.md, "Waiting outside the
+pool".  Keeping the agent alive: :mod:`celery_zklock.worker.agent_supervisor`; a handoff's
+rules: :mod:`celery_zklock.worker.pool_handoff`.
 """
 
 from __future__ import annotations
@@ -43,7 +26,7 @@ from ..engine.identity import Identity
 from ..options import is_locked_task
 from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
-from .agent_link import HEARTBEAT, LineReader
+from .agent_link import HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
 from .pool_handoff import hand_over_early, handoff_slots, pool_size, run_next
@@ -70,7 +53,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         global _step
         self.c = c
         self.inner = c.on_task_request
-        self.held: dict[str, object] = {}  # waiting for a verdict, here
+        self.aside: dict[str, object] = {}  # requests held aside, waiting for a verdict here
         self.early: dict[str, object] = {}  # handed to the pool while next in line
         self.next_up: dict[str, float] = {}  # held ids next in line awaiting a slot -> expected wait
         self.revoking: set[str] = set()  # early ids whose revocation was sent to the agent
@@ -105,9 +88,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
     # ------------------------------------------------------------------ requests
     def on_request(self, req) -> None:
         task = req.task
-        if self.sock is None or task.acks_late or not req.id or req.id in self.held or not is_locked_task(task):
+        if self.sock is None or task.acks_late or not req.id or req.id in self.aside or not is_locked_task(task):
             return self.inner(req)
-        self.held[req.id] = req
+        self.aside[req.id] = req
         if len(self.counted) < MAX_HELD:
             # A waiting request must not use up the prefetch window (as Celery does for ETA
             # tasks) -- up to MAX_HELD of them; beyond, each held request takes a place in
@@ -135,7 +118,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _hand_over(self, request_id: str, first: bool = False) -> None:
         self.next_up.pop(request_id, None)
-        req = self.held.pop(request_id, None)
+        req = self.aside.pop(request_id, None)
         if req is None:
             return
         self._not_waiting(request_id, req)
@@ -148,7 +131,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         to be short and a handoff slot is free, hand it to the pool now (at the head of
         its queue), where it claims and waits for the release; the grant then reaches a
         process already running it."""
-        req = self.held.get(request_id)
+        req = self.aside.get(request_id)
         if req is None:
             return
         when = hand_over_early(hold, len(self.early), self._slots())
@@ -178,7 +161,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         cohorting they wait in memory, not in ZooKeeper (``celery zklock status`` asks)."""
         out: dict[str, list[dict]] = {}
         now = time.time()
-        for request_id, req in [*self.held.items(), *self.early.items()]:
+        for request_id, req in [*self.aside.items(), *self.early.items()]:
             paths, since = self.paths.get(request_id, ([], now))
             for path in paths:
                 out.setdefault(path, []).append({"task_id": request_id, "task": req.task.name, "worker": req.hostname,
@@ -206,7 +189,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             req.revoked()
 
     def _queued(self, request_id: str, position) -> None:
-        req = self.held.get(request_id)
+        req = self.aside.get(request_id)
         if req is None:
             return
         key = req.task.lock_keys(tuple(req.args or ()), dict(req.kwargs or {}))
@@ -223,15 +206,15 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _check_revoked(self) -> None:
         """A revoked waiting request: its node goes at once and it never reaches the pool."""
-        for request_id in [i for i in self.held if i in worker_state.revoked]:
-            req = self.held.pop(request_id)
+        for request_id in [i for i in self.aside if i in worker_state.revoked]:
+            req = self.aside.pop(request_id)
             self.next_up.pop(request_id, None)
             self._not_waiting(request_id, req)
-            self._send({"op": "cancel", "id": request_id, "why": "revoked"})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED})
             req.revoked()  # acknowledges, stores REVOKED, sends the event and signal
         for request_id in [i for i in self.early if i in worker_state.revoked and i not in self.revoking]:
             self.revoking.add(request_id)  # the agent answers "revoked" unless already granted
-            self._send({"op": "cancel", "id": request_id, "why": "revoked", "in_pool": True})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED, "in_pool": True})
 
     def request_finished(self, request_id: str) -> None:
         """The pool is done with a request: free a grant it never claimed (no-op otherwise).
@@ -257,8 +240,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             tref.cancel()
         self.timers = []
         returned = failed = 0
-        for request_id, req in list(self.held.items()):
-            self._send({"op": "cancel", "id": request_id, "why": "shutdown"})
+        for request_id, req in list(self.aside.items()):
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN})
             self._not_waiting(request_id, req)
             try:
                 req.reject(requeue=True)
@@ -271,14 +254,14 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             logger.info("celery-zklock: stopping: %d waiting task(s) went back to the broker%s%s", returned,
                         f", {failed} could not (see above)" if failed else "",
                         f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
-        self.held.clear()
+        self.aside.clear()
         self.counted.clear()
         self.paths.clear()
         self.next_up.clear()
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told
             # "shutdown" and publishes it back to the broker instead of running it.
-            self._send({"op": "cancel", "id": request_id, "why": "shutdown", "in_pool": True})
+            self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN, "in_pool": True})
 
     shutdown = stop
 

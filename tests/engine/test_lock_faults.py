@@ -410,11 +410,11 @@ def test_timeout_after_lost_create_reply_leaves_no_ghost(zk_server, zk_client, p
             t = _acquire_in_thread(lock, result, timeout=0.3)
             assert cut.fired.wait(5) and cut.reply_err == 0
             time.sleep(0.6)  # past the deadline, still cut off
-            assert len(_children_with(zk_client, path, lock._prefix)) == 1  # the ghost
+            assert len(_children_with(zk_client, path, lock._internals.prefix)) == 1  # the ghost
             proxy.release_held()
             t.join(5)
             assert result.get("ok") is False, result
-            assert wait_for(lambda: _children_with(zk_client, path, lock._prefix) == [], 3), "ghost node left behind"
+            assert wait_for(lambda: _children_with(zk_client, path, lock._internals.prefix) == [], 3), "ghost node left behind"
             assert lock.node is None and not lock.is_held()
             other = FairLock(zk_client, path)
             assert other.acquire(timeout=2)
@@ -528,7 +528,7 @@ def test_lost_create_reply_adopts_own_node(zk_server, zk_client, path):
             assert proxy.accepted >= 2  # kazoo reconnected through the proxy
             assert c.client_id[0] == session  # ... on the same session
 
-            mine = _children_with(zk_client, path, lock._prefix)
+            mine = _children_with(zk_client, path, lock._internals.prefix)
             assert len(mine) == 1, mine
             assert lock.node == f"{path}/{mine[0]}"
             stat = zk_client.exists(lock.node)
@@ -558,7 +558,7 @@ def test_lost_multi_reply_on_a_new_key_adopts_own_node(zk_server, zk_client, pat
             assert lock.acquire(timeout=10) is True
             assert cut.fired.is_set() and cut.reply_err == 0, "the multi was not executed and cut"
             assert c.client_id[0] == session
-            mine = _children_with(zk_client, key, lock._prefix)
+            mine = _children_with(zk_client, key, lock._internals.prefix)
             assert len(mine) == 1 and lock.node == f"{key}/{mine[0]}"
             assert lock.token == fencing_token(zk_client.exists(lock.node).czxid)
             assert lock.is_held()
@@ -587,7 +587,7 @@ def test_lost_create_reply_while_queued_leaves_no_ghost(zk_server, zk_client, pa
             assert cut.fired.wait(5) and cut.reply_err == 0
             assert wait_for(lambda: lock.node is not None, 5)
             time.sleep(0.3)
-            mine = _children_with(zk_client, path, lock._prefix)
+            mine = _children_with(zk_client, path, lock._internals.prefix)
             assert len(mine) == 1, mine
             assert zk_client.exists(f"{path}/{mine[0]}").ephemeralOwner == session
             assert "ok" not in result
@@ -604,7 +604,7 @@ def test_lost_create_reply_while_queued_leaves_no_ghost(zk_server, zk_client, pa
             lock.release()
             t3.join(10)
             assert third_result.get("ok") is True, "a node of ours outlived our release"
-            assert _children_with(zk_client, path, lock._prefix) == []
+            assert _children_with(zk_client, path, lock._internals.prefix) == []
             third.release()
         finally:
             _stop(c, third_client)
@@ -620,14 +620,14 @@ def test_stale_node_with_our_prefix_from_another_session_is_replaced(zk_server, 
         try:
             session = c.client_id[0]
             lock = FairLock(c, path)
-            stale = zk_client.create(f"{path}/{lock._prefix}", b"stale", ephemeral=True, sequence=True)
+            stale = zk_client.create(f"{path}/{lock._internals.prefix}", b"stale", ephemeral=True, sequence=True)
             stale_owner = zk_client.exists(stale).ephemeralOwner
             assert stale_owner != session
             cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=False)
             assert lock.acquire(timeout=5) is True, "blocked behind a stale node with our prefix"
             assert cut.fired.is_set()
             assert zk_client.exists(stale) is None, "the stale node was not deleted"
-            mine = _children_with(zk_client, path, lock._prefix)
+            mine = _children_with(zk_client, path, lock._internals.prefix)
             assert len(mine) == 1 and f"{path}/{mine[0]}" == lock.node != stale, (mine, stale)
             stat = zk_client.exists(lock.node)
             assert stat.ephemeralOwner == session and lock.token == fencing_token(stat.czxid)
@@ -645,12 +645,12 @@ def test_lost_create_reply_with_stale_twin_keeps_ours_deletes_stale(zk_server, z
         try:
             session = c.client_id[0]
             lock = FairLock(c, path)
-            stale = zk_client.create(f"{path}/{lock._prefix}", b"stale", ephemeral=True, sequence=True)
+            stale = zk_client.create(f"{path}/{lock._internals.prefix}", b"stale", ephemeral=True, sequence=True)
             cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=True)
             assert lock.acquire(timeout=5) is True
             assert cut.fired.is_set() and cut.reply_err == 0
             assert zk_client.exists(stale) is None
-            mine = _children_with(zk_client, path, lock._prefix)
+            mine = _children_with(zk_client, path, lock._internals.prefix)
             assert len(mine) == 1 and lock.node == f"{path}/{mine[0]}"
             stat = zk_client.exists(lock.node)
             assert stat.ephemeralOwner == session

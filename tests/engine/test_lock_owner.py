@@ -140,11 +140,11 @@ def test_a_release_from_another_thread_ends_one_level_of_the_hold(zk_client, pat
 def test_a_new_thread_does_not_inherit_a_dead_threads_task_hold():
     """Task-level re-entry (``celery_zklock.held``) is a context variable: a thread that set
     it and ended without resetting it leaves nothing to a new thread with its id."""
-    from celery_zklock.held import HeldLock, _current
+    from celery_zklock.held import HeldLock, CURRENT
 
     held = HeldLock(["k"], ["/k"], {"/k": 1}, object())
-    _, ident = _in_a_thread(lambda: _current.set(held) and None)
-    assert _in_a_thread_with_ident(ident, _current.get) is None
+    _, ident = _in_a_thread(lambda: CURRENT.set(held) and None)
+    assert _in_a_thread_with_ident(ident, CURRENT.get) is None
 
 
 GREENLETS = r'''
@@ -157,7 +157,7 @@ from kazoo.client import KazooClient
 from kazoo.handlers.gevent import SequentialGeventHandler
 
 from celery_zklock.engine.lock import FairLock
-from celery_zklock.held import HeldLock, _current
+from celery_zklock.held import HeldLock, CURRENT
 
 hosts, path, reentrant = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 client = KazooClient(hosts=hosts, handler=SequentialGeventHandler(), timeout=4.0)
@@ -184,14 +184,14 @@ def run(fn):
 
 first, ident = run(lambda: lock.acquire(blocking=False))
 held = HeldLock(["k"], ["/k"], {"/k": 1}, object())
-_, task_ident = run(lambda: _current.set(held) and None)
+_, task_ident = run(lambda: CURRENT.set(held) and None)
 tries = same_id = 0
 later, task_later = [], []
 for tries in range(1, 301):
     value, other = run(lambda: lock.acquire(blocking=False))
     later.append(value)
     same_id += other == ident
-    value, other = run(_current.get)
+    value, other = run(CURRENT.get)
     if other == task_ident:
         task_later.append(value is None)
 print(json.dumps({"first": first, "later": later, "same_id": same_id, "tries": tries,

@@ -79,7 +79,7 @@ def test_a_late_claim_reply_does_not_leave_the_key_blocked(agent, zk_client, mon
     assert other.acquire(timeout=5)
     other.release()
     deadline = time.monotonic() + 5
-    while "r1" in agent.waits or agent.cohorts:
+    while "r1" in agent.requests.waits or agent.requests.cohorts:
         assert time.monotonic() < deadline, "the agent kept the abandoned request"
         time.sleep(0.02)
     main.close()

@@ -21,7 +21,7 @@ from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent import Agent
 from celery_zklock.worker.agent_link import Connection
 from celery_zklock.worker.agent_requests import Wait
-from celery_zklock.worker.agent_server import STUCK_AFTER
+from celery_zklock.worker.agent import STUCK_AFTER
 from celery_zklock.worker.wait_queue import WaitQueue
 
 
@@ -105,31 +105,31 @@ def test_5000_requests_leaving_in_one_event_out_of_order_cost_no_scan(zk_server,
             fn(*args)
 
     try:
-        agent._handle(main, {"op": "hello", "role": "main"})
+        agent.handle(main, {"op": "hello", "role": "main"})
         path = f"/wait-queue/{uuid.uuid4().hex[:8]}"
         ids = [f"r{i}" for i in range(5000)]
         for request_id in ids:
-            agent._handle(main, {"op": "wait", "id": request_id, "task": "t", "paths": [path], "timeout": 600,
+            agent.handle(main, {"op": "wait", "id": request_id, "task": "t", "paths": [path], "timeout": 600,
                                  "identity": request_id})
             deadline = time.monotonic() + 10
-            while not agent.waits["r0"].holds:
+            while not agent.requests.waits["r0"].holds:
                 assert time.monotonic() < deadline, "the first request was never granted"
                 run_events()
                 time.sleep(0.001)
         run_events()
-        [cohort] = agent.cohorts.values()
+        [cohort] = agent.requests.cohorts.values()
         assert len(cohort.queue) == 4999
 
         compared[0] = 0
         started = time.perf_counter()
-        agent._handle(main, {"op": "finished", "ids": ids[::-1]})
+        agent.handle(main, {"op": "finished", "ids": ids[::-1]})
         took = time.perf_counter() - started
         assert compared[0] < 5 * len(ids), f"{compared[0]} comparisons for {len(ids)} leaves"
-        assert not agent.waits and not cohort.queue
+        assert not agent.requests.waits and not cohort.queue
         # Wall time only as a backstop (a shared 2-core machine): linear work takes ~0.1 s.
         assert took < STUCK_AFTER, f"{took:.2f} s in one event: past STUCK_AFTER, killed as frozen"
         deadline = time.monotonic() + 10
-        while agent.cohorts:
+        while agent.requests.cohorts:
             assert time.monotonic() < deadline, "the key's node was not released"
             run_events()
             time.sleep(0.01)

@@ -1,17 +1,11 @@
-"""One acquisition of a lock, as a state machine in pieces (Curator's ``LockInternals`` split).
+"""One acquisition of a lock (Curator's ``LockInternals``): a path and its collaborators.
 
-Each piece is a mixin over the one :class:`~.machine.Attempt` object, so a transition
-that starts in one room and ends in another still reads as one method call:
+* :mod:`.machine` — the :class:`~.machine.Attempt`, read top to bottom: start, create,
+  decide, watch the ones ahead, take, hold, release; giving up and coming back;
+* :mod:`.parents` — :class:`~.parents.KeyParent`, the key's container znode;
+* :mod:`.ghosts` — :class:`~.ghosts.Ghosts`, a create whose reply was lost (adopt or delete);
+* :mod:`.holding` — :class:`~.holding.HoldWatch`, suspension, grace and the own-node watch;
+* :mod:`.state` — the :class:`~.state.State` and :class:`~.state.Pending` enums.
 
-* :mod:`.state` — the small :class:`~.state.State` enum every piece moves between;
-* :mod:`.machine` — start, deadline, cancel, giving up, and resuming after a reconnection;
-* :mod:`.creating` — creating our node (and the key's container) in one round trip;
-* :mod:`.ghosts` — resolving a create whose reply was lost (adopt or delete);
-* :mod:`.waiting` — reading the queue, the driver's verdict, watches and handoffs;
-* :mod:`.holding` — held, suspended, re-verified or lost, and the session's events;
-* :mod:`.releasing` — letting go with a guaranteed delete.
-
-Why mixins and not collaborator objects: the pieces share one lock (``_guard``) and one
-set of fields (node, session, look counter); passing a context object between five
-classes would only rename ``self``.  Each module says which fields it writes.
+The pure decision is :func:`celery_zklock.engine.driver.gets_the_lock`.
 """

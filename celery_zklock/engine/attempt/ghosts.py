@@ -1,88 +1,94 @@
 """Ghosts: a create whose reply was lost may have succeeded.
 
-After reconnecting we look for our prefix among the children and adopt a node only if
-its ``ephemeralOwner`` is our session, deleting any other, so no ghost node blocks the
-queue.  Once the attempt has given up, every such node is deleted and none adopted.
+Once connected again, our prefix is looked for among the children: a node is adopted only
+if our session owns it, any other is deleted, so no ghost blocks the queue.  Once the
+attempt has given up, every such node is deleted and none adopted.
 """
 
 from __future__ import annotations
 
 from functools import partial
-
 from kazoo.exceptions import NoNodeError
 
-from .. import kazoo_compat, znodes
+from .. import kazoo_compat
 from ..session import RETRYABLE
+from .state import AttemptPath, Pending
 
 
 class Ghosts:
-    def _adopt_ghost(self) -> None:
+    """Resolves the attempt's lost create replies; its own state is the session the last
+    create was sent in (a ghost can only be ours if that session still lives)."""
+
+    def __init__(self, attempt: AttemptPath) -> None:
+        self.attempt = attempt
+        self.session: int | None = None  # the session of the last create sent
+
+    def adopt(self) -> None:
         """After a lost create reply: adopt our node if our session owns it, else delete it."""
-        self._pending = None
-        look = self._next_look()
-        listed = self.client.get_children_async(self.lk.path)
-        kazoo_compat.on_ready(listed, partial(self._on_ghost_children, look, False))
+        at = self.attempt
+        at.pending = None
+        look = at.next_look()
+        listed = at.client.get_children_async(at.lk.path)
+        kazoo_compat.on_ready(listed, partial(self._on_children, look, False))
 
-    def _clean_ghosts(self) -> None:
+    def clean(self) -> None:
         """Given up while a create's reply was lost: delete any node of ours, adopt none."""
-        if kazoo_compat.session_id(self.client) != self._create_session:
-            return self._settle_cleanup()
-        listed = self.client.get_children_async(self.lk.path)
-        kazoo_compat.on_ready(listed, partial(self._on_ghost_children, None, True))
+        at = self.attempt
+        if kazoo_compat.session_id(at.client) != self.session:
+            return at.settle_cleanup()
+        listed = at.client.get_children_async(at.lk.path)
+        kazoo_compat.on_ready(listed, partial(self._on_children, None, True))
 
-    def _on_ghost_children(self, look, delete_only: bool, result) -> None:
-        with self._guard:
-            if self._finished:
+    def _on_children(self, look, delete_only: bool, result) -> None:
+        at = self.attempt
+        with at.mutex:
+            if at.finished:
                 delete_only = True  # given up meanwhile: nothing may be adopted any more
-            elif look != self._look:
+            elif look != at.look:
                 return
             try:
                 children = result.get()
             except NoNodeError:
                 children = []  # the container was reaped: no node of ours can exist
             except RETRYABLE:
-                return self._await("cleanup" if delete_only else "ghost")
+                return at.await_connection(Pending.CLEANUP if delete_only else Pending.GHOST)
             except Exception as exc:
                 if delete_only:
-                    return self._settle_cleanup()
-                return self._give_up(exc)
-            mine = [c for c in children if c.startswith(self.prefix)]
+                    return at.settle_cleanup()
+                return at.give_up(exc)
+            mine = [c for c in children if c.startswith(at.prefix)]
             if not mine:
                 if delete_only:
-                    return self._settle_cleanup()
-                return self._send_create()
-            replies = {name: self.client.exists_async(f"{self.lk.path}/{name}") for name in mine}
+                    return at.settle_cleanup()
+                return at.send_create()
+            replies = {name: at.client.exists_async(f"{at.lk.path}/{name}") for name in mine}
             kazoo_compat.on_all_ready(replies.values(),
-                                      lambda: self._on_ghost_stats(look, delete_only, children, replies))
+                                      lambda: self._on_stats(look, delete_only, children, replies))
 
-    def _on_ghost_stats(self, look, delete_only: bool, children, replies) -> None:
-        with self._guard:
-            session = self._create_session
+    def _on_stats(self, look, delete_only: bool, children, replies) -> None:
+        at = self.attempt
+        with at.mutex:
+            session = self.session
             keep = None
             for name, r in replies.items():
                 try:
                     stat = r.get()
                 except RETRYABLE:
-                    return self._await("cleanup" if delete_only else "ghost")
+                    return at.await_connection(Pending.CLEANUP if delete_only else Pending.GHOST)
                 except Exception:
                     continue
                 if stat is None:
                     continue
-                adoptable = not delete_only and not self._finished and look == self._look
-                if adoptable and keep is None and stat.ephemeralOwner == session == kazoo_compat.session_id(self.client):
+                adoptable = not delete_only and not at.finished and look == at.look
+                if adoptable and keep is None and stat.ephemeralOwner == session == kazoo_compat.session_id(at.client):
                     keep = (name, stat)
                 else:  # a stale twin of another session, or a ghost we may not keep
-                    self._delete(name, kazoo_compat.session_id(self.client))
-            if delete_only or self._finished:
-                return self._settle_cleanup()
-            if look != self._look:
+                    at.delete(name, kazoo_compat.session_id(at.client))
+            if delete_only or at.finished:
+                return at.settle_cleanup()
+            if look != at.look:
                 return
             if keep is None:
-                return self._send_create()
-            self.node, self.czxid, self.session = keep[0], keep[1].czxid, session
-            try:
-                self.token = znodes.fencing_token(self.czxid)
-            except znodes.TokenOutOfRange as exc:  # never an inexact token: our node goes
-                self._give_up(exc)
-                return self._settle_cleanup()
-            self._decide(children)
+                return at.send_create()
+            if at.adopt(keep[0], keep[1].czxid, session):
+                at.act_on_queue(children)

@@ -1,25 +1,31 @@
-"""The attempt's lifecycle: start, deadline, cancel, giving up, resuming after a reconnection.
+"""One acquisition, read top to bottom: start, create, decide, watch the one ahead, take,
+hold, release (Curator's ``internalLockLoop``, as callbacks).
 
-Every handler of every piece runs under ``_guard``, sends only asynchronous requests,
-and never blocks.  Safety rules kazoo's ``Lock`` leaves to the caller and this keeps:
-one monotonic deadline for the whole attempt; at the deadline our node is deleted.
+Every handler runs under the attempt's ``mutex``, sends only asynchronous requests and
+never blocks.  What goes wrong on the way is handled by collaborators the path calls by
+name: :class:`~.parents.KeyParent` (the key's container), :class:`~.ghosts.Ghosts` (a
+create whose reply was lost) and :class:`~.holding.HoldWatch` (suspension, grace, the
+watch on our own node).  Why each step is as it is: docs/design.md, "The attempt".
 """
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
-from .. import kazoo_compat
+from kazoo.exceptions import NoAuthError, NoNodeError, SessionExpiredError
+from kazoo.protocol.states import EventType, KazooState
 
-from .creating import Creating
+from .. import kazoo_compat, znodes
+from ..driver import gets_the_lock
+from ..session import RETRYABLE, Outcome, guaranteed_delete
 from .ghosts import Ghosts
-from .holding import Holding
-from .releasing import Releasing
-from .state import WAITING_STATES, State
-from .waiting import Waiting
+from .holding import HoldWatch
+from .parents import KeyParent
+from .state import HELD_STATES, RECENT, WAITING_STATES, Pending, State
 
 
-class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
+class Attempt:
     """One acquisition, from the create to the release, driven by callbacks only.
 
     ``internals`` is the :class:`~celery_zklock.engine.internals.LockInternals` it belongs
@@ -41,96 +47,338 @@ class Attempt(Creating, Ghosts, Waiting, Holding, Releasing):
         self.lost_reason: str | None = None
         self.result = self.client.handler.async_result()  # True held / False gave up
         self.cleanup = None  # async result of the delete made when giving up
-        self._guard = threading.RLock()
-        self._finished = False  # the result is set
-        self._look = 0
-        self._pending: str | None = None  # what to do once connected: create/ghost/read
-        self._create_in_flight = False
-        self._create_session: int | None = None
+        self.mutex = threading.RLock()  # every handler of the attempt and its collaborators
+        self.finished = False  # the result is set
+        self.look = 0  # counts children reads and watch sets: replies of an older look are ignored
+        self.pending: Pending | None = None  # what to do once connected again
+        self.create_in_flight = False
         self._waited = False
         self._deadline_timer = None
         self._deadline_passed = False
-        self._own_watcher = None  # (node, session, watcher): the holder's watch on its node
-        self._grace_timer = None  # while HELD_SUSPENDED: when the suspension makes it LOST
+        self.parent = KeyParent(self)
+        self.ghosts = Ghosts(self)
+        self.hold = HoldWatch(self)
 
+    # ------------------------------------------------------------------ 1. start
     def start(self, deadline: float | None) -> None:
-        with self._guard:
+        with self.mutex:
             self.state = State.CREATING
             self.monitor.subscribe(self)
             if deadline is not None:
                 self._deadline_timer = self.monitor.timers.call_at(deadline, self._on_deadline)
-            self._send_create()
+            self.send_create()
 
-    def _finish(self, value: bool | BaseException) -> None:
-        if self._finished:
+    # ------------------------------------------------------------------ 2. create our node
+    def send_create(self, same_try: bool = False) -> None:
+        """Create our node, and read the queue in the same round trip (ZooKeeper answers one
+        session's requests in order).  ``same_try``: sent again within the one try that
+        ``timeout=0`` allows (the key's container had been reaped)."""
+        if self._deadline_passed and not same_try:
+            return self.give_up(False)
+        if not self.client.connected:
+            return self.await_connection(Pending.CREATE)
+        self.pending = None
+        session = kazoo_compat.session_id(self.client)
+        self.ghosts.session = session
+        self.create_in_flight = True
+        new_key = self.lk.path not in RECENT and znodes.uses_containers(self.client)
+        if new_key and znodes.containers_known_to_work(self.client):
+            return self.parent.create_with_node(session)
+        if new_key:
+            self.parent.create_beside()
+        node = f"{self.lk.path}/{self.prefix}"
+        created = self.client.create_async(
+            node, self.lk.identifier, acl=kazoo_compat.acl_for(self.client, node), ephemeral=True, sequence=True,
+            include_data=True,
+        )
+        listed = None if new_key else self.client.get_children_async(self.lk.path)
+        kazoo_compat.on_ready(created, partial(self.on_created, session, listed))
+
+    def on_created(self, session, listed, result) -> None:
+        with self.mutex:
+            self.create_in_flight = False
+            try:
+                path, stat = result.get()
+            except NoNodeError:
+                RECENT.discard(self.lk.path)
+                if not self.finished:
+                    self.parent.remake_then_create()
+                return self.settle_cleanup()
+            except RETRYABLE:
+                # The create may have run with its reply lost: resolve it once connected.
+                return self.await_connection(Pending.GHOST)
+            except SessionExpiredError:
+                return self.await_connection(Pending.CREATE)
+            except NoAuthError:
+                if not self.finished:
+                    self.give_up(znodes.no_auth_error(self.lk.path, "joining the lock queue"))
+                return self.settle_cleanup()
+            except Exception as exc:  # ConnectionClosedError: the client was stopped
+                if not self.finished:
+                    self.give_up(exc)
+                return self.settle_cleanup()
+            RECENT.add(self.lk.path)
+            name = path.rsplit("/", 1)[1]
+            if self.finished:  # given up while the create was in flight
+                self.cleanup = self.delete(name, session)
+                return self.settle_cleanup()
+            if not self.adopt(name, stat.czxid, session):
+                return
+            if listed is None and znodes.sequence_of(name) == 0:
+                return self.act_on_queue([name])  # the container's first child ever: it holds
+            if listed is not None:
+                look = self.next_look()
+                kazoo_compat.on_ready(listed, partial(self._on_children, look))
+            else:
+                self._read_children()
+
+    def adopt(self, name: str, czxid: int, session) -> bool:
+        """Make ``name`` our node, with the fencing token its ``czxid`` gives; False (given up)
+        when the token would be inexact."""
+        self.node, self.czxid, self.session = name, czxid, session
+        try:
+            self.token = znodes.fencing_token(czxid)
+        except znodes.TokenOutOfRange as exc:  # never an inexact token: our node goes
+            self.give_up(exc)
+            self.settle_cleanup()
+            return False
+        return True
+
+    # ------------------------------------------------------------------ 3. decide
+    def next_look(self) -> int:
+        self.look += 1
+        return self.look
+
+    def _read_children(self) -> None:
+        look = self.next_look()
+        kazoo_compat.on_ready(self.client.get_children_async(self.lk.path), partial(self._on_children, look))
+
+    def _on_children(self, look, result) -> None:
+        with self.mutex:
+            if look != self.look or self.finished or self.state not in WAITING_STATES:
+                return
+            try:
+                children = result.get()
+            except NoNodeError:
+                children = []  # the parent is gone, and our node with it
+            except RETRYABLE:
+                return self.await_connection(Pending.READ)
+            except SessionExpiredError:
+                return self.await_connection(Pending.CREATE)
+            except NoAuthError:
+                return self.give_up(znodes.no_auth_error(self.lk.path, "reading the lock queue"))
+            except Exception as exc:
+                return self.give_up(exc)
+            if kazoo_compat.session_id(self.client) != self.session:
+                return self.requeue()
+            self.act_on_queue(children)
+
+    def act_on_queue(self, children) -> None:
+        """The driver's decision on the queue: hold, or wait watching the nodes it names."""
+        decision = gets_the_lock(children, self.node, self.lk.max_holders)
+        if decision.index is None:
+            return self.requeue()
+        if decision.holds:
+            return self._take()
+        if self._deadline_passed:
+            return self.give_up(False)
+        self.state = State.WAITING
+        if self.on_wait is not None and not self._waited:
+            self._waited = True
+            self.on_wait(decision.index)
+        if decision.handoff and self.on_next is not None:
+            on_next, self.on_next = self.on_next, None
+            on_next()
+        look = self.next_look()
+        # With on_next pending, also watch the nodes whose departure makes us next in line:
+        # their departure is no handoff, only a reason to look again.
+        soon = decision.soon if self.on_next is not None else ()
+        for name, handoff in [(w, decision.handoff) for w in decision.watch] + [(w, False) for w in soon]:
+            self._watch(look, handoff, f"{self.lk.path}/{name}")
+
+    # ------------------------------------------------------------------ 4. watch the ones ahead
+    def _watch(self, look, handoff: bool, path: str) -> None:
+        """A data watch (``get``: no creation watch left behind) on a contender the driver
+        named, set again after its data changed (a lease write costs no children read)."""
+        watched = self.client.get_async(path, watch=partial(self._on_watch, look, handoff))
+        kazoo_compat.on_ready(watched, partial(self._on_watch_set, look, handoff))
+
+    def _on_watch_set(self, look, handoff: bool, result) -> None:
+        with self.mutex:
+            if look != self.look or self.finished or self.state is not State.WAITING:
+                return
+            try:
+                result.get()
+            except NoNodeError:
+                self._advance(handoff)  # gone before our watch was set
+            except RETRYABLE:
+                self.await_connection(Pending.READ)
+            except Exception:
+                self.pending = Pending.READ  # session trouble: the next CONNECTED decides
+
+    def _on_watch(self, look, handoff: bool, event) -> None:
+        with self.mutex:
+            if look != self.look or self.finished or self.state is not State.WAITING:
+                return
+            if event.type == EventType.DELETED:
+                self._advance(handoff)
+            elif event.type == EventType.CHANGED:
+                self._watch(look, handoff, event.path)
+            elif event.type != EventType.NONE:
+                self._read_children()
+
+    def _advance(self, handoff: bool) -> None:
+        """A watched node left.  If we watched everyone ahead of us, we hold: new
+        contenders only ever queue behind us, so fewer than max_holders are ahead now."""
+        if handoff:
+            self._take()
+        else:
+            self._read_children()
+
+    # ------------------------------------------------------------------ 5. take and hold
+    def _take(self) -> None:
+        if kazoo_compat.session_id(self.client) != self.session:
+            return self.requeue()  # the children were read in a session that has ended
+        if self.client.connected:
+            self.state = State.HELD
+        else:
+            # The connection dropped between the deciding reply and now: the monitor told
+            # us while we were still waiting, so the suspension starts here.
+            self.hold.suspend()
+        self.hold.watch_soon()
+        self._finish(True)
+
+    def on_connection(self, state: str, epoch: int) -> None:
+        """From the :class:`SessionMonitor`, on kazoo's connection thread: flags and async requests only."""
+        with self.mutex:
+            if state == KazooState.SUSPENDED:
+                if self.state is State.HELD:
+                    self.hold.suspend()
+            elif state == KazooState.CONNECTED:
+                if self.state is State.HELD_SUSPENDED:
+                    self.hold.verify(epoch)
+                elif self.pending is Pending.CLEANUP or (not self.finished and self.state in WAITING_STATES):
+                    self._resume()
+            elif state == KazooState.LOST:
+                if self.state in HELD_STATES:
+                    self.mark_lost("ZooKeeper session expired")
+
+    def mark_lost(self, reason: str) -> None:
+        if self.state not in HELD_STATES:
             return
-        self._finished = True
+        self.state = State.LOST
+        self.hold.stop()
+        self.lost_reason = reason
+        if self.lk.on_lost is not None:
+            self.client.handler.spawn(self.lk.on_lost)
+
+    # ------------------------------------------------------------------ 6. release
+    def release(self):
+        """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node,
+        :attr:`~celery_zklock.engine.session.Outcome.EXPIRED`, or the guaranteed delete's async result."""
+        with self.mutex:
+            if not self.finished:
+                self.give_up(False)
+                return False, self.cleanup
+            was_held = self.state in HELD_STATES
+            self.hold.stop()
+            node, session = self.node, self.session
+            self.node = self.token = None
+            if self.state is not State.LOST:
+                self.state = State.IDLE
+            self.monitor.unsubscribe(self)
+        if node is None:
+            return was_held, None
+        if session != kazoo_compat.session_id(self.client):
+            return was_held, Outcome.EXPIRED
+        outcome = self.delete(node, session)
+        if not znodes.uses_containers(self.client):
+            self.client.delete_async(self.lk.path)  # best effort: goes once its last child has
+        return was_held, outcome
+
+    def delete(self, name: str, session):
+        full = f"{self.lk.path}/{name}"
+        return guaranteed_delete(
+            self.monitor, full, session, on_no_auth=lambda: znodes.no_auth_error(full, "deleting our lock node")
+        )
+
+    # ------------------------------------------------------------------ giving up, and coming back
+    def _finish(self, value: bool | BaseException) -> None:
+        if self.finished:
+            return
+        self.finished = True
         self.monitor.timers.cancel(self._deadline_timer)
         if isinstance(value, BaseException):
             self.result.set_exception(value)
         else:
             self.result.set(value)
 
-    def _give_up(self, value: bool | BaseException) -> None:
+    def give_up(self, value: bool | BaseException) -> None:
         """Deadline, cancel or error before holding: delete whatever node we have or may have."""
         self.state = State.IDLE
-        self._pending = "cleanup" if self._pending == "ghost" else None
+        self.pending = Pending.CLEANUP if self.pending is Pending.GHOST else None
         node, self.node, self.token = self.node, None, None
         if node is not None:
-            self.cleanup = self._delete(node, self.session)
-        if self._pending is None and not self._create_in_flight:
+            self.cleanup = self.delete(node, self.session)
+        if self.pending is None and not self.create_in_flight:
             self.monitor.unsubscribe(self)
         self._finish(value)
 
     def cancel(self, value: bool | BaseException = False) -> None:
-        with self._guard:
-            if not self._finished and self.state in WAITING_STATES:
-                self._give_up(value)
+        with self.mutex:
+            if not self.finished and self.state in WAITING_STATES:
+                self.give_up(value)
 
     def _on_deadline(self) -> None:
         """Give up now if queued or cut off; a request in flight first gets its answer
         (``timeout=0`` means "try once": the create and the children read still happen)."""
-        with self._guard:
-            if self._finished or self.state not in WAITING_STATES:
+        with self.mutex:
+            if self.finished or self.state not in WAITING_STATES:
                 return
             self._deadline_passed = True
-            if self.state is State.WAITING or self._pending is not None:
-                self._give_up(False)
+            if self.state is State.WAITING or self.pending is not None:
+                self.give_up(False)
 
-    def _await(self, kind: str | None) -> None:
+    def await_connection(self, kind: Pending | None) -> None:
         """A request failed for want of a connection: go on with ``kind`` once connected."""
-        if self._finished:
-            kind = "cleanup" if kind in ("ghost", "cleanup") else None
-        self._pending = kind
-        if self._deadline_passed and not self._finished:
-            return self._give_up(False)
+        if self.finished:
+            kind = Pending.CLEANUP if kind in (Pending.GHOST, Pending.CLEANUP) else None
+        self.pending = kind
+        if self._deadline_passed and not self.finished:
+            return self.give_up(False)
         if kind is None:
-            return self._settle_cleanup()
+            return self.settle_cleanup()
         if self.client.connected:
             self._resume()
 
     def _resume(self) -> None:
-        pending = self._pending
-        if self._create_in_flight:
+        pending = self.pending
+        if self.create_in_flight:
             return  # its reply (success or connection loss) decides what comes next
-        if pending == "cleanup":
-            return self._clean_ghosts()
-        if self._finished or self.state not in WAITING_STATES:
+        if pending is Pending.CLEANUP:
+            return self.ghosts.clean()
+        if self.finished or self.state not in WAITING_STATES:
             return
         if self.node is not None and kazoo_compat.session_id(self.client) != self.session:
-            self._requeue()  # our node died with the old session
-        elif pending == "ghost":
-            if kazoo_compat.session_id(self.client) != self._create_session:
-                self._send_create()  # a ghost of the old session died with it
+            self.requeue()  # our node died with the old session
+        elif pending is Pending.GHOST:
+            if kazoo_compat.session_id(self.client) != self.ghosts.session:
+                self.send_create()  # a ghost of the old session died with it
             else:
-                self._adopt_ghost()
-        elif pending == "create" or self.node is None:
-            self._send_create()
+                self.ghosts.adopt()
+        elif pending is Pending.CREATE or self.node is None:
+            self.send_create()
         else:
             self._read_children()
 
-    def _settle_cleanup(self) -> None:
+    def requeue(self) -> None:
+        """Our node is gone (session expired, deleted by an operator or the reaper): queue again."""
+        self.node = self.token = self.session = None
+        self.state = State.CREATING
+        self.send_create()
+
+    def settle_cleanup(self) -> None:
         """Once given up and nothing of ours can still appear: stop listening to the session."""
-        if self._finished and not self._create_in_flight and self.state is State.IDLE:
-            self._pending = None
+        if self.finished and not self.create_in_flight and self.state is State.IDLE:
+            self.pending = None
             self.monitor.unsubscribe(self)
