@@ -14,7 +14,7 @@ claim's timeout by an event that sleeps on its event thread.
 
 from __future__ import annotations
 
-import os
+import socket
 import threading
 import time
 import uuid
@@ -33,10 +33,21 @@ def start_agent(settings: ZkSettings, path: str) -> Agent:
     agent = Agent(settings, path)
     threading.Thread(target=agent.serve, daemon=True).start()
     deadline = time.monotonic() + 10
-    while not os.path.exists(path):
+    while not _accepts(path):  # the path exists from bind(), a moment before listen()
         assert time.monotonic() < deadline, "the agent did not listen"
         time.sleep(0.01)
     return agent
+
+
+def _accepts(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 @pytest.fixture
