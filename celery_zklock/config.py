@@ -313,6 +313,12 @@ def _source_key(conf: Any, name: str, prefix: str | None) -> str:
     return name
 
 
+def retry_delay(settings: ZkSettings, failures: int) -> float:
+    """The retry policy's countdown after ``failures`` earlier tries: ``zklock_retry_countdown``
+    times ``zklock_retry_backoff`` per try, capped at ``zklock_retry_backoff_max``."""
+    return min(settings.retry_backoff_max, settings.retry_countdown * (settings.retry_backoff ** failures))
+
+
 def load_settings(conf: Any) -> ZkSettings:
     """Read and validate every ``zklock_*`` setting of ``conf`` (``app.conf``).
 

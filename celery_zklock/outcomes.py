@@ -15,7 +15,7 @@ from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
 from . import metrics, prerun
-from .config import ZkSettings
+from .config import ZkSettings, retry_delay
 from .errors import LockLost, LockTimeout, LockUnavailable
 from .interrupts import RunState
 from .states import SKIPPED
@@ -57,7 +57,7 @@ def unavailable(task, exc: LockUnavailable, opts: ZkSettings, label: Any, direct
 
 def _retry(task, exc: Exception, opts: ZkSettings, why: str) -> Exception:
     retries = task.request.retries or 0
-    countdown = min(opts.retry_backoff_max, opts.retry_countdown * (opts.retry_backoff ** retries))
+    countdown = retry_delay(opts, retries)
     max_retries = task.max_retries if opts.max_retries is None else opts.max_retries
     logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
     return task.retry(exc=exc, countdown=countdown, max_retries=max_retries)

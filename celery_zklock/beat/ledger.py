@@ -35,7 +35,8 @@ class Ledger:
     def load(self) -> None:
         """Read every record (a new leader's first step); raises kazoo errors."""
         self.client.ensure_path(self.path, acl=acl_for(self.client, self.path))
-        pending = [(n, self.client.get_async(f"{self.path}/{n}")) for n in self.client.get_children(self.path)]
+        names = self.client.get_children_async(self.path).get(timeout=self.timeout)
+        pending = [(n, self.client.get_async(f"{self.path}/{n}")) for n in names]
         self._known = {}
         for node_name, result in pending:
             try:

@@ -18,7 +18,7 @@ from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_logger
 
 from .. import metrics
-from ..config import cached_settings
+from ..config import cached_settings, retry_delay
 from ..engine import clock
 from ..engine.client import connect
 from ..engine.identity import Identity
@@ -100,8 +100,7 @@ class ZkScheduler(Scheduler):
         logger.info("beat: zklock: joined the election of group %r at %s (%s)", self.group, self.path, self.me)
 
     def _backoff(self, failures: int) -> float:
-        s = self.settings
-        return min(s.retry_backoff_max, s.retry_countdown * (s.retry_backoff ** failures)) or 1.0
+        return retry_delay(self.settings, failures) or 1.0  # a zero countdown must not spin
 
     def _on_role(self, role: Role, why: str) -> None:
         metrics.beat_role(self.group, role is Role.LEADER)
