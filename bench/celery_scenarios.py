@@ -116,13 +116,16 @@ def overhead(d: Driver, s: Sizes, meter) -> dict:
     d.warm_up(s.warmup)
     names = d.contenders
     latency: dict[str, list[float]] = {c: [] for c in names}
+    to_start: dict[str, list[float]] = {c: [] for c in names}  # enqueue -> body start
     log(f"  latency: {s.latency_rounds} one-at-a-time tasks per contender, rotating")
     for i in range(s.latency_rounds):
         for c in rotated(names, i):
             tag = d.new_tag("lat")
             sent = time.time()
             d.publish(c, f"lat-{i}", tag)
-            latency[c].append(d.next_record(tag, timeout=60)["done"] - sent)
+            record = d.next_record(tag, timeout=60)
+            latency[c].append(record["done"] - sent)
+            to_start[c].append(record["start"] - sent)
     done = {c: 0 for c in names}
     busy = {c: 0.0 for c in names}
     cost: dict[str, dict[str, float]] = {c: {} for c in names}
@@ -147,6 +150,7 @@ def overhead(d: Driver, s: Sizes, meter) -> dict:
             "tasks": done[c],
             "throughput_per_s": round(done[c] / busy[c], 1),
             **summary(latency[c], "latency_"),
+            **summary(to_start[c], "start_"),
             **meter.per_task(dict.fromkeys(cost[c], 0.0), cost[c], done[c]),
         }
     base = out["plain"]

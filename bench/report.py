@@ -191,6 +191,51 @@ def targets(results: dict) -> list[dict]:
     if "lock_engine" in sc:
         for t in sc["lock_engine"].get("targets", []):
             out.append(_target("lock_engine", t["contender"], t["target"], t["met"], t["value"]))
+    return out + issue_39(sc)
+
+
+def issue_39(sc: dict) -> list[dict]:
+    """Issue 39's targets: the price of a lock per task, and a hot key beside other keys."""
+    out = []
+    who = "ZkLockedTask (issue 39)"
+    if "overhead" in sc:
+        o = sc["overhead"]["contenders"]
+        zk, plain = o["zklock"], o["plain"]
+        peers = [o[c]["throughput_vs_plain"] for c in ("once", "singleton") if c in o]
+        out.append(_target("overhead", who, "distinct keys: throughput >= 0.6x plain Celery",
+                           zk["throughput_vs_plain"] >= 0.6,
+                           f"{zk['throughput_vs_plain']:.2f}x (celery-once {peers[0] if peers else '-'}x, "
+                           f"celery-singleton {peers[1] if len(peers) > 1 else '-'}x)"))
+        out.append(_target("overhead", who, "worker CPU per task <= 4.5 ms", zk["cpu_workers_ms_per_task"] <= 4.5,
+                           f"{zk['cpu_workers_ms_per_task']} ms (plain {plain['cpu_workers_ms_per_task']} ms)"))
+        out.append(_target("overhead", who, "ZooKeeper requests per task <= 2.5", zk["zk_requests_per_task"] <= 2.5,
+                           f"{zk['zk_requests_per_task']}"))
+        if zk.get("start_p50_ms") is not None:
+            out.append(_target("overhead", who, "enqueue -> start, one task in flight: p50 / p99 vs plain (reported)",
+                               None, f"p50 {zk['start_p50_ms']} ms vs {plain['start_p50_ms']} ms "
+                                     f"({zk['start_p50_ms'] / plain['start_p50_ms']:.2f}x); p99 {zk['start_p99_ms']} ms "
+                                     f"vs {plain['start_p99_ms']} ms ({zk['start_p99_ms'] / plain['start_p99_ms']:.2f}x)"))
+    if "pool_slots" in sc:
+        w = sc["pool_slots"]["modes"]["worker"]
+        out.append(_target("pool_slots", who, "mixed: distinct-key p95 <= 1.3x ideal, hot chain efficiency >= 0.85",
+                           w["cold_p95_vs_ideal"] <= 1.3 and w["hot_efficiency"] >= 0.85,
+                           f"{w['cold_p95_vs_ideal']}x; hot chain {w['hot_efficiency']}"))
+    if "hot_key" in sc:
+        h = sc["hot_key"]["contenders"]["zklock"]
+        out.append(_target("hot_key", who, "one hot key: ideal / makespan >= 0.92", (h["efficiency"] or 0) >= 0.92,
+                           f"{h['efficiency']:.3f}"))
+    for fs_name in ("flash_sale", "flash_sale_rabbitmq"):
+        u = sc.get(fs_name, {}).get("modes", {}).get("plain")
+        if u is not None:
+            w = sc[fs_name]["modes"]["worker"]
+            out.append(_target(fs_name, who, "flash sale: orders/s >= 0.7x the same body with no lock",
+                               w["orders_per_s"] >= 0.7 * u["orders_per_s"], f"{sc[fs_name]['worker_vs_plain']}x"))
+    for b_name in ("burst", "burst_rabbitmq"):
+        if b_name in sc:
+            b = sc[b_name]
+            out.append(_target(b_name, who, "burst on one key: >= 2x waiting in the pool",
+                               b["modes"]["worker"]["tasks_per_s"] >= 2 * b["modes"]["pool"]["tasks_per_s"],
+                               f"{b['worker_vs_pool']}x"))
     return out
 
 
@@ -232,7 +277,8 @@ def _rows(contenders: dict, columns: list[tuple[str, str]]) -> tuple[list[str], 
 TABLES = {
     "overhead": [("throughput_per_s", "tasks/s"), ("throughput_vs_plain", "vs plain"),
                  ("latency_p50_ms", "latency p50 ms"), ("latency_p99_ms", "p99 ms"),
-                 ("latency_p50_vs_plain", "p50 vs plain"), ("cpu_workers_ms_per_task", "worker CPU ms/task"),
+                 ("latency_p50_vs_plain", "p50 vs plain"), ("start_p50_ms", "enqueue->start p50 ms"),
+                 ("start_p99_ms", "p99 ms"), ("cpu_workers_ms_per_task", "worker CPU ms/task"),
                  ("cpu_zookeeper_ms_per_task", "ZooKeeper CPU ms/task"), ("cpu_redis_ms_per_task", "Redis CPU ms/task"),
                  ("cpu_publisher_ms_per_task", "publisher CPU ms/task"), ("zk_requests_per_task", "ZK requests/task"),
                  ("tasks", "tasks")],

@@ -96,6 +96,40 @@ class PollingThreadingHandler(SequentialThreadingHandler):
 _READ = select.POLLIN | select.POLLPRI
 
 
+class _Posting:
+    """Stands in for a handler's work queue: what kazoo puts runs where ``post`` sends it."""
+
+    def __init__(self, post) -> None:
+        self.post = post
+
+    def put(self, func) -> None:
+        self.post(func)
+
+
+class EventLoopHandler(PollingThreadingHandler):
+    """A threading handler whose completions and watch callbacks run on the caller's own
+    event thread (``post(fn)`` must queue ``fn()`` there), in the order kazoo's connection
+    thread dispatches them; kazoo's two callback threads are not started.
+
+    Why: the lock agent runs every decision on one event thread anyway, so each reply
+    crossed two threads (kazoo's completion thread, then the agent's), a wake-up each.
+    The rule it brings: nothing on that event thread may block on a result that only a
+    later callback would complete (plain replies are set by the connection thread and
+    are safe to wait for)."""
+
+    def __init__(self, post) -> None:
+        super().__init__()
+        self.callback_queue = self.completion_queue = _Posting(post)
+
+    def start(self) -> None:
+        with self._state_change:
+            self._running = True
+
+    def stop(self) -> None:
+        with self._state_change:
+            self._running = False
+
+
 def _fileno(obj) -> int:
     fd = obj if isinstance(obj, int) else obj.fileno()
     if fd < 0:

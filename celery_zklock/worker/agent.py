@@ -19,10 +19,11 @@ releases) and :class:`~celery_zklock.worker.agent_guards.GuardJobs` (enqueue gua
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
+import selectors
 import socket
 import sys
 import threading
@@ -31,7 +32,7 @@ from kazoo.protocol.states import KazooState
 
 from ..config import ZkSettings, from_wire
 from ..engine import clock, guards
-from ..engine.client import connect, disconnect
+from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
 from .agent_guards import GuardJobs
@@ -45,6 +46,45 @@ logger = logging.getLogger("celery_zklock.worker.agent")
 STUCK_AFTER = 1.0
 
 
+class EventQueue:
+    """Events posted to the event thread, which also waits on the peers' sockets.
+
+    Why not a ``queue.Queue`` and a reader thread per peer: each hop between threads costs
+    a wake-up (a futex, a GIL hand-over), and a locked task made about 25 of them here
+    (docs/design.md, "The agent's one thread").  A post from another thread writes one
+    byte to a pipe, and only while the event thread sleeps in ``select``."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.wake_r = self.wake_w = -1  # the pipe is made by the loop (the simulator runs none)
+        self.sleeping = False
+
+    def open(self) -> int:
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        return self.wake_r
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self.sleeping:
+            self.sleeping = False
+            try:
+                os.write(self.wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full of wake-ups already
+                pass
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
 class Agent:
     """Serves the worker's processes; every decision runs on one event thread (:meth:`post`),
     so its parts need no locks of their own."""
@@ -52,10 +92,13 @@ class Agent:
     def __init__(self, settings: ZkSettings, path: str, client=None) -> None:
         self.settings = settings
         self.path = path
-        self.client = connect(settings) if client is None else client  # the simulator passes its own
+        self.events = EventQueue()  # the simulator puts its own in place
+        # ZooKeeper's replies and watches run on the event thread too (EventLoopHandler):
+        # one hop from kazoo's connection thread, not two through its completion thread.
+        self.client = connect(settings, handler=EventLoopHandler(self.post)) if client is None else client
         self.monitor = monitor_for(self.client)
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.progress = clock.monotonic()  # when the event thread last finished an event
+        self.selector: selectors.BaseSelector | None = None  # made by serve()
         self.peers_lock = threading.Lock()
         self.peers: set[Connection] = set()
         self.main: Connection | None = None
@@ -69,16 +112,31 @@ class Agent:
 
     # ------------------------------------------------------------------ threads
     def post(self, fn, *args) -> None:
-        """Run ``fn(*args)`` on the event thread: ZooKeeper callbacks and peer messages only
-        enqueue, so no lock orders between the agent and the engine's attempts exist."""
+        """Run ``fn(*args)`` on the event thread, from any thread: ZooKeeper's callbacks and
+        the heartbeat only enqueue, so no lock orders between the agent and the engine's
+        attempts exist."""
         self.events.put((fn, args))
 
     def _loop(self) -> None:
-        while not self.stopped.is_set():
-            fn, args = self.events.get()
-            if fn is None:
-                return
-            self.run_event(fn, args)
+        """Wait for a peer's bytes, a new peer or a posted event; run what came, posted
+        events in the order posted (those posted meanwhile wait for the next turn, so peers
+        are read between them)."""
+        events = self.events
+        self.selector.register(events.open(), selectors.EVENT_READ, None)
+        while True:
+            events.sleeping = True
+            ready = self.selector.select(0 if events.items else None)
+            events.sleeping = False
+            for key, _mask in ready:
+                if key.data is None:
+                    events.drain_wake()
+                else:
+                    key.data(key.fileobj)
+            for _ in range(len(events.items)):
+                fn, args = events.items.popleft()
+                if fn is None:
+                    return
+                self.run_event(fn, args)
 
     def run_event(self, fn, args) -> None:
         """One event of the event thread (the simulator calls this in its own order)."""
@@ -93,33 +151,38 @@ class Agent:
         server.bind(self.path)
         os.chmod(self.path, 0o600)
         server.listen(128)
-        for target, name in ((self._loop, "events"), (self._heartbeat, "heartbeat")):
-            threading.Thread(target=target, name=f"zklock-agent-{name}", daemon=True).start()
-        threading.Thread(target=self._accept, args=(server,), name="zklock-agent-accept", daemon=True).start()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(server, selectors.EVENT_READ, self._accept)
+        loop = threading.Thread(target=self._loop, name="zklock-agent-events", daemon=True)
+        loop.start()
+        threading.Thread(target=self._heartbeat, name="zklock-agent-heartbeat", daemon=True).start()
         print("READY", flush=True)  # the worker waits for this line before forking its pool
         self.stopped.wait()
         self.events.put((None, ()))
+        loop.join(timeout=5.0)
         server.close()
         disconnect(self.client)
 
     def _accept(self, server: socket.socket) -> None:
-        while not self.stopped.is_set():
-            try:
-                sock, _ = server.accept()
-            except OSError:
-                return
-            peer = Connection(sock)
-            with self.peers_lock:
-                self.peers.add(peer)
-            threading.Thread(target=self._read, args=(peer,), name="zklock-agent-peer", daemon=True).start()
+        try:
+            sock, _ = server.accept()
+        except OSError:
+            return
+        peer = Connection(sock)
+        with self.peers_lock:
+            self.peers.add(peer)
+        self.selector.register(sock, selectors.EVENT_READ, lambda _sock: self._read(peer))
 
     def _read(self, peer: Connection) -> None:
-        while True:
-            messages = peer.receive()
-            if messages is None:
-                return self.post(self.gone, peer)
-            for message in messages:
-                self.post(self.handle, peer, message)
+        """A peer's socket is readable: its messages, or its end (the socket then leaves
+        the selector: it is closed with the peer)."""
+        messages = peer.receive()
+        if messages is None:
+            self.selector.unregister(peer.sock)
+            peer.close()
+            return self.run_event(self.gone, (peer,))
+        for message in messages:
+            self.run_event(self.handle, (peer, message))
 
     def _heartbeat(self) -> None:
         """Ping everyone while the event thread makes progress (busy is fine, stuck is not),

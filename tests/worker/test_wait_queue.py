@@ -100,8 +100,8 @@ def test_5000_requests_leaving_in_one_event_out_of_order_cost_no_scan(zk_server,
     _drain(theirs)
 
     def run_events() -> None:
-        while not agent.events.empty():
-            fn, args = agent.events.get()
+        while agent.events.items:
+            fn, args = agent.events.items.popleft()
             fn(*args)
 
     try:
