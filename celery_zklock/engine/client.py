@@ -24,7 +24,7 @@ import threading
 import time
 
 from kazoo.client import KazooClient
-from kazoo.handlers.threading import SequentialThreadingHandler
+from kazoo.handlers.threading import AsyncResult, SequentialThreadingHandler
 from kazoo.retry import KazooRetry
 
 from ..config import ZkSettings
@@ -113,13 +113,16 @@ class EventLoopHandler(PollingThreadingHandler):
 
     Why: the lock agent runs every decision on one event thread anyway, so each reply
     crossed two threads (kazoo's completion thread, then the agent's), a wake-up each.
-    The rule it brings: nothing on that event thread may block on a result that only a
-    later callback would complete (plain replies are set by the connection thread and
-    are safe to wait for)."""
+    The rule it brings: that thread must never block on a result (kazoo chains even a
+    plain ``create`` through a completion callback, which would queue behind the wait).
+    Such a wait raises at once instead of freezing the thread: ``loop_thread`` is set by
+    the owner when its loop starts.
+    """
 
     def __init__(self, post) -> None:
         super().__init__()
         self.callback_queue = self.completion_queue = _Posting(post)
+        self.loop_thread: int | None = None
 
     def start(self) -> None:
         with self._state_change:
@@ -128,6 +131,27 @@ class EventLoopHandler(PollingThreadingHandler):
     def stop(self) -> None:
         with self._state_change:
             self._running = False
+
+    def async_result(self):
+        return _LoopResult(self)
+
+
+class _LoopResult(AsyncResult):
+    """kazoo's result, refusing a blocking wait on the event thread (see EventLoopHandler)."""
+
+    def _refuse_on_loop(self, block: bool, timeout) -> None:
+        if (block and timeout != 0 and not self.ready() and self._handler.running
+                and threading.get_ident() == self._handler.loop_thread):
+            raise RuntimeError("a blocking ZooKeeper call on the event thread would wait for itself: "
+                               "use the *_async call and a callback")
+
+    def get(self, block=True, timeout=None):
+        self._refuse_on_loop(block, timeout)
+        return super().get(block, timeout)
+
+    def wait(self, timeout=None):
+        self._refuse_on_loop(True, timeout)
+        return super().wait(timeout)
 
 
 def _fileno(obj) -> int:

@@ -123,6 +123,9 @@ class Agent:
         are read between them)."""
         events = self.events
         self.selector.register(events.open(), selectors.EVENT_READ, None)
+        handler = self.client.handler
+        if isinstance(handler, EventLoopHandler):
+            handler.loop_thread = threading.get_ident()
         while True:
             events.sleeping = True
             ready = self.selector.select(0 if events.items else None)
