@@ -220,7 +220,7 @@ class MainProcess:
         elif op == "next":
             if self.world.full_trace is not None:
                 self.world.log(f"{self.proc.name}: next {req['id']}")
-            self._next_in_line(req, msg.get("hold"))
+            self._next_in_line(req, msg.get("hold"), msg.get("ours", True))
         elif op == "bypass":
             req["verdict"] = "bypass"
             req["done"] = True
@@ -229,10 +229,11 @@ class MainProcess:
         """worker_queue._slots: handoff slots, never the whole pool."""
         return max(0, min(len(self.worker.pools) // 2, len(self.worker.pools) - 1))
 
-    def _next_in_line(self, req: dict, hold) -> None:
+    def _next_in_line(self, req: dict, hold, ours: bool = True) -> None:
         if req["dispatched"] or req.get("verdict") is not None:
             return
-        when = hand_over_early(hold, len(self.early), self.slots())
+        idle = not self.backlog and sum(1 for pool in self.worker.pools if pool.free()) >= 2  # pool_handoff.pool_idle
+        when = hand_over_early(hold, len(self.early), self.slots(), ours=ours, idle=idle)
         if when == "later":
             self.next_up[req["id"]] = hold
         elif when == "now":

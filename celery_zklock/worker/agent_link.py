@@ -13,9 +13,12 @@ Requests (``op``) and the agent's answers:
 * main -> agent ``wait`` {id, task, paths, max_holders, timeout, identity, early, watched}:
   queue for the lock; answered later by ``granted`` {id, queued}, ``timeout`` or
   ``unavailable`` {id, error}, after ``queued`` {id, position} if it has to wait and
-  ``watched`` (the main process reads it: events, LOCK_WAITING, metrics).  With
-  ``early``, also ``next`` {id, hold} when only holders are ahead of it (``hold``: how
-  long locks on its path, or of its task, have been held on average, or null);
+  ``watched`` (the main process reads it: events, LOCK_WAITING, metrics, or its prefetch
+  window for a request it does not know waits).  With ``early``, also ``next`` {id, hold,
+  ours} when only holders are ahead of it (``hold``: how long locks on its path, or of its
+  task, have been held on average, or null; ``ours``: the holder is a request of this
+  worker's whose release passes the node on, rather than another contender's node in
+  ZooKeeper);
 * main -> agent ``cancel`` {id, why, in_pool}: ``revoked`` or ``shutdown`` — stop waiting
   (a request the main process already handed to the pool as next in line, ``in_pool``,
   gets that verdict instead if still undecided, and the main process hears ``revoked``

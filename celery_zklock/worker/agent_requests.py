@@ -184,17 +184,25 @@ class Requests:
             if wait.watched:
                 wait.owner.send({"op": "queued", "id": wait.id, "position": position})
 
-    def on_next(self, wait: Wait) -> None:
+    def on_next(self, wait: Wait, ours: bool = True, streak_left: float | None = None) -> None:
         """Every path but the last is held and only a holder is ahead of it on the last: the
-        main process may hand it to the pool now (docs/waiting.md, "Next in line")."""
+        main process may hand it to the pool now (docs/waiting.md, "Next in line").  ``ours``:
+        the holder is one of this worker's, whose release passes the node on, unless the
+        streak has less than ``streak_left`` to run; otherwise the holders ahead in ZooKeeper
+        are other contenders', whose hold is not known here (the main process decides)."""
         if (not wait.early or wait.done or wait.verdict is not None or wait.next_sent
                 or len(wait.holds) != len(wait.paths) - 1):
             return
         expected = self._expected_hold(wait)
         if expected is not None and expected > HANDOFF_MAX_WAIT:
             return
+        if ours and streak_left is not None and expected is not None and expected >= streak_left:
+            # The holder's release will end the streak: this request then waits behind the
+            # other contender's streak, not for one hold.  Not told now; its node, once
+            # queued, may tell it (ours=False).
+            return
         wait.next_sent = True
-        wait.owner.send({"op": "next", "id": wait.id, "hold": expected})
+        wait.owner.send({"op": "next", "id": wait.id, "hold": expected, "ours": ours})
 
     def on_slot_lost(self, wait: Wait) -> None:
         self.claims.push_state(wait)

@@ -137,7 +137,7 @@ class AgentSupervisor:
                 if msg["id"] in self.early:
                     self._early_done(msg["id"])  # decided: it no longer waits in its slot
             elif op == "next":
-                self._next_in_line(msg["id"], msg.get("hold"))
+                self._next_in_line(msg["id"], msg.get("hold"), msg.get("ours", True))
             elif op == Verdict.REVOKED:
                 self._revoked_in_pool(msg["id"])
                 self._early_done(msg["id"])
@@ -158,7 +158,7 @@ class AgentSupervisor:
         # Requests in the pool next in line lost their nodes with the agent: their claims
         # now find no verdict, and they lock in-process.
         for request_id in self.early:
-            self.paths.pop(request_id, None)
+            self._untrack(request_id)
         self.early.clear()
         self.next_up.clear()
         self._restart_agent()

@@ -23,7 +23,7 @@ from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_set
 from ..engine.znodes import fencing_token, sequence_key
-from .cohort_rules import fresh, passes_locally, renews
+from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
 from .lease_clock import Clock, lease_clock
 
@@ -38,7 +38,7 @@ class CohortHost(Protocol):
     def post(self, fn: Callable, *args: Any) -> None: ...
     def on_granted(self, wait, cohort: "Cohort", slot: "Slot", token: int) -> None: ...
     def on_queued(self, wait, position: int) -> None: ...
-    def on_next(self, wait) -> None: ...
+    def on_next(self, wait, ours: bool = True, streak_left: float | None = None) -> None: ...
     def on_timed_out(self, wait, path: str) -> None: ...
     def on_failed(self, wait, exc: BaseException) -> None: ...
     def on_slot_lost(self, wait) -> None: ...
@@ -222,11 +222,15 @@ class Cohort:
         self._tell_next()
 
     def _tell_next(self) -> None:
-        """The first waiter behind a holder of ours takes the node when it lets go; from now
-        on, whether anyone else queues for the key matters (the streak bound)."""
+        """The first waiter behind a holder of ours takes the node when it lets go, unless
+        that release ends the streak (told how long the streak may still run); from now on,
+        whether anyone else queues for the key matters (the streak bound)."""
         busy = [s for s in self.slots if s.holder is not None]
         if self.queue and busy:
-            self.host.on_next(self.queue.first())
+            settings, now = self.host.settings, self.clock()
+            left = [streak_left(s.grants, s.since or now, now, s.foreign, settings.cohort_handoffs,
+                                settings.cohort_hold) for s in busy]
+            self.host.on_next(self.queue.first(), True, None if None in left else max(left))
             for slot in busy:
                 if not slot.watching:
                     slot.watching = True
@@ -324,9 +328,10 @@ class Cohort:
                 self.host.on_timed_out(wait, self.path)
 
     def _zk_next(self, slot: Slot) -> None:
-        """The node has only holders ahead of it in ZooKeeper: its first waiter is next."""
+        """The node has only holders ahead of it in ZooKeeper: its first waiter is next, behind
+        holders that are not ours (another worker's streak may hold the key for a while)."""
         if slot in self.slots and slot.holder is None and self.queue:
-            self.host.on_next(self.queue.first())
+            self.host.on_next(self.queue.first(), False)
 
     def _slot_lost(self, slot: Slot) -> None:
         slot.lost = True

@@ -63,3 +63,18 @@ def passes_locally(grants: int, since: float, now: float, foreign: bool, max_gra
     if not foreign:
         return True
     return grants < max_grants and now - since < max_hold
+
+
+def streak_left(grants: int, since: float, now: float, foreign: bool, max_grants: int, max_hold: float) -> float | None:
+    """How long (s) the node's current holder may still hold and pass it on locally, as
+    :func:`passes_locally` will judge at its release: None while nobody else waits (no
+    bound), 0 once the bound is reached (its release ends the streak, whenever it comes).
+
+    Why: a request told "next" behind a holder whose release ends the streak does not get
+    the node; it waits behind the other contender's whole streak, and if it was handed to
+    a pool process early, that process idles through it (issue 39)."""
+    if not foreign:
+        return None
+    if grants >= max_grants:
+        return 0.0
+    return max(0.0, max_hold - (now - since))

@@ -14,7 +14,7 @@ from .agent_link import HANDOFF_MAX_WAIT
 
 
 def hand_over_early(expected_wait: float | None, early: int, slots: int,
-                    max_wait: float = HANDOFF_MAX_WAIT) -> str:
+                    max_wait: float = HANDOFF_MAX_WAIT, ours: bool = True, idle: bool = False) -> str:
     """Hand a next-in-line request to the pool ``"now"``, ``"later"`` (when a handoff slot
     frees), or ``"no"`` (it waits here for its grant, like any other).
 
@@ -22,10 +22,16 @@ def hand_over_early(expected_wait: float | None, early: int, slots: int,
     releases, so it is worth it only when that wait is known to be short (a hot chain of
     short tasks, where it saves the dispatch and the wait for a free slot at every
     handoff) and only in a bounded number of processes: a long holder, or a task not seen
-    yet, never parks a pool process.
+    yet, never parks a pool process.  Behind holders that are not ours (``ours`` false:
+    another worker's node in ZooKeeper), the wait is that worker's whole streak, up to
+    ``zklock_cohort_hold``, not one hold: a process parks there only while the pool is
+    ``idle`` (nothing else waits for a process), never later (issue 39: parked behind the
+    other worker's streak, it was a process the worker's other keys lacked).
     """
     if slots <= 0 or expected_wait is None or expected_wait > max_wait:
         return "no"
+    if not ours:
+        return "now" if idle and early < slots else "no"
     return "now" if early < slots else "later"
 
 
@@ -38,6 +44,18 @@ def handoff_slots(c, settings: ZkSettings) -> int:
     if settings.handoff_slots is not None:
         return settings.handoff_slots
     return pool_size(c) // 2
+
+
+def pool_idle(c) -> bool:
+    """Nothing waits for a pool process, and one would stay free besides the one a request
+    next in line would take (read from the worker's semaphore, one permit per process, and
+    the prefork pool's outbound buffer; without them: not idle)."""
+    semaphore = getattr(c.controller, "semaphore", None)
+    value = getattr(semaphore, "value", None)
+    if not isinstance(value, int) or getattr(semaphore, "_waiting", True):
+        return False
+    buffer = getattr(getattr(c.pool, "_pool", None), "outbound_buffer", None)
+    return value >= 2 and not buffer
 
 
 def pool_size(c) -> int:

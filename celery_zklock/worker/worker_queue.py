@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import Counter
 
 from celery import bootsteps
 from celery.utils.log import get_logger
@@ -29,7 +30,7 @@ from . import agent_supervisor
 from .agent_link import HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
-from .pool_handoff import hand_over_early, handoff_slots, pool_size, run_next
+from .pool_handoff import hand_over_early, handoff_slots, pool_idle, pool_size, run_next
 
 logger = get_logger("celery_zklock.worker")
 
@@ -65,6 +66,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.restart_delay = 0.0  # backoff of the agent's restart while ZooKeeper is unreachable
         self.counted: set[str] = set()  # held ids that raised the prefetch window
         self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
+        self.on_path: Counter = Counter()  # lock path -> held ids waiting for it (aside or early)
         self.finished: list[str] = []  # done in the pool, to tell the agent at the next loop turn
         agent = agent_supervisor.running()
         self.active = agent is not None and getattr(c, "hub", None) is not None
@@ -91,12 +93,6 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if self.sock is None or task.acks_late or not req.id or req.id in self.aside or not is_locked_task(task):
             return self.inner(req)
         self.aside[req.id] = req
-        if len(self.counted) < MAX_HELD:
-            # A waiting request must not use up the prefetch window (as Celery does for ETA
-            # tasks) -- up to MAX_HELD of them; beyond, each held request takes a place in
-            # the window, so the worker stops taking messages until grants free some.
-            self.counted.add(req.id)
-            self.c.qos.increment_eventually()
         if not self._submit(req):
             self._hand_over(req.id)  # bad key values and the like: the pool reports them
 
@@ -108,13 +104,46 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         except Exception:
             return False
         retries = (req.request_dict or {}).get("retries") or 0
-        self.paths.setdefault(req.id, (paths, time.time()))
+        if req.id not in self.paths:
+            self.paths[req.id] = (paths, time.time())
+            self.on_path.update(set(paths))
+        # Another request of ours waits for one of its keys: this one will wait behind it.
+        behind = any(self.on_path[path] > 1 for path in paths)
+        if behind:
+            self._outside_window(req.id)
         identity = Identity.of_this_process(task_id=req.id, retries=retries, task=task.name, worker=req.hostname,
                                             holders=task.lock_max_holders if task.lock_max_holders > 1 else None)
+        # Told "queued" if it waits (_queued): whatever reads it, and the window for one
+        # not known to wait here.
         self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
                     "timeout": opts.timeout, "identity": str(identity), "task": task.name,
-                    "early": self._slots() > 0, "guard": guards.guarded(req), "watched": watched(req)})
+                    "early": self._slots() > 0, "guard": guards.guarded(req), "watched": not behind or watched(req)})
         return True
+
+    def _outside_window(self, request_id: str) -> None:
+        """A request that waits for its lock must not use up the prefetch window (as Celery
+        does for ETA tasks) -- up to MAX_HELD of them; beyond, each held request takes a
+        place in the window, so the worker stops taking messages until grants free some.
+
+        Only one that waits: known when another of ours waits for its key, or when the agent
+        says ``queued``.  Until then it counts against the window, as any message does until
+        a pool process takes it: a burst's requests granted at once (keys nobody holds) are
+        not taken past the window by whichever worker reads first, then to queue for a
+        process there behind a hot key's streak (issue 39)."""
+        if request_id not in self.counted and len(self.counted) < MAX_HELD:
+            qos = self.c.qos
+            before = qos.value
+            if qos.increment_eventually() > before:  # not at worker_eta_task_limit (nor 0: no window)
+                self.counted.add(request_id)  # taken back in _not_waiting: exactly what was added
+
+    def _untrack(self, request_id: str) -> None:
+        """It no longer waits here, nor next in line in the pool: out of the listing."""
+        entry = self.paths.pop(request_id, None)
+        if entry is not None:
+            for path in set(entry[0]):
+                self.on_path[path] -= 1
+                if self.on_path[path] <= 0:
+                    del self.on_path[path]
 
     def _hand_over(self, request_id: str, first: bool = False) -> None:
         self.next_up.pop(request_id, None)
@@ -126,15 +155,17 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if first:
             run_next(self.c, req)
 
-    def _next_in_line(self, request_id: str, hold: float | None) -> None:
+    def _next_in_line(self, request_id: str, hold: float | None, ours: bool = True) -> None:
         """The agent says only holders are ahead of this request: if its wait is expected
         to be short and a handoff slot is free, hand it to the pool now (at the head of
         its queue), where it claims and waits for the release; the grant then reaches a
-        process already running it."""
+        process already running it.  Behind another contender's holders (not ``ours``) only
+        while the pool has nothing else to run."""
         req = self.aside.get(request_id)
         if req is None:
             return
-        when = hand_over_early(hold, len(self.early), self._slots())
+        idle = not ours and pool_idle(self.c)
+        when = hand_over_early(hold, len(self.early), self._slots(), ours=ours, idle=idle)
         if when == "later":
             self.next_up[request_id] = hold  # a slot may free up before its grant
         elif when == "now":
@@ -150,7 +181,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _early_done(self, request_id: str) -> None:
         self.early.pop(request_id, None)
-        self.paths.pop(request_id, None)
+        self._untrack(request_id)
         self.revoking.discard(request_id)
         while self.next_up and len(self.early) < self._slots():
             waiting = next(iter(self.next_up))
@@ -172,7 +203,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         """It no longer waits here: out of the prefetch accounting, the listing (unless it
         waits on, next in line, in a pool process), the gauge."""
         if request_id not in self.early:
-            self.paths.pop(request_id, None)
+            self._untrack(request_id)
         if request_id in self.counted:
             self.counted.discard(request_id)
             self.c.qos.decrement_eventually()
@@ -192,6 +223,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         req = self.aside.get(request_id)
         if req is None:
             return
+        self._outside_window(request_id)
+        if not watched(req):
+            return  # asked for the window only
         key = req.task.lock_keys(tuple(req.args or ()), dict(req.kwargs or {}))
         label = key[0] if len(key) == 1 else key
         if request_id not in self.counted_waiting:
@@ -257,6 +291,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.aside.clear()
         self.counted.clear()
         self.paths.clear()
+        self.on_path.clear()
         self.next_up.clear()
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told

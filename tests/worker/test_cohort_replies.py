@@ -52,7 +52,7 @@ class Host:
     def on_queued(self, wait, position) -> None:
         pass
 
-    def on_next(self, wait) -> None:
+    def on_next(self, wait, ours=True, streak_left=None) -> None:
         pass
 
     def on_slot_lost(self, wait) -> None:

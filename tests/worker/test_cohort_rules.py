@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER, fresh, passes_locally, renews
+from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER, fresh, passes_locally, renews, streak_left
 from celery_zklock.engine.znodes import MAX_GRANTS_PER_NODE, fencing_token
 
 N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
@@ -82,3 +82,30 @@ def test_tokens_stay_exact_as_doubles_for_8192_epochs():
 def test_grant_outside_the_token_space_is_an_error():
     with pytest.raises(ValueError):
         fencing_token(5, MAX_GRANTS_PER_NODE)
+
+
+@pytest.mark.parametrize(
+    "grants, elapsed, foreign, left, why",
+    [
+        (1, 0.0, False, None, "nobody else waits: no bound, the node passes on"),
+        (N - 1, T + 1.0, False, None, "nobody else waits, however long"),
+        (1, 0.0, True, T, "someone waits, streak young: all of T left"),
+        (2, 0.2, True, T - 0.2, "someone waits: what is left of T"),
+        (N, 0.0, True, 0.0, "the N-th holder holds: its release ends the streak"),
+        (1, T + 0.1, True, 0.0, "past T: its release ends the streak"),
+    ],
+)
+def test_streak_left(grants, elapsed, foreign, left, why):
+    got = streak_left(grants, 10.0, 10.0 + elapsed, foreign, N, T)
+    assert got == (None if left is None else pytest.approx(left)), why
+
+
+@pytest.mark.parametrize("grants", range(1, N + 2))
+@pytest.mark.parametrize("elapsed", [0.0, 0.2, T - 0.01, T, T + 0.2])
+@pytest.mark.parametrize("hold", [0.0, 0.05, 0.25, 0.35])  # no hold lands on the boundary
+def test_streak_left_agrees_with_passes_locally(grants, elapsed, hold):
+    """A release ``hold`` s from now passes the node on exactly when that hold is shorter
+    than the streak left (the agent withholds "next" otherwise)."""
+    left = streak_left(grants, 10.0, 10.0 + elapsed, True, N, T)
+    passes = passes_locally(grants, 10.0, 10.0 + elapsed + hold, True, N, T)
+    assert passes is (hold < left), (grants, elapsed, hold, left)

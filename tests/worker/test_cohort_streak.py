@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from types import SimpleNamespace
+
+import pytest
 
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl
 
@@ -117,3 +120,72 @@ def test_a_queue_change_seen_while_suspended_keeps_the_streak_bounded(zk_server,
         finally:
             client.stop()
             client.close()
+
+
+class _Told(Host):
+    """Host that records what the cohort says about its next in line."""
+
+    def __init__(self, client) -> None:
+        super().__init__(client)
+        self.nexts: list = []  # (waiter id, ours, streak_left)
+
+    def on_next(self, wait, ours=True, streak_left=None) -> None:
+        self.nexts.append((wait.id, ours, streak_left))
+
+
+def test_the_waiter_behind_the_streaks_last_holder_is_not_told_it_is_next(zk_client):
+    """Issue 39: with another contender queued, the waiter behind the streak's last holder
+    does not get the node at that release (it goes to the contender): the cohort says its
+    streak has nothing left (0), so the agent does not call it next in line, and no pool
+    process idles for it through the contender's whole turn.  Once its own node queues
+    behind the contender, it is told next behind holders that are not ours."""
+    host = _Told(zk_client)
+    host.settings = dataclasses.replace(host.settings, cohort_handoffs=3, cohort_hold=60.0)  # the count bounds it
+    zk_client.ensure_path("/cohort-streak")
+    path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
+    cohort = Cohort(host, path, 1)
+    waits = [_wait(cohort, f"w{i}") for i in range(5)]
+    cohort.join(waits[0])
+    host.run(lambda: host.grants)
+    foreign = zk_client.create(f"{path}/_c_{uuid.uuid4()}-lock-", ephemeral=True, sequence=True)
+    for wait in waits[1:]:
+        cohort.join(wait)
+    host.run(lambda: cohort.slots[0].foreign)  # the cohort has read the queue: someone else waits
+    del host.nexts[:]
+
+    nodes = _streak(cohort, host, waits)
+    assert len(nodes) == 3 and set(nodes) == {nodes[0]}
+    told = {(i, ours): left for i, ours, left in host.nexts}
+    assert told[("w2", True)] == pytest.approx(60.0, abs=1.0)  # behind the 2nd of 3 holds: the node passes on
+    assert told[("w3", True)] == 0.0  # behind the 3rd: its release ends the streak
+    host.run(lambda: ("w3", False) in {(i, ours) for i, ours, _ in host.nexts})  # next behind the contender
+    zk_client.delete(foreign)
+    host.run(lambda: len(host.grants) == 4)
+    assert host.grants[3][0] == "w3" and host.grants[3][1] != nodes[0]
+    cohort.leave(waits[4])
+    cohort.release(waits[3]).get(timeout=10)
+    host.run(lambda: cohort.idle)
+
+
+def test_the_agent_withholds_next_when_the_holders_release_ends_the_streak():
+    """The agent's side of the rule above: ``next`` goes to the main process only when the
+    expected hold fits in what is left of the streak; behind another contender's holders it
+    goes with ``ours`` false (the main process parks it only in an idle pool)."""
+    from celery_zklock.worker.agent_requests import Requests, Wait
+
+    sent: list = []
+    loop = SimpleNamespace(client=None, monitor=None, settings=None, post=None)
+    requests = Requests(loop, claims=None, guards=None)
+    requests.hold_by_path["/k"] = 0.03  # holds on the key last 30 ms
+
+    def waiter(name: str) -> Wait:
+        return Wait(id=name, task="t", paths=["/k"], max_holders=1, deadline=None, identity=b"",
+                    owner=SimpleNamespace(send=sent.append), early=True)
+
+    requests.on_next(waiter("ends"), True, 0.0)
+    requests.on_next(waiter("too-short"), True, 0.02)
+    assert sent == []
+    requests.on_next(waiter("fits"), True, 0.2)
+    requests.on_next(waiter("unbounded"), True, None)
+    requests.on_next(waiter("theirs"), False)
+    assert [(m["id"], m["ours"]) for m in sent] == [("fits", True), ("unbounded", True), ("theirs", False)]
