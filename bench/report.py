@@ -210,11 +210,6 @@ def issue_39(sc: dict) -> list[dict]:
                            f"{zk['cpu_workers_ms_per_task']} ms (plain {plain['cpu_workers_ms_per_task']} ms)"))
         out.append(_target("overhead", who, "ZooKeeper requests per task <= 2.5", zk["zk_requests_per_task"] <= 2.5,
                            f"{zk['zk_requests_per_task']}"))
-        if zk.get("start_p50_ms") is not None:
-            out.append(_target("overhead", who, "enqueue -> start, one task in flight: p50 / p99 vs plain (reported)",
-                               None, f"p50 {zk['start_p50_ms']} ms vs {plain['start_p50_ms']} ms "
-                                     f"({zk['start_p50_ms'] / plain['start_p50_ms']:.2f}x); p99 {zk['start_p99_ms']} ms "
-                                     f"vs {plain['start_p99_ms']} ms ({zk['start_p99_ms'] / plain['start_p99_ms']:.2f}x)"))
     if "pool_slots" in sc:
         w = sc["pool_slots"]["modes"]["worker"]
         out.append(_target("pool_slots", who, "mixed: distinct-key p95 <= 1.3x ideal, hot chain efficiency >= 0.85",
