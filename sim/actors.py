@@ -225,6 +225,10 @@ class MainProcess:
             req["verdict"] = "bypass"
             req["done"] = True
 
+    def idle(self) -> bool:
+        """pool_handoff.pool_idle: nothing waits for a process, and two are free."""
+        return not self.backlog and sum(1 for pool in self.worker.pools if pool.free()) >= 2
+
     def slots(self) -> int:
         """worker_queue._slots: handoff slots, never the whole pool."""
         return max(0, min(len(self.worker.pools) // 2, len(self.worker.pools) - 1))
@@ -232,10 +236,9 @@ class MainProcess:
     def _next_in_line(self, req: dict, hold, ours: bool = True) -> None:
         if req["dispatched"] or req.get("verdict") is not None:
             return
-        idle = not self.backlog and sum(1 for pool in self.worker.pools if pool.free()) >= 2  # pool_handoff.pool_idle
-        when = hand_over_early(hold, len(self.early), self.slots(), ours=ours, idle=idle)
+        when = hand_over_early(hold, len(self.early), self.slots(), ours=ours, idle=not ours and self.idle())
         if when == "later":
-            self.next_up[req["id"]] = hold
+            self.next_up[req["id"]] = (hold, ours)
         elif when == "now":
             self.early.add(req["id"])
             self._dispatch(req, first=True)
@@ -286,11 +289,14 @@ class MainProcess:
     def finished(self, req: dict) -> None:
         req["done"] = True
         self.to_agent.send({"op": "finished", "ids": [req["id"]]})
-        if req["id"] in self.early:
-            self.early.discard(req["id"])
-            while self.next_up and len(self.early) < self.slots():
-                rid = next(iter(self.next_up))
-                self._next_in_line(self.requests[rid], self.next_up.pop(rid))
+        self.early.discard(req["id"])
+        for rid, (hold, ours) in list(self.next_up.items()):  # worker_queue._park_next_up
+            if len(self.early) >= self.slots():
+                break
+            if not ours and not self.idle():
+                continue
+            del self.next_up[rid]
+            self._next_in_line(self.requests[rid], hold, ours)
         self.thread.put(self.feed)
 
 

@@ -25,13 +25,14 @@ def hand_over_early(expected_wait: float | None, early: int, slots: int,
     yet, never parks a pool process.  Behind holders that are not ours (``ours`` false:
     another worker's node in ZooKeeper), the wait is that worker's whole streak, up to
     ``zklock_cohort_hold``, not one hold: a process parks there only while the pool is
-    ``idle`` (nothing else waits for a process), never later (issue 39: parked behind the
-    other worker's streak, it was a process the worker's other keys lacked).
+    ``idle`` (nothing else waits for a process), else ``"later"``, when a process frees
+    (issue 39: parked behind the other worker's streak, it was a process the worker's other
+    keys lacked).
     """
     if slots <= 0 or expected_wait is None or expected_wait > max_wait:
         return "no"
-    if not ours:
-        return "now" if idle and early < slots else "no"
+    if not ours and not idle:
+        return "later"
     return "now" if early < slots else "later"
 
 

@@ -56,7 +56,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.inner = c.on_task_request
         self.aside: dict[str, object] = {}  # requests held aside, waiting for a verdict here
         self.early: dict[str, object] = {}  # handed to the pool while next in line
-        self.next_up: dict[str, float] = {}  # held ids next in line awaiting a slot -> expected wait
+        self.next_up: dict[str, tuple] = {}  # held ids next in line awaiting a slot -> (expected wait, ours)
         self.revoking: set[str] = set()  # early ids whose revocation was sent to the agent
         self.counted_waiting: set[str] = set()  # held ids in the zklock_waiting gauge
         self.sock: socket.socket | None = None
@@ -85,6 +85,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self._connect()
         if not self.timers:
             self.timers = [c.hub.call_repeatedly(0.1, self._check_revoked),
+                           c.hub.call_repeatedly(0.1, self._park_next_up),  # also after tasks not ours
                            c.hub.call_repeatedly(HEARTBEAT * 2, self._check_agent)]
 
     # ------------------------------------------------------------------ requests
@@ -167,7 +168,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         idle = not ours and pool_idle(self.c)
         when = hand_over_early(hold, len(self.early), self._slots(), ours=ours, idle=idle)
         if when == "later":
-            self.next_up[request_id] = hold  # a slot may free up before its grant
+            self.next_up[request_id] = (hold, ours)  # a slot (or a process) may free up before its grant
         elif when == "now":
             self.early[request_id] = req
             self._hand_over(request_id, first=True)
@@ -183,9 +184,20 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.early.pop(request_id, None)
         self._untrack(request_id)
         self.revoking.discard(request_id)
-        while self.next_up and len(self.early) < self._slots():
-            waiting = next(iter(self.next_up))
-            self._next_in_line(waiting, self.next_up.pop(waiting))
+        self._park_next_up()
+
+    def _park_next_up(self) -> None:
+        """A handoff slot or a pool process freed: next-in-line requests that waited for one
+        go to the pool now, in the order they were told (behind another contender's holders
+        only while the pool is idle).  Called as a locked request ends, and every 0.1 s (the
+        pool also frees when other tasks end)."""
+        for request_id, (hold, ours) in list(self.next_up.items()):
+            if len(self.early) >= self._slots():
+                return
+            if not ours and not pool_idle(self.c):
+                continue
+            del self.next_up[request_id]
+            self._next_in_line(request_id, hold, ours)
 
     def waiting(self) -> dict[str, list[dict]]:
         """{lock path: requests this worker holds aside for it, in arrival order}: with lock
@@ -261,6 +273,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self.finished.append(request_id)
         if request_id in self.early:
             self._early_done(request_id)  # finished undecided: it never claimed (or was bypassed)
+        elif self.next_up:
+            self._park_next_up()  # a process is free: the pool may be idle now
 
     def _send_finished(self) -> None:
         ids, self.finished = self.finished, []

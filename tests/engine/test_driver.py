@@ -109,9 +109,9 @@ def test_hand_over_early(expected_wait, early, slots, expected):
 @pytest.mark.parametrize(
     "expected_wait, early, slots, idle, expected, why",
     [
-        (0.03, 0, 1, False, "no", "another worker's streak ahead, the pool has work: the process stays for it"),
+        (0.03, 0, 1, False, "later", "another worker's streak ahead, the pool has work: the process stays for it"),
         (0.03, 0, 1, True, "now", "another worker's streak ahead, the pool idle: parking costs nothing"),
-        (0.03, 1, 1, True, "no", "no free slot: not later either (its wait is not one hold)"),
+        (0.03, 1, 1, True, "later", "no free slot: when one frees, if the pool is idle then"),
         (None, 0, 1, True, "no", "holds not known yet"),
         (0.51, 0, 1, True, "no", "long holds"),
         (0.03, 0, 0, True, "no", "no handoff slots"),
@@ -119,7 +119,8 @@ def test_hand_over_early(expected_wait, early, slots, expected):
 )
 def test_hand_over_early_behind_another_contender(expected_wait, early, slots, idle, expected, why):
     """Issue 39: behind holders that are not this worker's (another worker's node in
-    ZooKeeper, holding a whole streak), a pool process parks only while the pool is idle."""
+    ZooKeeper, holding a whole streak), a pool process parks only while the pool is idle
+    (``"later"``: looked at again when a process or a slot frees)."""
     from celery_zklock.worker.pool_handoff import hand_over_early
 
     assert hand_over_early(expected_wait, early, slots, ours=False, idle=idle) == expected, why

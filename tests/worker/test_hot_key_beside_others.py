@@ -92,8 +92,8 @@ def test_next_in_line_behind_another_contender_parks_only_in_an_idle_pool(mod, e
     """-c 2 (one handoff slot), short holds learned on the key, another client holds it:
     the worker's request is next in line behind a holder that is not the worker's (as
     behind another worker's streak).  With a process busy, it does not park the other one,
-    which stays for other keys; once the client lets go it runs.  With the pool idle it
-    parks as before (nothing else wanted the process)."""
+    which stays for other keys; once the busy process is done (the pool idle), it parks.
+    With the pool idle from the start it parks at once (nothing else wanted the process)."""
     name = "park1"
     client = KazooClient(hosts=zk_server.hosts, timeout=10.0)
     client.start(timeout=15)
@@ -106,17 +106,18 @@ def test_next_in_line_behind_another_contender_parks_only_in_an_idle_pool(mod, e
         _learn_short_holds(mod, busy_key)
         _learn_short_holds(mod, idle_key)
         assert lock.acquire(timeout=10)
-        busy = mod.plain_hold.delay(f"busy-{tag}", 3000, "busy")  # takes one of the two processes
+        busy = mod.plain_hold.delay(f"busy-{tag}", 2000, "busy")  # takes one of the two processes
         _wait_for(lambda: busy.id in _active_ids(mod, name), 5, "the busy task runs")
         nxt = mod.hold.delay(busy_key, 10, "next")
         time.sleep(0.5)  # the agent has queued it behind the client's node and said "next"
         assert nxt.id not in _active_ids(mod, name), "parked next in line behind another contender's hold"
         other = mod.hold.delay(f"o-{tag}", 10, "other")
         other.get(timeout=2)  # the free process runs it while the busy task still runs
-        assert not busy.ready()
+        assert not busy.ready() and nxt.id not in _active_ids(mod, name)
+        busy.get(timeout=30)  # a process frees and nothing else waits for one: now it may park
+        _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line waits in the now idle pool")
         lock.release()
         nxt.get(timeout=30)
-        busy.get(timeout=30)
 
         # The pool idle: behind the same kind of holder, the next in line waits in a process.
         assert lock2.acquire(timeout=10)
