@@ -1,6 +1,10 @@
 # The two commands of the README: `make demo` and `make test`.  `.ci/run` calls `make test`.
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+# `make test` runs the suite on 3 pytest-xdist workers (the tests mostly wait on real
+# processes, so 3 pay on 2 cores): a module's tests stay on one worker, tests/faults/ and
+# tests/docker/ each stay whole (tests/conftest.py).  `make test PARALLEL=` runs it serially.
+PARALLEL ?= -n 3 --dist loadfile
 
 .PHONY: setup test test-all demo bench clean sim sim-mutants
 
@@ -12,7 +16,7 @@ setup:
 # tells tests/docker/ it need not run the script again.
 test: setup
 	@bash scripts/docker-setup.sh; \
-	  ZKLOCK_DOCKER_READY=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  ZKLOCK_DOCKER_READY=1 $(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS); rc=$$?; \
 	  bash scripts/docker-setup.sh stop; \
 	  if [ $$rc = 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 

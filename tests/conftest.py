@@ -27,3 +27,66 @@ def redis_client(redis_server):
     r.flushall()
     yield r
     r.close()
+
+
+
+# ---------------------------------------------------------------------------------------
+# Parallel runs: pytest-xdist, ``make test`` runs ``pytest -n 3 --dist loadfile``
+# ---------------------------------------------------------------------------------------
+# Each xdist worker is a pytest session of its own: its own zk_server and redis_server on
+# free loopback ports, its own module fixtures, its own celery workers (log files named by
+# its pid).  Under ``--dist loadfile`` a module's tests run on one xdist worker, in order,
+# sharing its module-scoped servers and workers.  Here, in addition, a folder in WHOLE_DIRS
+# is one unit: tests/faults/ shares one cluster across its modules (a package fixture, and
+# its Celery app keeps the cluster's addresses: the package's tests must run together, on
+# one worker); tests/docker/ runs its containers one test after another (two tests'
+# containers at once would only compete for the cores).  Long units are handed out first,
+# longest first, so that no worker starts a 2-minute unit when the others are done.
+# LONG_FIRST is a matter of speed only: a unit missing from it changes no result.
+WHOLE_DIRS = ("tests/docker", "tests/faults")
+LONG_FIRST = [
+    "tests/faults",
+    "tests/test_bench_smoke.py",
+    "tests/docker",
+    "tests/test_celery_pools.py",
+    "tests/worker/test_wait_outside_pool.py",
+    "tests/test_enqueue.py",
+    "tests/test_security.py",
+    "tests/test_prerun.py",
+    "tests/test_packaging.py",
+    "tests/test_celery_workers.py",
+    "tests/test_cli.py",
+    "tests/worker/test_cohort.py",
+    "tests/test_enqueue_no_loss.py",
+    "tests/beat/test_beats.py",
+    "tests/engine/test_lock_faults.py",
+    "tests/test_reentrant.py",
+]
+
+
+def _unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or its folder if in WHOLE_DIRS."""
+    path = nodeid.split("::", 1)[0]
+    return next((d for d in WHOLE_DIRS if path.startswith(d + "/")), path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    # Units in collection order (sorted below), not xdist's most-tests-first.
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike
+        return
+    rank = {unit: i for i, unit in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(LONG_FIRST)))  # stable: module order kept

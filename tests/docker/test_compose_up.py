@@ -34,7 +34,10 @@ def compose():
     cli = _compose_cli()
     if cli is None:
         pytest.skip("no docker compose plugin or docker-compose")
-    env = {**os.environ, **{name: str(free_port()) for name in PORTS}}
+    # Without COLUMNS (pytest-xdist sets 80 in its workers): `ps` then draws its table
+    # unwrapped, one line per container, as it does whenever its output is piped.
+    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+           **{name: str(free_port()) for name in PORTS}}
     project = f"zklock{uuid.uuid4().hex[:8]}"
 
     def run(*args, timeout=300, check=True):
