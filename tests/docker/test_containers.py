@@ -3,6 +3,7 @@ node, Redis broker and backend, two worker containers with ``-c 2``)."""
 from __future__ import annotations
 
 import time
+import warnings
 from datetime import timezone
 
 import pytest
@@ -85,9 +86,18 @@ def test_killed_worker_container_frees_the_lock_after_the_session_timeout(celery
     killed_at = time.time()
     victim.kill()
     nxt = tasks.hold.s("kill-1", 0.1).apply_async(queue=queue)
-    time.sleep(SESSION_TIMEOUT / 4)
+    # A quarter of the session after the kill began, not after `docker kill` returned: on a
+    # loaded machine the kill and the reading of ZooKeeper take seconds of their own.
+    time.sleep(max(0.0, killed_at + SESSION_TIMEOUT / 4 - time.time()))
     still = holders(celery_setup, celery_zookeeper, "hot:kill-1")
-    assert [h["host"] for h in still] == [holder["host"]], "the dead container's lock vanished before its session expired"
+    looked = time.time() - killed_at
+    # The session must still be alive while less than 2/3 of its timeout has passed since
+    # the kill: the client's last ping was at most a third of it before.  A reading that came
+    # later proves nothing either way (and it says so).
+    if looked < SESSION_TIMEOUT * 2 / 3:
+        assert [h["host"] for h in still] == [holder["host"]], "the dead container's lock vanished before its session expired"
+    else:
+        warnings.warn(f"the lock was read {looked:.1f}s after the kill (machine busy): its survival went unchecked")
     run = nxt.get(timeout=RESULT_TIMEOUT)
     recovery = run["start"] - killed_at
     print(f"killed container {holder['host']}: next task started {recovery:.2f}s later on {run['host']}")
