@@ -42,16 +42,22 @@ def _streak(cohort: Cohort, host: Host, waits: list) -> list[str]:
     return [node for _id, node, _token in host.grants]
 
 
-def test_a_failed_read_of_the_queue_keeps_the_streak_bounded(zk_client):
-    host = Host(zk_client)
-    host.settings = dataclasses.replace(host.settings, cohort_handoffs=8, cohort_hold=60.0)  # the count bounds it
+def _first_holder(host, zk_client, handoffs: int, waiters: int) -> tuple[str, Cohort, list]:
+    """A fresh key whose streak the count bounds (``handoffs``), ``waiters`` waits made and
+    the first of them granted: the key's path, its cohort, the waits."""
+    host.settings = dataclasses.replace(host.settings, cohort_handoffs=handoffs, cohort_hold=60.0)
     zk_client.ensure_path("/cohort-streak")
     path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
     cohort = Cohort(host, path, 1)
-    waits = [_wait(cohort, f"w{i}") for i in range(20)]
-
+    waits = [_wait(cohort, f"w{i}") for i in range(waiters)]
     cohort.join(waits[0])
     host.run(lambda: host.grants)
+    return path, cohort, waits
+
+
+def test_a_failed_read_of_the_queue_keeps_the_streak_bounded(zk_client):
+    host = Host(zk_client)
+    path, cohort, waits = _first_holder(host, zk_client, handoffs=8, waiters=20)
     zk_client.set_acls(path, [make_acl("world", "anyone", create=True, delete=True, write=True, admin=True)])
     cohort.join(waits[1])  # the first waiter behind our holder: the cohort reads the key's queue, and fails
     time.sleep(0.2)
@@ -140,13 +146,7 @@ def test_the_waiter_behind_the_streaks_last_holder_is_not_told_it_is_next(zk_cli
     process idles for it through the contender's whole turn.  Once its own node queues
     behind the contender, it is told next behind holders that are not ours."""
     host = _Told(zk_client)
-    host.settings = dataclasses.replace(host.settings, cohort_handoffs=3, cohort_hold=60.0)  # the count bounds it
-    zk_client.ensure_path("/cohort-streak")
-    path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
-    cohort = Cohort(host, path, 1)
-    waits = [_wait(cohort, f"w{i}") for i in range(5)]
-    cohort.join(waits[0])
-    host.run(lambda: host.grants)
+    path, cohort, waits = _first_holder(host, zk_client, handoffs=3, waiters=5)
     foreign = zk_client.create(f"{path}/_c_{uuid.uuid4()}-lock-", ephemeral=True, sequence=True)
     for wait in waits[1:]:
         cohort.join(wait)
