@@ -7,6 +7,7 @@ or want a free loopback port without starting anything; and the servers of
 
 from __future__ import annotations
 
+import random
 import socket
 from typing import TYPE_CHECKING
 
@@ -14,11 +15,46 @@ if TYPE_CHECKING:
     from .testing_tls import TlsMaterial
 
 
+#: Where :func:`free_port` looks when the kernel's ephemeral range cannot be read.
+_EPHEMERAL_FALLBACK = (32768, 60999)
+#: Not the shared ``random`` state: a test that seeds it would make every pytest-xdist
+#: worker try the same ports in the same order.
+_random = random.SystemRandom()
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
+    """A loopback TCP port that was free a moment ago, below the kernel's ephemeral range.
+
+    Why not ``bind(0)``: that hands out a port from the ephemeral range, which every
+    outbound connection on the machine also draws its local port from.  A server that is
+    stopped and started again on its port (a killed ZooKeeper member, a restarted broker)
+    could find it taken by some client's connection in between, and then cannot bind it: a
+    ZooKeeper member without its election port still follows its leader but can never
+    elect a new one (seen in CI: "ensemble did not regain a quorum" after a leader kill,
+    under the parallel suite).  No connection ever takes a port below that range.
+    """
+    low = _ephemeral_range()[0]
+    start = 10000 if low > 12000 else 1024
+    for _ in range(200 if low > start else 0):
+        port = _random.randrange(start, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: the kernel's choice after all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
 
 
 def four_letter_word(host: str, port: int, word: str, timeout: float = 1.0, tls: "TlsMaterial | None" = None) -> str:

@@ -78,6 +78,15 @@ def zookeeper_classpath() -> str:
     return os.pathsep.join(j for j in jars if os.path.exists(j))
 
 
+#: JVM options of a test server: a small heap and a JIT that stops at its first tier start
+#: ZooKeeper in about half the time, which a suite starting dozens of servers needs.
+TEST_JVM = ("-Xmx256m", "-XX:+UseSerialGC", "-Xshare:auto", "-XX:TieredStopAtLevel=1")
+#: JVM options of a server as an operator runs it (``zkServer.sh``: the JVM's own defaults,
+#: a 512 MB heap): a benchmark measures this one, since the first-tier JIT alone costs
+#: ZooKeeper more CPU per request once warm.
+PRODUCTION_JVM = ("-Xmx512m",)
+
+
 @dataclass
 class ZooKeeperServer:
     """One ZooKeeper server process (standalone, or a member of an ensemble).
@@ -102,6 +111,7 @@ class ZooKeeperServer:
     tls: TlsMaterial | None = field(default=None, repr=False)
     sasl_users: dict[str, str] | None = field(default=None, repr=False)
     extra_config: dict[str, str] = field(default_factory=dict)  # more zoo.cfg lines (minSessionTimeout...)
+    jvm_options: tuple[str, ...] = TEST_JVM
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _own_workdir: bool = field(default=False, repr=False)
 
@@ -172,10 +182,7 @@ class ZooKeeperServer:
         )
         cmd = [
             "java",
-            "-Xmx256m",
-            "-XX:+UseSerialGC",
-            "-Xshare:auto",
-            "-XX:TieredStopAtLevel=1",
+            *self.jvm_options,
             "-cp",
             zookeeper_classpath(),
             f"-Dznode.container.checkIntervalMs={self.container_check_ms}",
@@ -276,6 +283,14 @@ class ZooKeeperServer:
         self.close()
 
 
+def _status(member: "ZooKeeperServer") -> str:
+    if member.proc is None:
+        return "stopped"
+    if member.proc.poll() is not None:
+        return f"exited with {member.proc.returncode}"
+    return str(member.mode())
+
+
 class ZooKeeperEnsemble:
     """A quorum of ``size`` ZooKeeper servers on loopback, for failover tests."""
 
@@ -324,7 +339,11 @@ class ZooKeeperEnsemble:
             if "leader" in modes and modes.count("follower") >= len(self.members) // 2:
                 return
             time.sleep(0.05)
-        raise TimeoutError("ensemble did not regain a quorum")
+        report = "\n".join(
+            f"server {m.myid} ({m.hosts}): {_status(m)}\n{m.log_tail(15)}"
+            for m in self.members
+        )
+        raise TimeoutError(f"ensemble did not regain a quorum in {timeout}s:\n{report}")
 
     def close(self) -> None:
         for m in self.members:
