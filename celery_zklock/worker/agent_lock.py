@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import threading
 import time
 
@@ -22,7 +23,14 @@ _link: "AgentLink | None" = None
 
 
 class AgentLink:
-    """This process's connection to its worker's agent, with one reader thread."""
+    """This process's connection to its worker's agent.
+
+    Who reads the socket: a reader thread, which keeps ``is_held()`` current while a body
+    runs (state pushes, heartbeats); but a caller waiting for its answer (a claim, a
+    release) reads it itself, the reader thread standing aside meanwhile.  Why: a reply
+    handed from the reader thread to the waiting one cost a thread wake-up and a GIL
+    handover in every claim and release, and on a hot key the claim's is in the gap
+    between one holder's end and the next one's start (issue 39)."""
 
     def __init__(self, path: str) -> None:
         self.pid = os.getpid()
@@ -33,6 +41,10 @@ class AgentLink:
         # A state pushed between the claim's reply and the lock's registration: kept for it.
         self._early: dict[str, dict] = {}
         self._guard = threading.Lock()
+        self._receiving = threading.Lock()  # held by whichever thread takes bytes off the socket
+        self._turn = threading.Condition()
+        self._caller_reads = False  # a caller reads for its answer: the reader thread waits
+        self._aside_r, self._aside_w = os.pipe()  # written to wake the reader out of select
         self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
         threading.Thread(target=self._read, name="zklock-agent-link", daemon=True).start()
 
@@ -52,49 +64,107 @@ class AgentLink:
         replies: queue.SimpleQueue = queue.SimpleQueue()
         with self._guard:
             self._replies[key] = replies
+        with self._turn:
+            reads = not self._caller_reads  # another thread of this process reads already: queue
+            self._caller_reads = True if reads else self._caller_reads
+        if reads:
+            os.write(self._aside_w, b"\0")
         try:
             if not self.conn.send(message):
                 return None
-            try:
-                reply = replies.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            while reply is not None and until is not None and not until(reply):
-                reply = replies.get()  # the reader puts None when the link ends
-            return reply
+            deadline = time.monotonic() + timeout
+            while True:
+                reply = self._next_reply(replies, deadline, reads)
+                if reply is None or until is None or until(reply):
+                    return reply
+                deadline = None  # an interim answer: no time limit from here on
         finally:
             with self._guard:
                 self._replies.pop(key, None)
+            if reads:
+                with self._turn:
+                    self._caller_reads = False
+                    self._turn.notify_all()
+
+    def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool) -> dict | None:
+        """The next answer put in ``replies``, reading the socket here when ``reads``; None at
+        ``deadline`` or once the link ends."""
+        while True:
+            try:
+                return replies.get_nowait()  # None: the link ended
+            except queue.Empty:
+                pass
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            if not reads:
+                try:
+                    return replies.get(timeout=left)
+                except queue.Empty:
+                    return None
+            with self._receiving:
+                if self.conn.closed:
+                    return None
+                try:
+                    ready, _, _ = select.select([self.conn.sock], [], [], left)
+                except (OSError, ValueError):
+                    ready = [self.conn.sock]  # closed under us: receive() says so
+                if ready:
+                    self._take(self.conn.receive(block=False))
 
     def _read(self) -> None:
-        while True:
-            messages = self.conn.receive()
-            if messages is None:
-                break
-            self.last_heard = time.monotonic()
-            for msg in messages:
-                op = msg.get("op")
-                if op == "state":
-                    with self._guard:
-                        lock = self._locks.get(msg["id"])
-                        if lock is None:
-                            if len(self._early) > 1000:
-                                self._early.clear()
-                            self._early[msg["id"]] = msg
-                    if lock is not None:
-                        lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
-                    continue
+        sock = self.conn.sock
+        while not self.conn.closed:
+            with self._turn:
+                while self._caller_reads and not self.conn.closed:
+                    self._turn.wait()
+            try:
+                ready, _, _ = select.select([sock, self._aside_r], [], [])
+            except (OSError, ValueError):
+                ready = [sock]
+            if self._aside_r in ready:
+                os.read(self._aside_r, 4096)
+            if sock not in ready:
+                continue
+            with self._receiving:
+                if self._caller_reads or self.conn.closed:
+                    continue  # the caller reads what came
+                self._take(self.conn.receive(block=False))
+
+    def _take(self, messages: list[dict] | None) -> None:
+        """What came off the socket (None: its end), on whichever thread read it."""
+        if messages is None:
+            return self._ended()
+        if not messages:
+            return
+        self.last_heard = time.monotonic()
+        for msg in messages:
+            op = msg.get("op")
+            if op == "state":
                 with self._guard:
-                    replies = self._replies.get((op, msg.get("id")))
-                if replies is not None:
-                    replies.put(msg)
-        # The agent is gone: every lock held through it is lost.
+                    lock = self._locks.get(msg["id"])
+                    if lock is None:
+                        if len(self._early) > 1000:
+                            self._early.clear()
+                        self._early[msg["id"]] = msg
+                if lock is not None:
+                    lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
+                continue
+            with self._guard:
+                replies = self._replies.get((op, msg.get("id")))
+            if replies is not None:
+                replies.put(msg)
+
+    def _ended(self) -> None:
+        """The agent is gone: every lock held through it is lost, every wait ends."""
+        self.conn.closed = True
         for lock in list(self._locks.values()):
             lock._update(False, True, "the worker's lock agent is gone")
-        self.conn.closed = True
         with self._guard:
             for replies in self._replies.values():
                 replies.put(None)
+        with self._turn:
+            self._turn.notify_all()
 
 
 def link() -> AgentLink | None:
