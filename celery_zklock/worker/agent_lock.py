@@ -18,6 +18,9 @@ import time
 
 from .agent_link import ENV, ClaimAnswer, Connection
 
+#: Seconds between the reader's drains of the link while no lock is held through it.
+IDLE_DRAIN = 1.0
+
 _link_guard = threading.Lock()
 _link: "AgentLink | None" = None
 
@@ -25,12 +28,14 @@ _link: "AgentLink | None" = None
 class AgentLink:
     """This process's connection to its worker's agent.
 
-    Who reads the socket: a reader thread, which keeps ``is_held()`` current while a body
-    runs (state pushes, heartbeats); but a caller waiting for its answer (a claim, a
-    release) reads it itself, the reader thread standing aside meanwhile.  Why: a reply
-    handed from the reader thread to the waiting one cost a thread wake-up and a GIL
-    handover in every claim and release, and on a hot key the claim's is in the gap
-    between one holder's end and the next one's start (issue 39)."""
+    Who reads the socket: a reader thread while a lock is held through the link (it keeps
+    ``is_held()`` current: state pushes, heartbeats), and a caller waiting for its answer (a
+    claim, a release) itself, the reader standing aside meanwhile.  Why: a reply handed from
+    the reader thread to the waiting one cost a thread wake-up and a GIL hand-over in every
+    claim and release, and on a hot key the claim's is in the gap between one holder's end
+    and the next one's start (issue 39).  With no lock held the reader only drains the
+    heartbeats now and then (:data:`IDLE_DRAIN`), so that the agent's sends never block; so
+    a task wakes it twice (its lock registered, its release called), as before."""
 
     def __init__(self, path: str) -> None:
         self.pid = os.getpid()
@@ -44,6 +49,7 @@ class AgentLink:
         self._receiving = threading.Lock()  # held by whichever thread takes bytes off the socket
         self._turn = threading.Condition()
         self._caller_reads = False  # a caller reads for its answer: the reader thread waits
+        self._selecting = False  # the reader waits in select: a caller wakes it through the pipe
         self._aside_r, self._aside_w = os.pipe()  # written to wake the reader out of select
         self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
         threading.Thread(target=self._read, name="zklock-agent-link", daemon=True).start()
@@ -66,8 +72,9 @@ class AgentLink:
             self._replies[key] = replies
         with self._turn:
             reads = not self._caller_reads  # another thread of this process reads already: queue
+            wake = reads and self._selecting
             self._caller_reads = True if reads else self._caller_reads
-        if reads:
+        if wake:
             os.write(self._aside_w, b"\0")
         try:
             if not self.conn.send(message):
@@ -84,7 +91,8 @@ class AgentLink:
             if reads:
                 with self._turn:
                     self._caller_reads = False
-                    self._turn.notify_all()
+                    if self._locks:
+                        self._turn.notify_all()
 
     def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool) -> dict | None:
         """The next answer put in ``replies``, reading the socket here when ``reads``; None at
@@ -112,16 +120,31 @@ class AgentLink:
                 if ready:
                     self._take(self.conn.receive(block=False))
 
+    def reading_needed(self) -> None:
+        """A lock was registered: the reader reads from now on (unless a caller does)."""
+        with self._turn:
+            self._turn.notify_all()
+
     def _read(self) -> None:
         sock = self.conn.sock
         while not self.conn.closed:
             with self._turn:
-                while self._caller_reads and not self.conn.closed:
-                    self._turn.wait()
+                needed = not self._caller_reads and bool(self._locks)
+                if not needed:
+                    self._turn.wait(IDLE_DRAIN)
+                    needed = not self._caller_reads and bool(self._locks)
+                idle = not needed and not self._caller_reads
+                self._selecting = needed
+            if not needed:
+                if idle:
+                    self._drain()
+                continue
             try:
                 ready, _, _ = select.select([sock, self._aside_r], [], [])
             except (OSError, ValueError):
                 ready = [sock]
+            with self._turn:
+                self._selecting = False
             if self._aside_r in ready:
                 os.read(self._aside_r, 4096)
             if sock not in ready:
@@ -130,6 +153,19 @@ class AgentLink:
                 if self._caller_reads or self.conn.closed:
                     continue  # the caller reads what came
                 self._take(self.conn.receive(block=False))
+
+    def _drain(self) -> None:
+        """Take what came while nobody read (heartbeats, a late answer): never blocks."""
+        if not self._receiving.acquire(blocking=False):
+            return  # a caller reads
+        try:
+            while not self._caller_reads and not self.conn.closed:
+                messages = self.conn.receive(block=False)
+                self._take(messages)
+                if not messages:
+                    return
+        finally:
+            self._receiving.release()
 
     def _take(self, messages: list[dict] | None) -> None:
         """What came off the socket (None: its end), on whichever thread read it."""
@@ -202,6 +238,7 @@ class AgentLock:
         with link._guard:
             link._locks[request_id] = self
             early = link._early.pop(request_id, None)
+        link.reading_needed()
         state = early or state or {"held": True}
         self._update(bool(state.get("held", True)), bool(state.get("lost")), state.get("reason"))
 

@@ -136,3 +136,20 @@ def test_the_agent_gone_during_a_call_ends_it_and_loses_held_locks():
     assert link.call({"op": "claim", "id": "r2"}, "claimed", 5.0) is None
     assert not link.alive
     assert held.lost_reason == "the worker's lock agent is gone" and not held.is_held()
+
+
+def test_with_no_lock_held_the_link_is_still_drained_so_the_agents_sends_never_block(monkeypatch):
+    """Between tasks nobody needs the agent's heartbeats, but unread they would fill the
+    socket's buffers, and the agent's next send to this process would block its thread."""
+    monkeypatch.setattr(agent_lock, "IDLE_DRAIN", 0.05)
+    agent = _FakeAgent()
+    link = agent_lock.AgentLink(agent.path)
+    agent.ready.wait(5)
+    ping = {"op": "ping", "pad": "x" * 1000}
+    sent = threading.Event()
+    threading.Thread(target=lambda: ([agent.peer.send(ping) for _ in range(2_000)], sent.set()), daemon=True).start()
+    try:
+        assert sent.wait(20), "the agent's sends blocked: the link was not read while no lock was held"
+        assert link.silent_for() < 5
+    finally:
+        agent.close()
