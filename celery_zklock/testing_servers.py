@@ -81,10 +81,6 @@ def zookeeper_classpath() -> str:
 #: JVM options of a test server: a small heap and a JIT that stops at its first tier start
 #: ZooKeeper in about half the time, which a suite starting dozens of servers needs.
 TEST_JVM = ("-Xmx256m", "-XX:+UseSerialGC", "-Xshare:auto", "-XX:TieredStopAtLevel=1")
-#: JVM options of a server as an operator runs it (``zkServer.sh``: the JVM's own defaults,
-#: a 512 MB heap): a benchmark measures this one, since the first-tier JIT alone costs
-#: ZooKeeper more CPU per request once warm.
-PRODUCTION_JVM = ("-Xmx512m",)
 
 
 @dataclass
