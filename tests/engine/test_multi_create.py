@@ -153,7 +153,10 @@ def test_a_burst_of_new_keys_is_group_committed(zk_client, path, monkeypatch):
     assert all(a.result.get(timeout=10) for a in attempts)
     multis = sent.count("MultiCreate")
     assert 1 < multis < len(keys), sent  # the first alone, the rest batched behind it
-    assert set(sent) == {"MultiCreate"}  # no createContainer, no children read
+    # No createContainer, no children read.  A holder's watch on its own node (a GetData,
+    # set soon after the hold: engine/attempt/holding.py) may already have gone out on a
+    # slow machine: it is not part of joining the queue.
+    assert set(sent) - {"GetData"} == {"MultiCreate"}
     for a in attempts:
         stat = zk_client.exists(f"{a.lk.path}/{a.node}")
         assert a.token == fencing_token(stat.czxid) and stat.ephemeralOwner == zk_client.client_id[0]
