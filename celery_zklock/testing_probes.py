@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from .testing_tls import TlsMaterial
 
 
-#: Where :func:`free_port` looks when the kernel's ephemeral range cannot be read.
-_EPHEMERAL_FALLBACK = (32768, 60999)
+#: The ephemeral range's first port when the kernel's cannot be read (Linux's default).
+_EPHEMERAL_LOW_FALLBACK = 32768
 #: Not the shared ``random`` state: a test that seeds it would make every pytest-xdist
 #: worker try the same ports in the same order.
 _random = random.SystemRandom()
@@ -33,7 +33,7 @@ def free_port() -> int:
     elect a new one (seen in CI: "ensemble did not regain a quorum" after a leader kill,
     under the parallel suite).  No connection ever takes a port below that range.
     """
-    low = _ephemeral_range()[0]
+    low = _ephemeral_low()
     start = 10000 if low > 12000 else 1024
     for _ in range(200 if low > start else 0):
         port = _random.randrange(start, low)
@@ -48,13 +48,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return _EPHEMERAL_FALLBACK
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW_FALLBACK
 
 
 def four_letter_word(host: str, port: int, word: str, timeout: float = 1.0, tls: "TlsMaterial | None" = None) -> str:

@@ -78,11 +78,6 @@ def zookeeper_classpath() -> str:
     return os.pathsep.join(j for j in jars if os.path.exists(j))
 
 
-#: JVM options of a test server: a small heap and a JIT that stops at its first tier start
-#: ZooKeeper in about half the time, which a suite starting dozens of servers needs.
-TEST_JVM = ("-Xmx256m", "-XX:+UseSerialGC", "-Xshare:auto", "-XX:TieredStopAtLevel=1")
-
-
 @dataclass
 class ZooKeeperServer:
     """One ZooKeeper server process (standalone, or a member of an ensemble).
@@ -107,7 +102,6 @@ class ZooKeeperServer:
     tls: TlsMaterial | None = field(default=None, repr=False)
     sasl_users: dict[str, str] | None = field(default=None, repr=False)
     extra_config: dict[str, str] = field(default_factory=dict)  # more zoo.cfg lines (minSessionTimeout...)
-    jvm_options: tuple[str, ...] = TEST_JVM
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _own_workdir: bool = field(default=False, repr=False)
 
@@ -178,7 +172,10 @@ class ZooKeeperServer:
         )
         cmd = [
             "java",
-            *self.jvm_options,
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-Xshare:auto",
+            "-XX:TieredStopAtLevel=1",
             "-cp",
             zookeeper_classpath(),
             f"-Dznode.container.checkIntervalMs={self.container_check_ms}",
@@ -328,11 +325,13 @@ class ZooKeeperEnsemble:
         lead = self.leader()
         return [m for m in self.members if m is not lead]
 
-    def wait_quorum(self, timeout: float = 30.0) -> None:
+    def wait_quorum(self, timeout: float = 30.0, followers: int | None = None) -> None:
+        """Wait for a leader and ``followers`` followers (default: enough for a quorum)."""
+        needed = len(self.members) // 2 if followers is None else followers
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             modes = [m.mode() for m in self.members if m.proc is not None]
-            if "leader" in modes and modes.count("follower") >= len(self.members) // 2:
+            if "leader" in modes and modes.count("follower") >= needed:
                 return
             time.sleep(0.05)
         report = "\n".join(

@@ -112,11 +112,10 @@ class Cluster:
                 m.resume()
         for m in self.ensemble.members:
             m.wait_serving(60)
-        self.ensemble.wait_quorum(60)
         # All three in the quorum, not just two of them: a member that served a moment and
         # then exited (its election port taken, ZooKeeper exits with 14) would leave the next
         # scenario's leader kill without a quorum.
-        wait_until(self.healthy, 60, what="all three ZooKeeper members to follow one leader")
+        self.ensemble.wait_quorum(60, followers=len(self.ensemble.members) - 1)
         wait_until(lambda: self.zk().connected, 30, what="the observer client to reconnect")
 
     def kill_leader(self) -> tuple[float, float]:
