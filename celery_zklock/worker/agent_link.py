@@ -142,10 +142,13 @@ class Connection:
                 self.closed = True
                 return False
 
-    def receive(self) -> list[dict] | None:
-        """Block for the next messages; None at end of stream."""
+    def receive(self, block: bool = True) -> list[dict] | None:
+        """The next messages (blocking for them, or ``[]`` when none are there yet with
+        ``block=False``); None at end of stream."""
         try:
-            data = self.sock.recv(65536)
+            data = self.sock.recv(65536) if block else self.sock.recv(65536, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return []
         except OSError:
             data = b""
         if not data:

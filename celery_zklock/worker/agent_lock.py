@@ -12,17 +12,30 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import threading
 import time
 
 from .agent_link import ENV, ClaimAnswer, Connection
+
+#: Seconds between the reader's drains of the link while no lock is held through it.
+IDLE_DRAIN = 1.0
 
 _link_guard = threading.Lock()
 _link: "AgentLink | None" = None
 
 
 class AgentLink:
-    """This process's connection to its worker's agent, with one reader thread."""
+    """This process's connection to its worker's agent.
+
+    Who reads the socket: a reader thread while a lock is held through the link (it keeps
+    ``is_held()`` current: state pushes, heartbeats), and a caller waiting for its answer (a
+    claim, a release) itself, the reader standing aside meanwhile.  Why: a reply handed from
+    the reader thread to the waiting one cost a thread wake-up and a GIL hand-over in every
+    claim and release, and on a hot key the claim's is in the gap between one holder's end
+    and the next one's start (issue 39).  With no lock held the reader only drains the
+    heartbeats now and then (:data:`IDLE_DRAIN`), so that the agent's sends never block; so
+    a task wakes it twice (its lock registered, its release called), as before."""
 
     def __init__(self, path: str) -> None:
         self.pid = os.getpid()
@@ -33,6 +46,11 @@ class AgentLink:
         # A state pushed between the claim's reply and the lock's registration: kept for it.
         self._early: dict[str, dict] = {}
         self._guard = threading.Lock()
+        self._receiving = threading.Lock()  # held by whichever thread takes bytes off the socket
+        self._turn = threading.Condition()
+        self._caller_reads = False  # a caller reads for its answer: the reader thread waits
+        self._selecting = False  # the reader waits in select: a caller wakes it through the pipe
+        self._aside_r, self._aside_w = os.pipe()  # written to wake the reader out of select
         self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
         threading.Thread(target=self._read, name="zklock-agent-link", daemon=True).start()
 
@@ -52,49 +70,137 @@ class AgentLink:
         replies: queue.SimpleQueue = queue.SimpleQueue()
         with self._guard:
             self._replies[key] = replies
+        with self._turn:
+            reads = not self._caller_reads  # another thread of this process reads already: queue
+            wake = reads and self._selecting
+            self._caller_reads = True if reads else self._caller_reads
+        if wake:
+            os.write(self._aside_w, b"\0")
         try:
             if not self.conn.send(message):
                 return None
-            try:
-                reply = replies.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            while reply is not None and until is not None and not until(reply):
-                reply = replies.get()  # the reader puts None when the link ends
-            return reply
+            deadline = time.monotonic() + timeout
+            while True:
+                reply = self._next_reply(replies, deadline, reads)
+                if reply is None or until is None or until(reply):
+                    return reply
+                deadline = None  # an interim answer: no time limit from here on
         finally:
             with self._guard:
                 self._replies.pop(key, None)
+            if reads:
+                with self._turn:
+                    self._caller_reads = False
+                    if self._locks:
+                        self._turn.notify_all()
+
+    def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool) -> dict | None:
+        """The next answer put in ``replies``, reading the socket here when ``reads``; None at
+        ``deadline`` or once the link ends."""
+        while True:
+            try:
+                return replies.get_nowait()  # None: the link ended
+            except queue.Empty:
+                pass
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            if not reads:
+                try:
+                    return replies.get(timeout=left)
+                except queue.Empty:
+                    return None
+            with self._receiving:
+                if self.conn.closed:
+                    return None
+                try:
+                    ready, _, _ = select.select([self.conn.sock], [], [], left)
+                except (OSError, ValueError):
+                    ready = [self.conn.sock]  # closed under us: receive() says so
+                if ready:
+                    self._take(self.conn.receive(block=False))
+
+    def reading_needed(self) -> None:
+        """A lock was registered: the reader reads from now on (unless a caller does)."""
+        with self._turn:
+            self._turn.notify_all()
 
     def _read(self) -> None:
-        while True:
-            messages = self.conn.receive()
-            if messages is None:
-                break
-            self.last_heard = time.monotonic()
-            for msg in messages:
-                op = msg.get("op")
-                if op == "state":
-                    with self._guard:
-                        lock = self._locks.get(msg["id"])
-                        if lock is None:
-                            if len(self._early) > 1000:
-                                self._early.clear()
-                            self._early[msg["id"]] = msg
-                    if lock is not None:
-                        lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
-                    continue
+        sock = self.conn.sock
+        while not self.conn.closed:
+            with self._turn:
+                needed = not self._caller_reads and bool(self._locks)
+                if not needed:
+                    self._turn.wait(IDLE_DRAIN)
+                    needed = not self._caller_reads and bool(self._locks)
+                idle = not needed and not self._caller_reads
+                self._selecting = needed
+            if not needed:
+                if idle:
+                    self._drain()
+                continue
+            try:
+                ready, _, _ = select.select([sock, self._aside_r], [], [])
+            except (OSError, ValueError):
+                ready = [sock]
+            with self._turn:
+                self._selecting = False
+            if self._aside_r in ready:
+                os.read(self._aside_r, 4096)
+            if sock not in ready:
+                continue
+            with self._receiving:
+                if self._caller_reads or self.conn.closed:
+                    continue  # the caller reads what came
+                self._take(self.conn.receive(block=False))
+
+    def _drain(self) -> None:
+        """Take what came while nobody read (heartbeats, a late answer): never blocks."""
+        if not self._receiving.acquire(blocking=False):
+            return  # a caller reads
+        try:
+            while not self._caller_reads and not self.conn.closed:
+                messages = self.conn.receive(block=False)
+                self._take(messages)
+                if not messages:
+                    return
+        finally:
+            self._receiving.release()
+
+    def _take(self, messages: list[dict] | None) -> None:
+        """What came off the socket (None: its end), on whichever thread read it."""
+        if messages is None:
+            return self._ended()
+        if not messages:
+            return
+        self.last_heard = time.monotonic()
+        for msg in messages:
+            op = msg.get("op")
+            if op == "state":
                 with self._guard:
-                    replies = self._replies.get((op, msg.get("id")))
-                if replies is not None:
-                    replies.put(msg)
-        # The agent is gone: every lock held through it is lost.
+                    lock = self._locks.get(msg["id"])
+                    if lock is None:
+                        if len(self._early) > 1000:
+                            self._early.clear()
+                        self._early[msg["id"]] = msg
+                if lock is not None:
+                    lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
+                continue
+            with self._guard:
+                replies = self._replies.get((op, msg.get("id")))
+            if replies is not None:
+                replies.put(msg)
+
+    def _ended(self) -> None:
+        """The agent is gone: every lock held through it is lost, every wait ends."""
+        self.conn.closed = True
         for lock in list(self._locks.values()):
             lock._update(False, True, "the worker's lock agent is gone")
-        self.conn.closed = True
         with self._guard:
             for replies in self._replies.values():
                 replies.put(None)
+        with self._turn:
+            self._turn.notify_all()
 
 
 def link() -> AgentLink | None:
@@ -132,6 +238,7 @@ class AgentLock:
         with link._guard:
             link._locks[request_id] = self
             early = link._early.pop(request_id, None)
+        link.reading_needed()
         state = early or state or {"held": True}
         self._update(bool(state.get("held", True)), bool(state.get("lost")), state.get("reason"))
 

@@ -248,11 +248,14 @@ class Requests:
             answer["queued"] = True
         if verdict["verdict"] is Verdict.UNAVAILABLE:
             answer["error"] = verdict["error"]
-        wait.owner.send(answer)
-        if wait.claimer is not None:
+        # The claimer first: a request next in line has a pool process waiting for this
+        # verdict, and the main process only records it.
+        claimer = wait.claimer
+        if claimer is not None:
             self.claims.send_verdict(wait)
-            if verdict["verdict"] is not Verdict.GRANTED:
-                self.forget(wait)
+        wait.owner.send(answer)
+        if claimer is not None and verdict["verdict"] is not Verdict.GRANTED:
+            self.forget(wait)
 
     def _guard_started(self, wait: Wait, verdict: dict, error: BaseException | None) -> None:
         """A grant whose guard could not be ended (or moved) is not told as granted: its locks

@@ -131,9 +131,11 @@ class Cohort:
             self.queue.remove(nxt)
             now = self.clock()
             if fresh(slot.confirmed, now, kazoo_compat.session_timeout(self.host.client)):
+                # The grant first, then any renewing write: the next holder is told before
+                # kazoo's thread is woken for the write.
+                self._grant(slot, nxt, reserved=True)
                 if renews(slot.confirmed, now, slot.writing > 0):
                     self._write(slot, nxt.identity)
-                self._grant(slot, nxt, reserved=True)
                 return LEASED  # the young proof covers the leaving holder too: no wait for a write
             proof = self._write(slot, nxt.identity)
             slot.holder, slot.handing_on = nxt, True
@@ -228,6 +230,13 @@ class Cohort:
         busy = [s for s in self.slots if s.holder is not None]
         if self.queue and busy:
             settings, now = self.host.settings, self.clock()
+            for slot in busy:
+                # A local handoff may follow: the node's first proof now, while its holder
+                # holds, so that the release finds a lease and the next holder starts without
+                # waiting for a write (a streak's first handoff used to wait for one).  Later
+                # proofs are renewed at the handoffs (release).
+                if slot.held and not slot.handing_on and slot.confirmed is None and not slot.writing:
+                    self._write(slot, slot.holder.identity)
             left = [streak_left(s.grants, s.since or now, now, s.foreign, settings.cohort_handoffs,
                                 settings.cohort_hold) for s in busy]
             self.host.on_next(self.queue.first(), True, None if None in left else max(left))

@@ -1,0 +1,155 @@
+"""A hot key's handoff between two of a worker's tasks: what lies in the gap between one
+holder's end and the next one's start (issue 39).
+
+Why: on a key with a backlog the next holder is already parked in a pool process, and
+every step from the release to its verdict is time the key stands idle.  Three steps were
+there that need not be: a streak's first local handoff waited for a ZooKeeper write (no
+young proof of the node yet), the agent told the main process of a grant before the pool
+process that waits for it, and the pool process got its answer through a second thread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+from celery_zklock.engine.session import LEASED
+from celery_zklock.worker import agent_lock
+from celery_zklock.worker.agent_link import Connection, Verdict
+from celery_zklock.worker.agent_requests import Requests, Wait
+from celery_zklock.worker.cohort import Cohort
+from tests.worker.test_cohort_replies import Host, _wait
+
+
+def test_a_streaks_first_local_handoff_is_granted_on_a_lease(zk_client):
+    """Once one of ours waits behind the holder, the node is written (a proof) while the
+    holder holds: its release then hands the node on at once, with no write to wait for."""
+    host = Host(zk_client)
+    zk_client.ensure_path("/handoff-gap")
+    cohort = Cohort(host, f"/handoff-gap/{uuid.uuid4().hex[:8]}", 1)
+    first, second = _wait(cohort, "first"), _wait(cohort, "second")
+    cohort.join(first)
+    host.run(lambda: host.grants)
+    [slot] = cohort.slots
+    assert slot.confirmed is None  # granted on the create's answer: no write to the node yet
+
+    cohort.join(second)  # one of ours behind the holder: a local handoff will follow
+    host.run(lambda: slot.confirmed is not None)
+
+    assert cohort.release(first) is LEASED
+    assert [g[0] for g in host.grants] == ["first", "second"]  # granted in the release itself
+    assert host.grants[1][1] == host.grants[0][1] and host.grants[1][2] > host.grants[0][2]
+    cohort.release(second)
+    host.run(lambda: cohort.idle)
+
+
+def test_a_grant_is_told_to_the_waiting_pool_process_before_the_main_process():
+    order: list[str] = []
+    loop = SimpleNamespace(client=None, settings=None, post=None,
+                           monitor=SimpleNamespace(timers=SimpleNamespace(cancel=lambda _timer: None)))
+    claims = SimpleNamespace(send_verdict=lambda wait: order.append("pool process"))
+    guards = SimpleNamespace(decided=lambda wait, verdict: None)
+    requests = Requests(loop, claims, guards)
+    wait = Wait(id="r1", task="t", paths=["/k"], max_holders=1, deadline=None, identity=b"",
+                owner=SimpleNamespace(send=lambda message: order.append("main process")), early=True)
+    wait.claimer = object()  # claimed while next in line: its pool process waits for this verdict
+
+    requests._tell_verdict(wait, {"verdict": Verdict.GRANTED})
+    assert order == ["pool process", "main process"]
+
+
+class _FakeAgent:
+    """An agent's end of a pool process's link: records the thread that reads each answer."""
+
+    def __init__(self) -> None:
+        self.path = os.path.join(tempfile.mkdtemp(prefix="zklock-test-"), "agent.sock")
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(1)
+        self.peer: Connection | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        sock, _ = self.server.accept()
+        self.peer = Connection(sock)
+        self.peer.receive()  # hello
+        self.ready.set()
+
+    def answer(self, op: str, **fields) -> dict:
+        """Read the next request and answer it with ``op``."""
+        [request] = self.peer.receive()
+        self.peer.send({"op": op, "id": request["id"], **fields})
+        return request
+
+    def close(self) -> None:
+        self.peer.close()
+        self.server.close()
+
+
+def test_a_callers_answer_is_read_by_the_caller_and_the_reader_thread_resumes_after(monkeypatch):
+    agent = _FakeAgent()
+    link = agent_lock.AgentLink(agent.path)
+    agent.ready.wait(5)
+    readers: list[tuple[str, int]] = []
+    take = link._take
+
+    def recording(messages):
+        for m in messages or ():
+            readers.append((m["op"], threading.get_ident()))
+        take(messages)
+
+    monkeypatch.setattr(link, "_take", recording)
+    try:
+        threading.Thread(target=lambda: (agent.answer("claimed", verdict="pending"),
+                                         time.sleep(0.05),
+                                         agent.peer.send({"op": "claimed", "id": "r1", "verdict": "granted"})),
+                         daemon=True).start()
+        reply = link.call({"op": "claim", "id": "r1"}, "claimed", 5.0, until=lambda r: r["verdict"] != "pending")
+        assert reply["verdict"] == "granted"
+        assert {(op, tid == threading.get_ident()) for op, tid in readers} == {("claimed", True)}
+
+        # Nobody calls now: the reader thread takes a state push for a lock held through the link.
+        lock = agent_lock.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
+        agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "session expired"})
+        deadline = time.monotonic() + 5
+        while lock.lost_reason is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lock.lost_reason == "session expired"
+        assert readers[-1][0] == "state" and readers[-1][1] != threading.get_ident()
+    finally:
+        agent.close()
+
+
+def test_the_agent_gone_during_a_call_ends_it_and_loses_held_locks():
+    agent = _FakeAgent()
+    link = agent_lock.AgentLink(agent.path)
+    agent.ready.wait(5)
+    held = agent_lock.AgentLock(link, "held", {"/k": 1}, grace=5.0, release_bound=5.0)
+    threading.Thread(target=lambda: (agent.peer.receive(), agent.close()), daemon=True).start()
+
+    assert link.call({"op": "claim", "id": "r2"}, "claimed", 5.0) is None
+    assert not link.alive
+    assert held.lost_reason == "the worker's lock agent is gone" and not held.is_held()
+
+
+def test_with_no_lock_held_the_link_is_still_drained_so_the_agents_sends_never_block(monkeypatch):
+    """Between tasks nobody needs the agent's heartbeats, but unread they would fill the
+    socket's buffers, and the agent's next send to this process would block its thread."""
+    monkeypatch.setattr(agent_lock, "IDLE_DRAIN", 0.05)
+    agent = _FakeAgent()
+    link = agent_lock.AgentLink(agent.path)
+    agent.ready.wait(5)
+    ping = {"op": "ping", "pad": "x" * 1000}
+    sent = threading.Event()
+    threading.Thread(target=lambda: ([agent.peer.send(ping) for _ in range(2_000)], sent.set()), daemon=True).start()
+    try:
+        assert sent.wait(20), "the agent's sends blocked: the link was not read while no lock was held"
+        assert link.silent_for() < 5
+    finally:
+        agent.close()
