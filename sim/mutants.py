@@ -129,6 +129,11 @@ MUTANTS = [
            "        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))\n",
            "        from ..engine.contenders import contenders\n"
            "        self.post(told, [c.identifier for c in contenders(self.client, path, wait.max_holders) if c.holder])\n"),
+    Mutant("watch-never-run", "19. the agent never says a task runs under a hold: its node is never watched "
+           "(issue 39's watch from the claim, left out)",
+           "worker/agent_claims.py",
+           "                hold.slot.attempt.hold.running()  # its node is watched from now on\n",
+           "                pass\n"),
 ]
 
 

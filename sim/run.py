@@ -45,6 +45,10 @@ SCENARIOS = {
     "deleted-by-hand": {"workers": 2, "pools": 3, "keys": 4, "rate": 20.0, "peers": 2, "long": 0.3,
                         "long_holds": (0.3, 1.0, 2.5),
                            "plan": [("delete", t, 0.0) for t in (0.6, 1.2, 1.8, 2.4, 3.0, 3.6, 4.2, 4.8)]},
+    # Many keys, each idle long enough for its container to be swept, started again by
+    # three workers at once: one agent's group commit of new keys meets a container another
+    # worker has just made, and the whole batch rolls back (its creates must be sent again).
+    "new-keys-at-once": {"workers": 3, "pools": 3, "keys": 30, "rate": 60.0, "peers": 0, "faults": 0},
 }
 
 #: Virtual seconds of load, then of settling (faults healed) before the end checks.

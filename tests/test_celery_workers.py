@@ -73,13 +73,16 @@ def test_different_keys_run_in_parallel(mod, workers):
     assert overlapping([(r["start"], r["end"]) for r in rows], max_holders=1) is not None
 
 
-def test_fifo_order_of_arrival_at_the_lock(mod, workers):
+def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
     """Tasks run in the order they reached the lock, as cohorting defines it: in arrival order
     among one worker's waiters (its agent's queue), and so among another worker's, whose
     node queues behind the holder's.  Across workers arrival order is not the promise: the
     holder's worker may pass the node to its own waiters first, within the streak bound
     (``zklock_cohort_handoffs``; the bound itself is tests/worker/test_cohort.py's)."""
     blocker = mod.hold.delay("fifo", 1500, "blocker")
+    deadline = time.time() + 10
+    while time.time() < deadline and not children(zk_client, f"{env['TEST_ZK_ROOT']}/k:fifo"):
+        time.sleep(0.02)  # the blocker holds before anyone else arrives
     rs = []
     for i in range(4):
         r = mod.hold_tracked.delay("fifo", 10, i)

@@ -36,7 +36,8 @@ class LockInternals:
     """What stays the same across a lock's attempts: where, how many holders, who we are."""
 
     def __init__(self, client: KazooClient, path: str, max_holders: int = 1, identifier: str | bytes | None = None,
-                 on_lost: Callable[[], None] | None = None, suspended_grace: float | None = None) -> None:
+                 on_lost: Callable[[], None] | None = None, suspended_grace: float | None = None,
+                 watch_when_run: bool = False) -> None:
         if not isinstance(client, KazooClient):
             raise ValueError(f"client must be a kazoo KazooClient, got {type(client).__name__}")
         if isinstance(max_holders, bool) or not isinstance(max_holders, int) or max_holders < 1:
@@ -55,6 +56,9 @@ class LockInternals:
         self.identifier = identifier
         self.on_lost = on_lost
         self.suspended_grace = suspended_grace
+        # The own-node watch starts when a task runs under the hold (HoldWatch.running), not
+        # at the grant: the agent's grants may wait for a free pool process (issue 39).
+        self.watch_when_run = watch_when_run
         self.monitor: SessionMonitor = monitor_for(client)
         self.prefix = znodes.node_prefix(uuid.uuid4().hex)
         self._attempts = 0

@@ -132,6 +132,8 @@ class Claims:
         process until then), and its body must not start on the old grant alone."""
         message = wait.verdict
         if message["verdict"] is Verdict.GRANTED:
+            for hold in wait.holds.values():
+                hold.slot.attempt.hold.running()  # its node is watched from now on
             state = self._state(wait)
             wait.shown_held = state["held"]
             # The session the server granted, which may be shorter than the one asked for:

@@ -270,7 +270,7 @@ class Cohort:
         slot = Slot(None)
         post = self.host.post
         internals = LockInternals(self.host.client, self.path, self.max_holders, self.queue.first().identity,
-                                  on_lost=lambda: post(self._slot_lost, slot))
+                                  on_lost=lambda: post(self._slot_lost, slot), watch_when_run=True)
         slot.attempt = internals.attempt(
             None, on_wait=lambda position: post(self._answered, slot), on_next=lambda: post(self._zk_next, slot))
         self.slots.append(slot)

@@ -27,6 +27,7 @@ def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_clien
 
     cohort.join(first)
     host.run(lambda: host.grants)
+    cohort.slots[0].attempt.hold.running()  # claimed (Claims.send_verdict): the node is watched
     time.sleep(OWN_WATCH_WITHIN * 5)  # the holder's watch on its node is set by now
     cohort.join(second)
     host.run(lambda: True)
@@ -47,3 +48,30 @@ def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_clien
     assert host.grants[2][1] != host.grants[1][1] and host.grants[2][2] > host.grants[1][2]
     cohort.release(third).get(timeout=10)
     host.run(lambda: cohort.idle)
+
+
+def _own_watches(zk_client, path: str) -> int:
+    """Watchers kazoo registered for ``path`` on this client (set with a get or exists)."""
+    return len(zk_client._data_watchers.get(path, ()))
+
+
+def test_a_granted_node_is_watched_only_once_a_task_runs_under_it(zk_client):
+    """The agent grants ahead of a free pool process; a hold that only waits in the worker's
+    queue costs no GetData (issue 39).  Claimed, it is watched within OWN_WATCH_WITHIN."""
+    host = Host(zk_client)
+    zk_client.ensure_path("/cohort-own-node")
+    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
+    first = _wait(cohort, "first")
+    cohort.join(first)
+    host.run(lambda: host.grants)
+    [slot] = cohort.slots
+    time.sleep(OWN_WATCH_WITHIN * 5)
+    assert _own_watches(zk_client, slot.node_path) == 0  # granted, nobody runs: no watch
+    slot.attempt.hold.running()
+    slot.attempt.hold.running()  # a second claim through the node arms nothing more
+    deadline = time.time() + 2
+    while _own_watches(zk_client, slot.node_path) == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert _own_watches(zk_client, slot.node_path) == 1
+    zk_client.delete(slot.node_path)
+    host.run(lambda: first.lost, timeout=2.0)

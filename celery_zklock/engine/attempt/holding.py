@@ -29,14 +29,36 @@ class HoldWatch:
         self.attempt = attempt
         self._grace_timer = None  # while HELD_SUSPENDED: when the suspension makes it LOST
         self._own_watcher = None  # (node, session, watcher): the holder's watch on its node
+        self._running = False  # a task runs under the hold (watch_when_run: the watch may start)
+        self._armed = None  # (node, session) whose watch is scheduled or set
 
     def stop(self) -> None:
         self.attempt.monitor.timers.cancel(self._grace_timer)
 
     def watch_soon(self) -> None:
-        """Just granted: watch our node within :data:`OWN_WATCH_WITHIN`, batched per client."""
+        """Just granted: watch our node within :data:`OWN_WATCH_WITHIN`, batched per client;
+        with ``watch_when_run``, only once something runs under the hold (:meth:`running`)."""
         at = self.attempt
+        if at.lk.watch_when_run and not self._running:
+            return
+        if self._armed == (at.node, at.session):
+            return
+        self._armed = (at.node, at.session)
         at.monitor.timers.soon(OWN_WATCH_WITHIN, self._watch_if_still_held, at.node, at.session)
+
+    def running(self) -> None:
+        """A task runs (or is about to) under this hold: from now on its node is watched.
+
+        Why not at the grant: the agent grants ahead of a free pool process, and a hold
+        that only waits in the worker's queue needs no watch (issue 39: one GetData for
+        most tasks of a burst on distinct keys).  A deletion before the claim is then told
+        :data:`OWN_WATCH_WITHIN` and a round trip after it (or by the release's proof), as
+        one in the first moments of any hold is: docs/design.md, "Holding"."""
+        at = self.attempt
+        with at.mutex:
+            self._running = True
+            if at.state is State.HELD:
+                self.watch_soon()
 
     def _watch_if_still_held(self, node, session) -> None:
         """Still the same hold, connected: watch our node (suspended: the re-verification does)."""
