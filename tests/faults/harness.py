@@ -376,12 +376,21 @@ class Scenario:
 
     def leftovers(self, timeout: float) -> list[str]:
         """Lock nodes still present ``timeout`` s after the workload ended (a dead
-        session's nodes may take up to the session timeout to go)."""
+        session's nodes may take up to the session timeout to go).  What the last look saw:
+        a second read after a look that found none could count a node made since, by a
+        broker's serial re-run that has just started (CI: a rerun's fresh node reported as
+        left behind)."""
+        seen: list[str] = []
+
+        def gone() -> bool:
+            seen[:] = self.lock_nodes()
+            return not seen
+
         try:
-            wait_until(lambda: not self.lock_nodes(), timeout, what="lock nodes to go")
+            wait_until(gone, timeout, what="lock nodes to go")
         except AssertionError:
             pass
-        return self.lock_nodes()
+        return list(seen)
 
     def verify(self, allowed=(), timeout: float = 90.0, cleanup_timeout: float = SESSION + 3,
                reruns: bool = False, acked_lost=()) -> Report:
