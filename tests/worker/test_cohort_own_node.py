@@ -16,6 +16,7 @@ from tests.worker.test_cohort_replies import Host, _wait
 
 from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
 from celery_zklock.engine.session import LEASED
+from celery_zklock.testing_probes import four_letter_word
 from celery_zklock.worker.cohort import Cohort
 
 
@@ -50,12 +51,18 @@ def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_clien
     host.run(lambda: cohort.idle)
 
 
-def _own_watches(zk_client, path: str) -> int:
-    """Watchers kazoo registered for ``path`` on this client (set with a get or exists)."""
-    return len(zk_client._data_watchers.get(path, ()))
+def _own_watches(zk_server, path: str) -> int:
+    """Sessions watching ``path``, as the server lists them (``wchp``: path, then its sessions)."""
+    sessions, current = {}, None
+    for line in four_letter_word("127.0.0.1", zk_server.client_port, "wchp").splitlines():
+        if line.startswith("/"):
+            current = sessions.setdefault(line, [])
+        elif line.strip() and current is not None:
+            current.append(line.strip())
+    return len(sessions.get(path, ()))
 
 
-def test_a_granted_node_is_watched_only_once_a_task_runs_under_it(zk_client):
+def test_a_granted_node_is_watched_only_once_a_task_runs_under_it(zk_client, zk_server):
     """The agent grants ahead of a free pool process; a hold that only waits in the worker's
     queue costs no GetData (issue 39).  Claimed, it is watched within OWN_WATCH_WITHIN."""
     host = Host(zk_client)
@@ -66,12 +73,12 @@ def test_a_granted_node_is_watched_only_once_a_task_runs_under_it(zk_client):
     host.run(lambda: host.grants)
     [slot] = cohort.slots
     time.sleep(OWN_WATCH_WITHIN * 5)
-    assert _own_watches(zk_client, slot.node_path) == 0  # granted, nobody runs: no watch
+    assert _own_watches(zk_server, slot.node_path) == 0  # granted, nobody runs: no watch
     slot.attempt.hold.running()
     slot.attempt.hold.running()  # a second claim through the node arms nothing more
     deadline = time.time() + 2
-    while _own_watches(zk_client, slot.node_path) == 0 and time.time() < deadline:
+    while _own_watches(zk_server, slot.node_path) == 0 and time.time() < deadline:
         time.sleep(0.01)
-    assert _own_watches(zk_client, slot.node_path) == 1
+    assert _own_watches(zk_server, slot.node_path) == 1
     zk_client.delete(slot.node_path)
     host.run(lambda: first.lost, timeout=2.0)
