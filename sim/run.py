@@ -49,6 +49,12 @@ SCENARIOS = {
     # three workers at once: one agent's group commit of new keys meets a container another
     # worker has just made, and the whole batch rolls back (its creates must be sent again).
     "new-keys-at-once": {"workers": 3, "pools": 3, "keys": 30, "rate": 60.0, "peers": 0, "faults": 0},
+    # Two workers and a peer on one hot key; twelve times a run, one worker's connection
+    # drops right after it sends a read of the key's queue (the read that tells a streak
+    # whether anyone else waits), and comes back within the session: a streak must count a
+    # read that failed as contended, or it runs unbounded.
+    "read-dropped": {"workers": 2, "pools": 3, "keys": 1, "rate": 60.0, "peers": 1, "session": 3.0,
+                     "plan": [("drop-read", 0.4 + 0.45 * i, 0.0) for i in range(12)]},
 }
 
 #: Virtual seconds of load, then of settling (faults healed) before the end checks.
@@ -225,6 +231,9 @@ class Run:
         elif kind == "pause-after-write":
             world.log(f"fault: {worker.agent_proc.name} to stop after its next write's reply for {length:.2f} s")
             worker.client.pause_on_reply = (length, ("set",))
+        elif kind == "drop-read":
+            world.log(f"fault: {worker.client.name}'s connection to drop at its next read of a key's queue")
+            worker.client.drop_on_send = (("children", True),)  # a read that sets a child watch
         elif kind == "suspend":
             world.log(f"fault: host {worker.host.name} suspended for {length:.2f} s")
             worker.host.suspend(length)

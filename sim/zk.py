@@ -385,6 +385,9 @@ class SimClient(KazooClient):
         # A fault: SIGSTOP right after the next reply a decision rests on (a write's or a
         # delete's proof, a queue read): the instant between a proof's arrival and its use.
         self.pause_on_reply: tuple | None = None  # (seconds, the ops whose reply triggers it)
+        # A fault: the connection drops right after the next request of these (op, watch) is
+        # sent (its reply never comes: ConnectionLoss), then comes back within the session.
+        self.drop_on_send: tuple = ()
         zk_session.monitor_for(self, timers=SimTimers(world, proc, self.handler))
         self._connect()
         world.at(world.now + TICK, f"{name}.zk-tick", self.conn_thread.put, self._tick, proc=proc)
@@ -453,6 +456,11 @@ class SimClient(KazooClient):
         elif not self.connected and not self.partitioned and self.server.up:
             self._reconnect()
         self.world.at(now + TICK, f"{self.name}.zk-tick", self.conn_thread.put, self._tick, proc=self.proc)
+
+    def _dropped(self) -> None:
+        if self.connected and not self.closed:
+            self.last_trouble = self.world.now
+            self._teardown()
 
     def _teardown(self) -> None:
         """The connection is gone (kazoo: CONNECTING): in-flight requests fail with
@@ -538,6 +546,10 @@ class SimClient(KazooClient):
             self.world.log(f"{self.name} -> {_show(request.op)}")
         self._pending.append(request)
         self.link.to_server(request)
+        if (request.op[0], request.op[-1]) in self.drop_on_send:
+            self.drop_on_send = ()
+            self.world.log(f"{self.name}: connection drops, a {request.op[0]} request just sent")
+            self.world.at(self.world.now, f"{self.name}.drop", self.conn_thread.put, self._dropped, proc=self.proc)
 
     def _receive(self, link: Link, item) -> None:
         if link is not self.link or not link.open:

@@ -12,12 +12,17 @@ from ..engine.znodes import MAX_GRANTS_PER_NODE
 
 
 #: How old (s) the newest proof that a node is ours may be for a local handoff to skip the
-#: round trip.  Far below any session timeout ZooKeeper negotiates (at least 2 ticks: 4 s by
-#: default), and :func:`fresh` also keeps it under a tenth of the *negotiated* one, so a holder
-#: granted on it has nearly the whole session timeout, as one granted on a reply has.  A hot
-#: key's handoffs come every few ms and keep the proof young; a holder of 50 ms or more
-#: waits for its own write, which then costs under 2% of its hold.
-FRESH_MAX = 0.05
+#: round trip.  The proof's strength comes from the session, not from this number: ZooKeeper
+#: expires a session only after hearing nothing from it for the negotiated session timeout,
+#: and :func:`fresh` also keeps the lease under a tenth of that, so a holder granted on it
+#: has at least 90% of it, as one granted on a reply nearly has.  0.2 s is a twentieth of the
+#: shortest default session (2 ticks: 4 s).  Why not shorter: each renewal
+#: (:data:`RENEW_AFTER`) is a ZooKeeper write, and a data-change event for each watcher; at
+#: 50 ms a flash sale's five hot keys cost about one write per task, in ZooKeeper's CPU and
+#: the agent's (issue 39, docs/waiting.md).  What a longer lease costs: after a silent
+#: partition, handoffs go on for up to this long (each within its session), and a holder of
+#: 0.2 s or more waits for its own write, which then costs under 3% of its hold.
+FRESH_MAX = 0.2
 
 
 def fresh(confirmed: float | None, now: float, session_timeout: float) -> bool:

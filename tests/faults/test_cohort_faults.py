@@ -7,9 +7,10 @@ the pool process holding, ZooKeeper's leader, or the network between one worker 
 ZooKeeper — and hands the whole history to the checker: no two validly fenced holds overlap,
 no task is lost, no lock node is left behind.
 
-Bodies of 40-60 ms outlast the agent's lease (``celery_zklock.worker.cohort_rules.FRESH_MAX``): their
-handoffs wait for ZooKeeper's reply.  The leader-failover and partition scenarios use 10 ms
-bodies, whose handoffs run on the lease (no round trip), so the faults strike that path too.
+The pool-process scenario's 250 ms bodies outlast the agent's lease
+(``celery_zklock.worker.cohort_rules.FRESH_MAX``, 0.2 s): their handoffs wait for ZooKeeper's
+reply.  The agent, leader-failover and partition scenarios use 10-40 ms bodies, whose handoffs
+run on the lease (no round trip), so the faults strike that path too.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_pool_process_sigkilled_mid_streak(scenario):
     lets the node go) at once; the killed task ends WorkerLostError, nothing else is lost."""
     scenario.worker("a", concurrency=3)
     scenario.worker("b", concurrency=3)
-    sent = [scenario.send(A.step, KEY, 60) for _ in range(60)]
+    sent = [scenario.send(A.step, KEY, 250) for _ in range(30)]
     _mid_streak(scenario, sent)
     victim, pid = _holder(scenario, sent)
     killed = time.time()

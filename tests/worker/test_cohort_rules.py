@@ -53,7 +53,7 @@ def test_fresh(confirmed, age, session_timeout, young, why):
         (None, 0.0, False, True, "no proof yet: write"),
         (5.0, 0.0, False, False, "proof just renewed: this handoff needs no write"),
         (5.0, RENEW_AFTER - 0.001, False, False, "still younger than RENEW_AFTER"),
-        (5.0, RENEW_AFTER, False, True, "RENEW_AFTER old: renew it before it ages out"),
+        (5.0, RENEW_AFTER + 1e-6, False, True, "RENEW_AFTER old: renew it before it ages out"),
         (5.0, RENEW_AFTER + 0.01, True, False, "a write is in flight: its reply renews it"),
         (None, 0.0, True, False, "the first write is in flight"),
     ],
