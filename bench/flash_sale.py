@@ -46,7 +46,13 @@ def _one(services: Services, mode: str, orders: int, broker_url: str | None = No
     return result["figures"]["flash_sale"]
 
 
-def run(services: Services, orders: int = 1200, rounds: int = 2, broker_url: str | None = None) -> dict:
+#: Rounds per mode in a full run; the figures are their medians.  Three: the VM's speed swings
+#: within a minute (two rounds of one run once gave 471 and 303 orders/s), and a median of
+#: two is their mean.
+ROUNDS = 3
+
+
+def run(services: Services, orders: int = 1200, rounds: int = ROUNDS, broker_url: str | None = None) -> dict:
     runs: dict[str, list[dict]] = {"worker": [], "pool": [], "plain": []}
     for r in range(rounds):
         for mode in ("worker", "pool", "plain") if r % 2 == 0 else ("plain", "pool", "worker"):

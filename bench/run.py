@@ -100,10 +100,8 @@ def run(quick: bool, out: Path, burst_tasks: int | None = None) -> dict:
         hot, cold = (12, 24) if quick else (60, 120)
         sc["pool_slots"] = timed(results, "pool_slots", pool_slots.run, services, driver, hot, cold, 30,
                                  1 if quick else 3)
-        # Three rounds, the median: the VM's speed swings within a minute (two rounds of one
-        # run once gave 471 and 303 orders/s), and a median of two is their mean.
         sc["flash_sale"] = timed(results, "flash_sale", flash_sale.run, services, 300 if quick else 1200,
-                                 1 if quick else 3)
+                                 1 if quick else flash_sale.ROUNDS)
         # With "plain" (no lock: it overlaps), the same burst's ceiling on this machine, in the same run.
         burst_tasks = burst_tasks or (600 if quick else burst.DEFAULT_TASKS)
         sc["burst"] = timed(results, "burst", burst.run, services, burst_tasks, 2, 3, None,
@@ -111,8 +109,8 @@ def run(quick: bool, out: Path, burst_tasks: int | None = None) -> dict:
         if quick:
             pass  # the RabbitMQ runs repeat scenarios 8 and 10 on another broker: full runs only
         elif burst.rabbitmq_reachable():  # Celery's first-choice broker, where the machine has one
-            sc["flash_sale_rabbitmq"] = timed(results, "flash_sale_rabbitmq", flash_sale.run, services, 1200, 3,
-                                              burst.RABBITMQ_URL)
+            sc["flash_sale_rabbitmq"] = timed(results, "flash_sale_rabbitmq", flash_sale.run, services, 1200,
+                                              flash_sale.ROUNDS, burst.RABBITMQ_URL)
             # In a process of its own: bench.app was imported here with the Redis broker, and
             # its workers on RabbitMQ never answered this process's pings (not ready after 90 s).
             sc["burst_rabbitmq"] = timed(results, "burst_rabbitmq", burst.run_elsewhere, burst_tasks,
