@@ -143,7 +143,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
             raise
     lock = agent_lock.AgentLock(
         link, task.request.id, verdict["tokens"], grace=agent_lock.silence_grace(opts.session_timeout, verdict),
-        release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict,
+        release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict, carried=bool(verdict.get("carried")),
     )
     if lock.suspended_reason is not None or lock.lost_reason is not None:
         # Granted, but the lock is not safe to hold now (the connection dropped between

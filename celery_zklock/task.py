@@ -191,8 +191,9 @@ class ZkLockedTask(Task):
         this process's to end (it ends or moves where the lock is decided)."""
         req, direct, opts = call.req, call.direct, call.opts
         started = time.monotonic()
+        carried = agent_lock.carried_grant(req)  # off the request whether used or not: never republished
         claimed = (None if direct or nested is not None or self.acks_late or not req.id
-                   else agent_lock.claim(req.id, _CLAIM_TIMEOUT))
+                   else agent_lock.claim(req.id, _CLAIM_TIMEOUT, carried))
         if claimed is not None:
             return acquisition.claimed_lock(self, claimed, opts, call.label, on_lost), False
         guarded = nested is None and not direct

@@ -20,6 +20,7 @@ from celery_zklock.engine.internals import LockInternals, State
 from celery_zklock.engine.kazoo_compat import on_ready
 from celery_zklock.worker.agent import Agent
 from celery_zklock.worker.agent_link import HEARTBEAT
+from celery_zklock.worker.agent_lock import starts_on_carried
 from celery_zklock.worker.pool_handoff import hand_over_early
 
 from .world import Proc, Thread, World
@@ -201,6 +202,7 @@ class MainProcess:
         self.next_up: dict[str, object] = {}  # next in line, waiting for a handoff slot
         self.count = 0
         self.alive = True
+        self.die_after_carry = False  # a fault: killed right after it hands over a carried grant
 
     def receive(self, msg: dict) -> None:
         op = msg.get("op")
@@ -215,6 +217,12 @@ class MainProcess:
             if req.get("verdict") is not None:
                 self.worker.run.checks.fail(f"{self.proc.name}: a second verdict {op} for {req['id']}")
             req["verdict"] = op
+            if msg.get("carry") is not None:
+                # The grant travels with the task (worker_queue._hand_over); the nodes it
+                # names are read from the agent, for the checks (the pool does not need them).
+                wait = self.worker.agent.requests.waits.get(req["id"])
+                req["carry"] = msg["carry"]
+                req["nodes"] = dict((wait.verdict or {}).get("nodes") or {}) if wait is not None else {}
             self.next_up.pop(req["id"], None)
             self._dispatch(req, first=op == "granted" and bool(msg.get("queued")))
         elif op == "next":
@@ -284,7 +292,9 @@ class MainProcess:
             if pool.free():
                 req = self.requests[self.backlog.popleft()]
                 if not req["done"]:
-                    pool.start(req)
+                    pool.dispatch(req)
+                    if self.die_after_carry and req.get("carry") is not None:
+                        return self.worker.run.kill_main(self.worker)
 
     def finished(self, req: dict) -> None:
         req["done"] = True
@@ -314,7 +324,7 @@ class PoolProcess:
         self.peer = worker.connect(self, f"pool{index}.{generation}")
         worker.agent.peers.add(self.peer)
         self.req: dict | None = None
-        self.phase = "idle"  # idle/claiming/pending/confirming/holding/releasing/inprocess
+        self.phase = "idle"  # idle/dispatched/claiming/pending/confirming/holding/releasing/inprocess
         self.held = False  # what the agent last said
         self.lost = False
         self.tokens: dict = {}
@@ -343,16 +353,38 @@ class PoolProcess:
         return None
 
     # ---------------------------------------------------------------- a request
+    def dispatch(self, req: dict) -> None:
+        """The main process hands it over: it reaches this process through the pool's pipe,
+        after the process wakes (prefork's dispatch took 2-9 ms on a busy 2-core machine)."""
+        self.req = req
+        self.phase = "dispatched"
+        delay = self.rng.uniform(0.0002, 0.01)
+        self.world.at(self.world.now + delay, f"{self.proc.name}.dispatch", self.start, req, proc=self.proc)
+
     def start(self, req: dict) -> None:
+        if self.req is not req or self.phase != "dispatched":
+            return
         self.req = req
         self.phase = "claiming"
         self.held = self.lost = False
         self.claim_no += 1
+        carry = req.pop("carry", None)  # taken off the request, as agent_lock.carried_grant does
+        if carry is not None and starts_on_carried(self._send, req["id"], carry):
+            self.world.log(f"{self.proc.name}: starts {req['id']} on its carried grant")
+            self.tokens, self.nodes = dict(carry.get("tokens") or {}), req.get("nodes") or {}
+            self.held = True
+            self.grace = float(carry["session_timeout"]) / 3.0
+            self.worker.run.checks.carried_start(self, self.nodes, self.tokens)
+            return self._confirmed()
         self.world.log(f"{self.proc.name}: claims {req['id']}")
         self.to_agent.send({"op": "claim", "id": req["id"]})
         no = self.claim_no
         self.world.at(self.world.now + CLAIM_TIMEOUT, f"{self.proc.name}.claim-timeout", self._claim_timeout, no,
                       proc=self.proc)
+
+    def _send(self, msg: dict) -> bool:
+        self.to_agent.send(msg)
+        return True
 
     def _claim_timeout(self, no: int) -> None:
         if no != self.claim_no or self.phase not in ("claiming", "pending"):

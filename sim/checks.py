@@ -52,7 +52,7 @@ class Checks:
         self.last_token: dict[str, int] = {}
         self.streaks: dict[str, list] = {}  # path -> [(owner, czxid), count, first counted, first grant]
         self.beliefs: dict = {}  # (process, token) -> when that belief began
-        self.stats = {"grants": 0, "handoffs": 0, "leased": 0, "peer_grants": 0}
+        self.stats = {"grants": 0, "handoffs": 0, "leased": 0, "peer_grants": 0, "carried": 0}
 
     def fail(self, message: str) -> None:
         raise Violation(message)
@@ -156,6 +156,22 @@ class Checks:
         self._token(path, slot.node_path, token, f"{worker.name}:{wait.id}")
         self._streak(path, worker.name, slot.node_path, slot.attempt.session, worker.settings)
 
+    def carried_start(self, pool, nodes: dict, tokens: dict) -> None:
+        """A pool process starts on the grant its task carried, without the claim's answer:
+        only on nodes that are still there, or that an operator deleted (that holder is then
+        told, as any holder whose node is deleted is): never on a node its session's end, or
+        its own agent, has removed since the grant."""
+        self.stats["carried"] += 1
+        for path, node_path in nodes.items():
+            token = tokens.get(path)
+            if self._alive(node_path, token) is not None:
+                continue
+            gone = self.server.gone.get((node_path, (token or 0) >> STREAK_BITS))
+            why = gone[1] if gone is not None else "never there"
+            if why != "operator":
+                self.fail(f"{pool.proc.name} starts {pool.req['id']} on its carried grant of {path} "
+                          f"through {node_path}, a node that is gone ({why})")
+
     def granted_peer(self, name: str, path: str, attempt, client) -> None:
         self.stats["peer_grants"] += 1
         self._token(path, f"{path}/{attempt.node}", attempt.token, name)
@@ -231,7 +247,7 @@ class Checks:
         problems = []
         for worker in self.run.workers:
             main = worker.main
-            for req in main.requests.values():
+            for req in main.requests.values() if main.alive else ():  # a killed one's requests died with it
                 if not req["done"]:
                     problems.append(f"{req['id']} on {req['path']} never finished (verdict {req.get('verdict')}, "
                                     f"dispatched {req['dispatched']})")
@@ -241,6 +257,14 @@ class Checks:
             if problems:
                 break
             agent = worker.agent
+            if worker.stopped_at is not None:
+                # Stopped (its main process was killed): its session closed, and what it kept in
+                # memory went with the process; only the server's side is left to judge.
+                session = worker.client._session_id
+                left = [p for p, n in self.server.nodes.items() if n.owner == session and session is not None]
+                if left:
+                    problems.append(f"{worker.name}: its agent stopped, its nodes are left on the server: {left[:3]}")
+                continue
             if agent.requests.waits:
                 problems.append(f"{worker.name}: the agent still has requests {sorted(agent.requests.waits)[:5]}")
             if agent.claims.claimed:

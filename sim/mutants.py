@@ -96,7 +96,7 @@ MUTANTS = [
            ""),
     Mutant("lease-too-long", "12. a lease that outlives the session (FRESH_MAX past the session timeout)",
            "worker/cohort_rules.py",
-           "    return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)\n",
+           "    return 0.0 <= now - confirmed < lease_window(session_timeout)\n",
            "    return 0.0 <= now - confirmed < 60.0\n"),
     Mutant("no-streak-bound", "13. local handoffs that ignore a foreign contender (no fairness bound)",
            "worker/cohort_rules.py",
@@ -105,8 +105,10 @@ MUTANTS = [
     Mutant("orphan-agent", "14. an agent that exits only once ZooKeeper answers: cut off when its worker "
            "goes, it stays behind",
            "worker/agent.py",
-           "        if self.main_seen and self.main is None and not self.claims.claimed:\n            self.stopped.set()",
-           "        if self.main_seen and self.main is None and not self.claims.claimed and self.client.connected:\n"
+           "        if self.main_seen and self.main is None and not self.claims.claimed and not self.kept:\n"
+           "            self.stopped.set()",
+           "        if self.main_seen and self.main is None and not self.claims.claimed and not self.kept \\\n"
+           "                and self.client.connected:\n"
            "            self.stopped.set()"),
     # The bugs the simulator itself found (docs/simulation.md, "What it found"):
     Mutant("lost-node-kept", "15. a handoff whose write succeeds after its node was marked lost keeps the node "
@@ -134,6 +136,18 @@ MUTANTS = [
            "worker/agent_claims.py",
            "                hold.slot.attempt.hold.running()  # its node is watched from now on\n",
            "                pass\n"),
+    Mutant("carry-stale", "20. a pool process starts on the grant its task carried however old it is "
+           "(issue 39's carried grant without its lease window)",
+           "worker/agent_lock.py",
+           "    if not fresh(proof, lease_clock(), session):\n        return False\n"
+           "    if not send({\"op\": \"claim\", \"id\": request_id, \"carried\": True}):\n        return False\n"
+           "    return fresh(proof, lease_clock(), session)\n",
+           "    return send({\"op\": \"claim\", \"id\": request_id, \"carried\": True})\n"),
+    Mutant("carry-abandoned", "21. the agent lets go of a carried grant nobody has claimed yet as soon as the "
+           "main process is gone (its pool process may be starting on it)",
+           "worker/agent.py",
+           "                left = self.requests.carried(wait)\n",
+           "                left = 0.0\n"),
 ]
 
 

@@ -55,6 +55,17 @@ SCENARIOS = {
     # read that failed as contended, or it runs unbounded.
     "read-dropped": {"workers": 2, "pools": 3, "keys": 1, "rate": 60.0, "peers": 1, "session": 3.0,
                      "plan": [("drop-read", 0.4 + 0.45 * i, 0.0) for i in range(12)]},
+    # Two workers on one hot key; twice a run, one worker's main process stops while its
+    # agent is cut off past the session: the grants its agent made on the lease meanwhile
+    # carry a proof that has aged by the time they reach a pool process, whose node the
+    # session's end has taken (a pool process must wait for its claim's answer then).
+    # Two workers on one hot key; one worker's main process is killed mid-load: a grant it
+    # handed to a pool process with the task just before may still be started on there, so
+    # its agent must keep it for that process's claim (then stop once nothing is held).
+    "main-killed": {"workers": 2, "pools": 2, "keys": 1, "rate": 60.0, "peers": 0, "session": 3.0,
+                    "plan": [("main-killed", 2.0, 0.0)]},
+    "main-paused-cut-off": {"workers": 2, "pools": 2, "keys": 1, "rate": 60.0, "peers": 0, "session": 1.0,
+                            "plan": [("main-paused-cut-off", 1.0, 1.5), ("main-paused-cut-off", 3.5, 1.5)]},
 }
 
 #: Virtual seconds of load, then of settling (faults healed) before the end checks.
@@ -234,6 +245,20 @@ class Run:
         elif kind == "drop-read":
             world.log(f"fault: {worker.client.name}'s connection to drop at its next read of a key's queue")
             worker.client.drop_on_send = (("children", True),)  # a read that sets a child watch
+        elif kind == "main-paused-cut-off":
+            # The worker's main process stopped while its agent is cut off from ZooKeeper past
+            # the session: a grant the agent made on its lease just before reaches a pool
+            # process only when the main process thaws, its proof long aged.
+            world.log(f"fault: {worker.main.proc.name} stopped for {length + 0.5:.2f} s, "
+                      f"{worker.client.name} cut off for {length:.2f} s")
+            worker.main.proc.pause(length + 0.5)
+            worker.client.partition()
+            world.at(world.now + length, "faults", worker.client.heal)
+        elif kind == "main-killed":
+            # The worker's main process killed (SIGKILL) right after it hands a pool process a
+            # task with its grant, the pool processes living on: the task still reaches it.
+            world.log(f"fault: {worker.main.proc.name} to be killed after its next carried handover")
+            worker.main.die_after_carry = True
         elif kind == "suspend":
             world.log(f"fault: host {worker.host.name} suspended for {length:.2f} s")
             worker.host.suspend(length)
@@ -258,6 +283,13 @@ class Run:
             r = (r - 0.7) / 0.3 if anyone else r / 0.7
             if held:
                 self.server.force_delete(held[int(r * len(held))])
+
+    def kill_main(self, worker) -> None:
+        if worker.main.alive:
+            self.world.log(f"fault: {worker.main.proc.name} killed")
+            worker.main.alive = False
+            worker.main.proc.alive = False
+            worker.gone(worker.main)
 
     def _no_errors(self) -> None:
         if ERRORS.records:
@@ -293,9 +325,10 @@ class Run:
         world.run_until(world.now + 30.0, stop=lambda: all(not w.client.connected for w in cut))
         for worker in self.workers:
             worker.exiting_pools = True
-            worker.main.alive = False
-            worker.main.proc.alive = False
-            worker.gone(worker.main)
+            if worker.main.alive:
+                worker.main.alive = False
+                worker.main.proc.alive = False
+                worker.gone(worker.main)
             for pool in worker.pools:
                 pool.exit()
         world.run_until(world.now + 3.0)
@@ -305,7 +338,9 @@ class Run:
 
     def _quiet(self) -> bool:
         for worker in self.workers:
-            if any(not r["done"] for r in worker.main.requests.values()):
+            if worker.main.alive and any(not r["done"] for r in worker.main.requests.values()):
+                return False
+            if any(p.proc.alive and p.phase != "idle" for p in worker.pools):
                 return False
             if worker.agent.requests.waits or worker.agent.requests.cohorts:
                 return False

@@ -103,6 +103,7 @@ class Agent:
         self.peers: set[Connection] = set()
         self.main: Connection | None = None
         self.main_seen = False
+        self.kept: set = set()  # carried grants the main process left behind, kept for their claims
         self.stopped = threading.Event()
         self.parent = os.getppid()
         self.guards = GuardJobs(self)
@@ -191,7 +192,7 @@ class Agent:
         """Ping everyone while the event thread makes progress (busy is fine, stuck is not),
         and let it push lock states to claimers and retry stalled keys."""
         while not self.stopped.wait(HEARTBEAT):
-            if os.getppid() != self.parent and self.main is None and not self.claims.claimed:
+            if os.getppid() != self.parent and self.main is None and not self.claims.claimed and not self.kept:
                 self.stopped.set()  # the worker died, and no process of it holds a lock
                 return
             if self.events.qsize() and clock.monotonic() - self.progress > STUCK_AFTER:
@@ -222,7 +223,7 @@ class Agent:
             for request_id in msg.get("ids") or ():
                 self.requests.cancel(request_id, Cancel.FINISHED)
         elif op == "claim":
-            self.claims.claim(peer, msg["id"])
+            self.claims.claim(peer, msg["id"], bool(msg.get("carried")))
         elif op == "unclaim":
             self.claims.unclaim(peer, msg["id"])
         elif op == "release":
@@ -243,8 +244,25 @@ class Agent:
                 self.requests.abandon(wait)
                 logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
             elif wait.owner is peer and wait.claimer is None:
-                self.requests.abandon(wait)
-        if self.main_seen and self.main is None and not self.claims.claimed:
+                left = self.requests.carried(wait)
+                if left > 0:
+                    # Its grant went to the pool with the task: a pool process may have
+                    # started on it and claimed it, the claim still on its way here.
+                    self.kept.add(wait)
+                    self.monitor.timers.call_at(clock.monotonic() + left, self.post, self._carry_ended, wait)
+                else:
+                    self.requests.abandon(wait)
+        self._stop_if_orphaned()
+
+    def _carry_ended(self, wait) -> None:
+        """A carried grant the main process left behind: claimed by now, or let go."""
+        self.kept.discard(wait)
+        if not wait.done and wait.claimer is None:
+            self.requests.abandon(wait)
+        self._stop_if_orphaned()
+
+    def _stop_if_orphaned(self) -> None:
+        if self.main_seen and self.main is None and not self.claims.claimed and not self.kept:
             self.stopped.set()
 
 

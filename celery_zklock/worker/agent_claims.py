@@ -34,13 +34,21 @@ class Claims:
     def discard(self, wait: Wait) -> None:
         self.claimed.discard(wait)
 
-    def claim(self, peer: Connection, request_id: str) -> None:
+    def claim(self, peer: Connection, request_id: str, carried: bool = False) -> None:
         """Hand a decided request, or one next in line, to the pool process that runs it.
 
         A next-in-line claimer is told ``pending`` and gets the verdict the moment it is
         decided.  Other undecided requests are not claimable: the claimer would run
-        in-process and could queue behind our own node."""
+        in-process and could queue behind our own node.  A ``carried`` claim started on
+        the grant its task brought along: it is told nothing unless the lock is no longer
+        what that grant said (held), or was never this agent's to give."""
         wait = self.requests.waits.get(request_id)
+        if carried:
+            return self._carried(peer, request_id, wait)
+        if wait is not None and wait.claimer is peer and wait.verdict is not None and not wait.done:
+            # It claimed with the carried grant, which had aged by the time it was sent:
+            # it waits for the verdict after all.
+            return self.send_verdict(wait)
         if (wait is None or wait.done or wait.claimer is not None
                 or (wait.verdict is None and not wait.next_sent)):
             peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.UNKNOWN})
@@ -53,6 +61,21 @@ class Claims:
         self.send_verdict(wait)
         if wait.verdict["verdict"] is not Verdict.GRANTED:
             self.requests.forget(wait)
+
+    def _carried(self, peer: Connection, request_id: str, wait: Wait | None) -> None:
+        granted = wait is not None and wait.verdict is not None and wait.verdict["verdict"] is Verdict.GRANTED
+        if not granted or wait.done or wait.claimer is not None:
+            # A pool process runs on a grant this agent does not hold for it (it was let
+            # go meanwhile, or granted by an agent that has since been replaced).
+            peer.send({"op": "state", "id": request_id, "held": False, "lost": True,
+                       "reason": "the worker's lock agent no longer holds the lock granted to this task"})
+            return
+        wait.claimer = peer
+        self.claimed.add(wait)
+        for hold in wait.holds.values():
+            hold.slot.attempt.hold.running()  # its node is watched from now on
+        wait.shown_held = True  # what the carried grant told it
+        self.push_state(wait)
 
     def unclaim(self, peer: Connection, request_id: str) -> None:
         """The claimer stopped waiting for its claim's answer and locks in-process instead.

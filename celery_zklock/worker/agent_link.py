@@ -11,7 +11,7 @@ releases what that process held at once — no pid polling, no reaper process.
 Requests (``op``) and the agent's answers:
 
 * main -> agent ``wait`` {id, task, paths, max_holders, timeout, identity, early, watched}:
-  queue for the lock; answered later by ``granted`` {id, queued}, ``timeout`` or
+  queue for the lock; answered later by ``granted`` {id, queued, carry}, ``timeout`` or
   ``unavailable`` {id, error}, after ``queued`` {id, position} if it has to wait and
   ``watched`` (the main process reads it: events, LOCK_WAITING, metrics, or its prefetch
   window for a request it does not know waits).  With ``early``, also ``next`` {id, hold,
@@ -19,6 +19,10 @@ Requests (``op``) and the agent's answers:
   task, have been held on average, or null; ``ours``: the holder is a request of this
   worker's whose release passes the node on, rather than another contender's node in
   ZooKeeper);
+  A grant made on a young proof of every node (the lease) has ``carry`` {proof, session_timeout,
+  waited, tokens}: the main process puts it in the request it hands to the pool
+  (:data:`CARRIED`), and the pool process starts on it while the proof is younger than the
+  lease window, claiming with ``carried``;
 * main -> agent ``cancel`` {id, why, in_pool}: ``revoked`` or ``shutdown`` — stop waiting
   (a request the main process already handed to the pool as next in line, ``in_pool``,
   gets that verdict instead if still undecided, and the main process hears ``revoked``
@@ -34,6 +38,10 @@ Requests (``op``) and the agent's answers:
   verdict follows when decided; from then on the lock belongs to that connection.
   ``unknown`` (no such request, or one neither decided nor next in line) makes the pool
   process lock in-process;
+* pool -> agent ``claim`` {id, carried: true}: "I run this request on the grant it brought":
+  not answered while the lock is held as that grant said; otherwise ``state`` (suspended,
+  lost, or lost because this agent does not hold that grant).  A plain ``claim`` after it
+  (the grant aged before it was sent) is answered with the verdict;
 * pool -> agent ``unclaim`` {id}: the claim's answer did not come in time (a busy agent)
   and the pool process locks in-process instead: the agent lets go of that request's
   locks, however it was answered meanwhile (no answer);
@@ -55,6 +63,10 @@ import threading
 
 #: Environment variable that tells pool processes where their worker's agent listens.
 ENV = "CELERY_ZKLOCK_AGENT"
+
+#: The request field in which a grant travels with its task from the main process to the
+#: pool process (``granted``'s ``carry``, named after the message's delivery tag).
+CARRIED = "zklock_grant"
 
 #: Seconds between the agent's heartbeats.
 HEARTBEAT = 0.2

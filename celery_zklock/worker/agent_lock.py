@@ -16,7 +16,9 @@ import select
 import threading
 import time
 
-from .agent_link import ENV, ClaimAnswer, Connection
+from .agent_link import CARRIED, ENV, ClaimAnswer, Connection, Verdict
+from .cohort_rules import fresh
+from .lease_clock import lease_clock
 
 #: Seconds between the reader's drains of the link while no lock is held through it.
 IDLE_DRAIN = 1.0
@@ -225,9 +227,11 @@ class AgentLock:
     """The lock a pool process holds through the agent: what ``current_lock()`` wraps."""
 
     def __init__(self, link: AgentLink, request_id: str, tokens: dict[str, int],
-                 grace: float, release_bound: float, on_lost=None, state: dict | None = None) -> None:
+                 grace: float, release_bound: float, on_lost=None, state: dict | None = None,
+                 carried: bool = False) -> None:
         self.link = link
         self.id = request_id
+        self.carried = carried  # started on the grant its task carried, not on the claim's answer
         self.tokens = tokens
         self.grace = grace
         self.release_bound = release_bound
@@ -306,8 +310,42 @@ def silence_grace(requested: float, verdict: dict) -> float:
     return session / 3.0
 
 
-def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
+def carried_grant(request) -> dict | None:
+    """The grant this request brought from the main process, taken off the request.
+
+    Why in ``delivery_info`` (:data:`~celery_zklock.worker.agent_link.CARRIED`): the worker
+    builds it anew for each delivery of a message, and a copy of the request's headers (a
+    retry, a replacement) does not carry it into the next one.  Why taken off, before the
+    body runs: a retry made from this request passes ``delivery_info`` on as publish options."""
+    info = getattr(request, "delivery_info", None)
+    carry = info.pop(CARRIED, None) if isinstance(info, dict) else None
+    return carry if isinstance(carry, dict) else None
+
+
+def starts_on_carried(send, request_id: str, carry: dict) -> bool:
+    """Claim on the carried grant (``send`` the claim to the agent) and start without waiting
+    for an answer, if its proof is still younger than the lease window, read *after* the
+    claim was sent: the agent keeps an unclaimed carried grant that long (plus a grace), so
+    the claim reaches it first.  False: the claim's answer is waited for (the simulator's
+    pool processes call this too)."""
+    try:
+        proof, session = float(carry["proof"]), float(carry["session_timeout"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if not fresh(proof, lease_clock(), session):
+        return False
+    if not send({"op": "claim", "id": request_id, "carried": True}):
+        return False
+    return fresh(proof, lease_clock(), session)
+
+
+def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple[AgentLink, dict] | None:
     """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
+
+    With a ``carried`` grant (:func:`carried_grant`) still young, that grant is the verdict:
+    the claim is sent, not waited for (the agent pushes a state only if the lock is no
+    longer held as the grant said).  Why: on a hot key the claim's round trip through a
+    busy agent is in the gap between one holder's end and the next one's start (issue 39).
 
     A request handed over while next in line is ``pending``: wait here for its verdict
     (the release ahead of it, its deadline, or its revocation); the agent's heartbeat
@@ -317,6 +355,10 @@ def claim(request_id: str, timeout: float) -> tuple[AgentLink, dict] | None:
     current = link()
     if current is None:
         return None
+    if carried is not None and starts_on_carried(current.conn.send, request_id, carried):
+        return current, {"verdict": Verdict.GRANTED.value, "carried": True, "waited": carried.get("waited"),
+                         "tokens": carried.get("tokens") or {}, "session_timeout": carried["session_timeout"],
+                         "held": True, "lost": False, "reason": None}
     reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout,
                          until=lambda r: r.get("verdict") != ClaimAnswer.PENDING)
     if reply is None and current.alive:

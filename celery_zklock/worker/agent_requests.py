@@ -12,13 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from ..engine import clock, guards
+from ..engine import clock, guards, kazoo_compat
 from ..engine.contenders import holders_async
 from .agent_link import HANDOFF_MAX_WAIT, Cancel, Connection, Verdict
 from .cohort import Cohort
+from .cohort_rules import fresh, lease_window
+from .lease_clock import lease_clock
 
 #: How long a timeout's verdict waits for the report of who holds the key (s).
 HOLDERS_WITHIN = 0.5
+#: How long (s) past its lease window a grant carried to the pool is kept for its claim when
+#: the main process leaves first: the claim was sent inside the window, and may still be on
+#: its way through this agent's event loop.
+CARRY_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class Wait:
     watched: bool = True  # the main process reads "queued" (events, LOCK_WAITING, metrics)
     timer: list | None = None
     granted_at: float | None = None
+    carry_until: float | None = None  # lease clock: a pool process may start on its carried grant until then
     started: float = field(default_factory=clock.monotonic)
     done: bool = False  # released or cancelled
 
@@ -248,14 +255,48 @@ class Requests:
             answer["queued"] = True
         if verdict["verdict"] is Verdict.UNAVAILABLE:
             answer["error"] = verdict["error"]
+        claimer = wait.claimer
+        if claimer is None and verdict["verdict"] is Verdict.GRANTED:
+            carry = self._carry(wait)
+            if carry is not None:
+                answer["carry"] = carry
         # The claimer first: a request next in line has a pool process waiting for this
         # verdict, and the main process only records it.
-        claimer = wait.claimer
         if claimer is not None:
             self.claims.send_verdict(wait)
         wait.owner.send(answer)
         if claimer is not None and verdict["verdict"] is not Verdict.GRANTED:
             self.forget(wait)
+
+    def _carry(self, wait: Wait) -> dict | None:
+        """The grant, for the main process to hand to the pool with the task, when every path
+        was granted on a young proof (the lease): the pool process may start on it without
+        waiting for its claim's answer while that proof stays younger than the lease window
+        (:func:`~celery_zklock.worker.cohort_rules.lease_window`).  Why safe: the same
+        argument as the lease, the session outlives the proof by its timeout; the claim
+        still moves the lock to the pool's connection, and a state unlike "held" is pushed
+        to it then.  None when a path has no young proof: the claim's answer is waited for."""
+        session = kazoo_compat.session_timeout(self.client)
+        proofs = []
+        for hold in wait.holds.values():
+            confirmed = hold.slot.confirmed
+            if not hold.slot.held or not fresh(confirmed, hold.cohort.clock(), session):
+                return None
+            proofs.append(confirmed)
+        if not proofs:
+            return None
+        proof = min(proofs)
+        wait.carry_until = proof + lease_window(session)
+        verdict = wait.verdict
+        return {"proof": proof, "session_timeout": session, "waited": verdict["waited"], "tokens": verdict["tokens"]}
+
+    def carried(self, wait: Wait) -> float:
+        """Seconds (monotonic) until a grant carried to the pool can no longer be started on
+        and claimed, with :data:`CARRY_GRACE` for the claim to be read; 0 when none was."""
+        if wait.carry_until is None or wait.claimer is not None:
+            return 0.0
+        left = wait.carry_until - lease_clock() + CARRY_GRACE
+        return max(0.0, left)
 
     def _guard_started(self, wait: Wait, verdict: dict, error: BaseException | None) -> None:
         """A grant whose guard could not be ended (or moved) is not told as granted: its locks

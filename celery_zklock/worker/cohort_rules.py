@@ -34,7 +34,16 @@ def fresh(confirmed: float | None, now: float, session_timeout: float) -> bool:
     not the one asked for: a server's ``maxSessionTimeout`` may have granted less."""
     if confirmed is None:
         return False
-    return 0.0 <= now - confirmed < min(FRESH_MAX, session_timeout / 10)
+    return 0.0 <= now - confirmed < lease_window(session_timeout)
+
+
+def lease_window(session_timeout: float) -> float:
+    """How long (s) after its send a successful write proves the node ours: :data:`FRESH_MAX`,
+    or a tenth of the negotiated session timeout when that is shorter (see :func:`fresh`).
+    The pool process reads the same window for a grant that travels with its task
+    (:func:`celery_zklock.worker.agent_lock.claim`), and the agent keeps such a grant for it
+    at least this long."""
+    return min(FRESH_MAX, session_timeout / 10)
 
 
 #: A handoff on a young proof writes only when that proof is at least this old (s) and no

@@ -27,7 +27,7 @@ from ..engine.identity import Identity
 from ..options import is_locked_task
 from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
-from .agent_link import HEARTBEAT, Cancel, LineReader
+from .agent_link import CARRIED, HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
 from .pool_handoff import hand_over_early, handoff_slots, pool_idle, pool_size, run_next
@@ -146,12 +146,17 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                 if self.on_path[path] <= 0:
                     del self.on_path[path]
 
-    def _hand_over(self, request_id: str, first: bool = False) -> None:
+    def _hand_over(self, request_id: str, first: bool = False, carry: dict | None = None) -> None:
         self.next_up.pop(request_id, None)
         req = self.aside.pop(request_id, None)
         if req is None:
             return
         self._not_waiting(request_id, req)
+        if carry is not None and isinstance(req.delivery_info, dict):
+            # The grant travels with the task (agent_lock.claim), in the delivery's own fields:
+            # the worker builds them anew for every delivery, and they are not headers, which
+            # a retry publishes again.
+            req.delivery_info[CARRIED] = carry
         self.inner(req)
         if first:
             run_next(self.c, req)

@@ -46,10 +46,11 @@ if os.environ.get("TEST_POOL_START_METHOD"):
 _r = redis.Redis.from_url(REDIS_URL)
 
 
-def _record(kind: str, key, tag, start: float, end: float, token=None) -> None:
+def _record(kind: str, key, tag, start: float, end: float, token=None, carried=None) -> None:
     _r.rpush(
         "history",
-        json.dumps({"kind": kind, "key": key, "tag": tag, "start": start, "end": end, "pid": os.getpid(), "token": token}),
+        json.dumps({"kind": kind, "key": key, "tag": tag, "start": start, "end": end, "pid": os.getpid(), "token": token,
+                    "carried": carried}),
     )
 
 
@@ -63,7 +64,7 @@ def _hold(key, ms, tag):
     start = time.time()
     _r.rpush("arrivals", json.dumps({"tag": tag, "start": start}))
     time.sleep(ms / 1000)
-    _record("hold", key, tag, start, time.time(), lk.token)
+    _record("hold", key, tag, start, time.time(), lk.token, getattr(lk._lock, "carried", None))
     return lk.token
 
 

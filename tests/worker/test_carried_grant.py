@@ -1,0 +1,205 @@
+"""The grant that travels with its task (issue 39): a pool process starts on it without
+waiting for its claim's answer, only while its proof is younger than the lease window.
+
+Why these tests: the carried grant skips the claim-time state check for the starts the
+lease covers, so each rule that keeps that safe is pinned here: the window read after the
+claim is sent (a table, as ``cohort_rules``' are), the grant taken off the request before
+the body runs, the agent's silence for a grant held as it said and its ``state`` for one it
+does not hold, a plain claim after an aged one, and an agent that keeps an unclaimed carried
+grant for its claim when the main process is gone.  Agent-level tests run a real agent on a
+real ZooKeeper (as ``test_late_claim`` does); the last one runs real workers.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+import uuid
+
+import pytest
+from celery.app.task import Context
+
+from celery_zklock.worker import agent_lock
+from celery_zklock.worker.agent_link import CARRIED, Connection
+from celery_zklock.worker.agent_requests import CARRY_GRACE
+from celery_zklock.worker.cohort_rules import lease_window
+from support.workers import Worker
+from tests.lockutil import overlapping
+from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
+from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (the agent fixture)
+
+# ---------------------------------------------------------------------------- the rule
+WINDOW = lease_window(10.0)  # 0.2 s: FRESH_MAX, a tenth of a 10 s session being longer
+
+# (proof's age when read before the send, when read after it, the send went out) -> starts?
+STARTS = [
+    (0.0, 0.001, True, True),
+    (WINDOW / 2, WINDOW / 2 + 0.01, True, True),
+    (WINDOW - 0.01, WINDOW + 0.01, True, False),  # aged while it sent: waits for the answer
+    (WINDOW + 0.01, WINDOW + 0.02, True, False),  # aged already: no carried claim at all
+    (0.0, 0.001, False, False),  # the link is gone: no start on a grant nobody will hear of
+    (-0.5, -0.5, True, False),  # a proof from the future (another clock): never trusted
+]
+
+
+@pytest.mark.parametrize("before, after, sent_ok, starts", STARTS)
+def test_a_carried_grant_is_started_on_only_inside_the_lease_window(monkeypatch, before, after, sent_ok, starts):
+    now = [1000.0 + before]
+    sent = []
+
+    def send(msg):
+        sent.append(msg)
+        now[0] = 1000.0 + after
+        return sent_ok
+
+    monkeypatch.setattr(agent_lock, "lease_clock", lambda: now[0])
+    carry = {"proof": 1000.0, "session_timeout": 10.0, "tokens": {"/k": 7}, "waited": 0.0}
+    assert agent_lock.starts_on_carried(send, "r1", carry) is starts
+    assert sent == ([] if before >= WINDOW or before < 0 else [{"op": "claim", "id": "r1", "carried": True}])
+
+
+@pytest.mark.parametrize("carry", [{}, {"proof": "soon", "session_timeout": 10.0}, {"proof": 1.0}])
+def test_a_malformed_carried_grant_is_not_started_on(carry):
+    assert agent_lock.starts_on_carried(lambda msg: True, "r1", carry) is False
+
+
+def test_the_carried_grant_is_taken_off_the_request_before_the_body_runs():
+    """Celery passes ``delivery_info`` on as a retry's publish options: once read, it is gone."""
+    grant = {"proof": 1.0, "session_timeout": 4.0, "tokens": {}, "waited": 0.0}
+    request = Context({"id": "t1", "delivery_info": {"routing_key": "celery", CARRIED: grant}})
+    assert agent_lock.carried_grant(request) == grant
+    assert CARRIED not in request.delivery_info and request.delivery_info == {"routing_key": "celery"}
+    assert agent_lock.carried_grant(request) is None
+    assert agent_lock.carried_grant(Context({"id": "t2"})) is None  # no delivery_info (called directly)
+
+
+# ---------------------------------------------------------------------------- the agent
+def _main(agent) -> Connection:
+    main = Connection.open(agent.path)
+    main.send({"op": "hello", "role": "main"})
+    return main
+
+
+def _carried_grant(agent, main: Connection, zk_client) -> tuple[str, dict, str]:
+    """Queue requests on one key and release each as soon as it is granted until a grant
+    comes with a carry (a local handoff on a young lease): (its id, the carry, the key)."""
+    key = f"/carried/{uuid.uuid4().hex[:8]}"
+    zk_client.ensure_path("/carried")
+    pool = Connection.open(agent.path)
+    ids = [f"r{i}" for i in range(12)]
+    for rid in ids:
+        main.send({"op": "wait", "id": rid, "paths": [key], "timeout": None, "identity": rid})
+    for rid in ids:
+        granted = _answer(main, "granted", rid)
+        if granted.get("carry") is not None:
+            pool.close()
+            return rid, granted["carry"], key
+        pool.send({"op": "claim", "id": rid})
+        assert _answer(pool, "claimed", rid)["verdict"] == "granted"
+        pool.send({"op": "release", "id": rid})
+        assert _answer(pool, "released", rid)["proven"] is True
+    raise AssertionError("no grant of 12 local handoffs came with a carry")
+
+
+def _silent_for(conn: Connection, seconds: float, request_id: str) -> list[dict]:
+    """What ``conn`` hears about ``request_id`` within ``seconds`` (pings aside)."""
+    heard = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([conn.sock], [], [], left)[0]:
+            messages = conn.receive()
+            assert messages is not None, "the agent went away"
+            heard += [m for m in messages if m.get("id") == request_id]
+    return heard
+
+
+def test_a_carried_claim_of_a_grant_held_as_it_said_is_not_answered(agent, zk_client):  # noqa: F811
+    main = _main(agent)
+    rid, carry, key = _carried_grant(agent, main, zk_client)
+    assert set(carry) == {"proof", "session_timeout", "waited", "tokens"} and carry["tokens"][key] > 0
+    pool = Connection.open(agent.path)
+    pool.send({"op": "claim", "id": rid, "carried": True})
+    assert _silent_for(pool, 0.5, rid) == []  # no "claimed": the round trip it saves
+    assert any(w.id == rid for w in agent.claims.claimed)  # yet the lock is the pool's now
+    pool.send({"op": "release", "id": rid})
+    assert _answer(pool, "released", rid)["proven"] is True
+    pool.close()
+    main.close()
+
+
+def test_a_carried_claim_the_agent_does_not_hold_is_told_lost(agent, zk_client):  # noqa: F811
+    pool = Connection.open(agent.path)
+    pool.send({"op": "claim", "id": "never-granted-here", "carried": True})
+    state = _answer(pool, "state", "never-granted-here")
+    assert state["held"] is False and state["lost"] is True and "no longer holds" in state["reason"]
+    pool.close()
+
+
+def test_a_plain_claim_after_an_aged_carried_one_is_answered_with_the_verdict(agent, zk_client):  # noqa: F811
+    main = _main(agent)
+    rid, carry, key = _carried_grant(agent, main, zk_client)
+    pool = Connection.open(agent.path)
+    pool.send({"op": "claim", "id": rid, "carried": True})
+    pool.send({"op": "claim", "id": rid})  # the window closed between its two reads
+    answer = _answer(pool, "claimed", rid)
+    assert answer["verdict"] == "granted" and answer["held"] is True and answer["tokens"] == carry["tokens"]
+    pool.send({"op": "release", "id": rid})
+    assert _answer(pool, "released", rid)["proven"] is True
+    pool.close()
+    main.close()
+
+
+def test_an_unclaimed_carried_grant_outlives_its_main_process_until_its_window_ends(agent, zk_client):  # noqa: F811
+    """The main process may die right after handing the task to a pool process, which may
+    then start on the grant: its node stays for the window and CARRY_GRACE, then goes, and
+    the agent, with nothing left, stops."""
+    main = _main(agent)
+    rid, carry, key = _carried_grant(agent, main, zk_client)
+    node = [c for c in zk_client.get_children(key)]
+    assert len(node) == 1
+    main.close()
+    time.sleep(min(0.5, CARRY_GRACE / 2))
+    assert zk_client.get_children(key) == node, "the carried grant was let go while its pool process could start on it"
+    assert not agent.stopped.is_set()
+    deadline = time.monotonic() + WINDOW + CARRY_GRACE + 5
+    while zk_client.get_children(key):
+        assert time.monotonic() < deadline, "the carried grant was never let go"
+        time.sleep(0.05)
+    assert agent.stopped.wait(5), "the agent did not stop once nothing was held"
+
+
+def test_a_carried_grant_claimed_after_its_main_process_left_holds_to_its_release(agent, zk_client):  # noqa: F811
+    main = _main(agent)
+    rid, carry, key = _carried_grant(agent, main, zk_client)
+    pool = Connection.open(agent.path)
+    main.close()
+    pool.send({"op": "claim", "id": rid, "carried": True})
+    time.sleep(CARRY_GRACE + WINDOW + 0.3)  # past the time an unclaimed one is let go
+    assert len(zk_client.get_children(key)) == 1 and not agent.stopped.is_set()
+    pool.send({"op": "release", "id": rid})
+    assert _answer(pool, "released", rid)["proven"] is True
+    pool.close()
+    assert agent.stopped.wait(5)
+
+
+# ---------------------------------------------------------------------------- real workers
+def test_a_hot_key_runs_on_carried_grants_in_real_workers(mod, env):  # noqa: F811
+    """Two workers x -c 3 with no handoff slots (every local handoff reaches a pool process
+    with its task, none waits there early), 120 tasks of 10 ms on one key: each ran once,
+    never two at once, tokens strictly increasing, and most started on a carried grant."""
+    ws = [Worker({**env, "TEST_ZK_HANDOFF_SLOTS": "0"}, f"carry{i}", concurrency=3).start(mod.app) for i in (1, 2)]
+    try:
+        key = f"carry-{uuid.uuid4().hex[:6]}"
+        results = [mod.hold.delay(key, 10, i) for i in range(120)]
+        for r in results:
+            r.get(timeout=120)
+        rows = [r for r in history(mod, "hold") if r["key"] == key]
+        assert sorted(r["tag"] for r in rows) == list(range(120))
+        assert overlapping([(r["start"], r["end"]) for r in rows]) is None
+        tokens = [r["token"] for r in sorted(rows, key=lambda r: r["start"])]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+        carried = sum(1 for r in rows if r["carried"])
+        assert carried >= len(rows) // 2, f"only {carried} of {len(rows)} started on a carried grant"
+    finally:
+        for w in ws:
+            w.stop()
