@@ -339,6 +339,19 @@ def starts_on_carried(send, request_id: str, carry: dict) -> bool:
     return fresh(proof, lease_clock(), session)
 
 
+def _heard_lately(current: AgentLink, carry: dict) -> bool:
+    """Has the agent been heard within the silence a lock held through it tolerates?  Why:
+    with no lock held the link is drained only now and then (:data:`IDLE_DRAIN`); a claim's
+    answer used to refresh it, and a lock started on a carried grant would otherwise begin
+    as "not held" after an idle spell, or on an agent that has in fact gone silent."""
+    current._drain()
+    try:
+        grace = float(carry["session_timeout"]) / 3.0
+    except (KeyError, TypeError, ValueError):
+        return False
+    return current.alive and current.silent_for() < grace
+
+
 def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple[AgentLink, dict] | None:
     """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
 
@@ -355,7 +368,7 @@ def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple
     current = link()
     if current is None:
         return None
-    if carried is not None and starts_on_carried(current.conn.send, request_id, carried):
+    if carried is not None and _heard_lately(current, carried) and starts_on_carried(current.conn.send, request_id, carried):
         return current, {"verdict": Verdict.GRANTED.value, "carried": True, "waited": carried.get("waited"),
                          "tokens": carried.get("tokens") or {}, "session_timeout": carried["session_timeout"],
                          "held": True, "lost": False, "reason": None}
