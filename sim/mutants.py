@@ -146,7 +146,7 @@ MUTANTS = [
     Mutant("carry-abandoned", "21. the agent lets go of a carried grant nobody has claimed yet as soon as the "
            "main process is gone (its pool process may be starting on it)",
            "worker/agent.py",
-           "                left = self.requests.carried(wait)\n",
+           "                left = self.requests.carry_left(wait)\n",
            "                left = 0.0\n"),
 ]
 

@@ -244,7 +244,7 @@ class Agent:
                 self.requests.abandon(wait)
                 logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
             elif wait.owner is peer and wait.claimer is None:
-                left = self.requests.carried(wait)
+                left = self.requests.carry_left(wait)
                 if left > 0:
                     # Its grant went to the pool with the task: a pool process may have
                     # started on it and claimed it, the claim still on its way here.

@@ -18,8 +18,7 @@ Requests (``op``) and the agent's answers:
   ours} when only holders are ahead of it (``hold``: how long locks on its path, or of its
   task, have been held on average, or null; ``ours``: the holder is a request of this
   worker's whose release passes the node on, rather than another contender's node in
-  ZooKeeper);
-  A grant made on a young proof of every node (the lease) has ``carry`` {proof, session_timeout,
+  ZooKeeper).  A grant made on a young proof of every node (the lease) has ``carry`` {proof, session_timeout,
   waited, tokens}: the main process puts it in the request it hands to the pool
   (:data:`CARRIED`), and the pool process starts on it while the proof is younger than the
   lease window, claiming with ``carried``;
@@ -64,8 +63,8 @@ import threading
 #: Environment variable that tells pool processes where their worker's agent listens.
 ENV = "CELERY_ZKLOCK_AGENT"
 
-#: The request field in which a grant travels with its task from the main process to the
-#: pool process (``granted``'s ``carry``, named after the message's delivery tag).
+#: The ``delivery_info`` field in which a grant travels with its task from the main process
+#: to the pool process (``granted``'s ``carry``).
 CARRIED = "zklock_grant"
 
 #: Seconds between the agent's heartbeats.

@@ -290,7 +290,7 @@ class Requests:
         verdict = wait.verdict
         return {"proof": proof, "session_timeout": session, "waited": verdict["waited"], "tokens": verdict["tokens"]}
 
-    def carried(self, wait: Wait) -> float:
+    def carry_left(self, wait: Wait) -> float:
         """Seconds (monotonic) until a grant carried to the pool can no longer be started on
         and claimed, with :data:`CARRY_GRACE` for the claim to be read; 0 when none was."""
         if wait.carry_until is None or wait.claimer is not None:
