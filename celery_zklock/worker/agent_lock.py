@@ -346,7 +346,7 @@ def _heard_lately(current: AgentLink, carry: dict) -> bool:
     as "not held" after an idle spell, or on an agent that has in fact gone silent."""
     current._drain()
     try:
-        grace = float(carry["session_timeout"]) / 3.0
+        grace = silence_grace(float(carry["session_timeout"]), carry)
     except (KeyError, TypeError, ValueError):
         return False
     return current.alive and current.silent_for() < grace
