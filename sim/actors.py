@@ -294,7 +294,15 @@ class MainProcess:
                 if not req["done"]:
                     pool.dispatch(req)
                     if self.die_after_carry and req.get("carry") is not None:
-                        return self.worker.run.kill_main(self.worker)
+                        self.world.log(f"fault: {self.proc.name} killed")
+                        return self.die()
+
+    def die(self) -> None:
+        """Gone (SIGKILL, or the worker's exit): its socket closes; the agent hears it."""
+        if self.alive:
+            self.alive = False
+            self.proc.alive = False
+            self.worker.gone(self)
 
     def finished(self, req: dict) -> None:
         req["done"] = True

@@ -256,27 +256,8 @@ class Checks:
                     problems.append(f"{pool.proc.name} still {pool.phase} ({pool.req and pool.req['id']})")
             if problems:
                 break
-            agent = worker.agent
-            if worker.stopped_at is not None:
-                # Stopped (its main process was killed): its session closed, and what it kept in
-                # memory went with the process; only the server's side is left to judge.
-                session = worker.client._session_id
-                left = [p for p, n in self.server.nodes.items() if n.owner == session and session is not None]
-                if left:
-                    problems.append(f"{worker.name}: its agent stopped, its nodes are left on the server: {left[:3]}")
-                continue
-            if agent.requests.waits:
-                problems.append(f"{worker.name}: the agent still has requests {sorted(agent.requests.waits)[:5]}")
-            if agent.claims.claimed:
-                problems.append(f"{worker.name}: the agent still has claimed requests")
-            if agent.requests.cohorts:
-                problems.append(f"{worker.name}: the agent still has cohorts {list(agent.requests.cohorts)[:5]}")
-            monitor = agent.monitor
-            if monitor._subscribers:
-                problems.append(f"{worker.name}: {len(monitor._subscribers)} attempts still subscribed")
-            live = [e for e in monitor.timers._heap if e[2][0]]
-            if live:
-                problems.append(f"{worker.name}: {len(live)} live timers left ({[getattr(e[3], '__name__', e[3]) for e in live[:3]]})")
+            if worker.stopped_at is None:  # a stopped agent (its main process was killed) kept
+                problems += self._agent_leaks(worker)  # nothing: only the server's side is judged
             session = worker.client._session_id
             left = [p for p, n in self.server.nodes.items() if n.owner == session and session is not None]
             if left:
@@ -287,6 +268,25 @@ class Checks:
                 problems.append(f"{worker.name}: watches of its session left on the server: {watches[:3]}")
         if problems:
             self.fail("at quiescence: " + "; ".join(problems[:4]))
+
+    @staticmethod
+    def _agent_leaks(worker) -> list[str]:
+        """What a running agent still keeps in memory once everything has drained."""
+        problems = []
+        agent = worker.agent
+        if agent.requests.waits:
+            problems.append(f"{worker.name}: the agent still has requests {sorted(agent.requests.waits)[:5]}")
+        if agent.claims.claimed:
+            problems.append(f"{worker.name}: the agent still has claimed requests")
+        if agent.requests.cohorts:
+            problems.append(f"{worker.name}: the agent still has cohorts {list(agent.requests.cohorts)[:5]}")
+        monitor = agent.monitor
+        if monitor._subscribers:
+            problems.append(f"{worker.name}: {len(monitor._subscribers)} attempts still subscribed")
+        live = [e for e in monitor.timers._heap if e[2][0]]
+        if live:
+            problems.append(f"{worker.name}: {len(live)} live timers left ({[getattr(e[3], '__name__', e[3]) for e in live[:3]]})")
+        return problems
 
     def orphans(self) -> None:
         for worker in self.run.workers:

@@ -134,8 +134,8 @@ MUTANTS = [
     Mutant("watch-never-run", "19. the agent never says a task runs under a hold: its node is never watched "
            "(issue 39's watch from the claim, left out)",
            "worker/agent_claims.py",
-           "                hold.slot.attempt.hold.running()  # its node is watched from now on\n",
-           "                pass\n"),
+           "            hold.slot.attempt.hold.running()  # its node is watched from now on\n",
+           "            pass\n"),
     Mutant("carry-stale", "20. a pool process starts on the grant its task carried however old it is "
            "(issue 39's carried grant without its lease window)",
            "worker/agent_lock.py",

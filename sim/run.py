@@ -55,15 +55,15 @@ SCENARIOS = {
     # read that failed as contended, or it runs unbounded.
     "read-dropped": {"workers": 2, "pools": 3, "keys": 1, "rate": 60.0, "peers": 1, "session": 3.0,
                      "plan": [("drop-read", 0.4 + 0.45 * i, 0.0) for i in range(12)]},
-    # Two workers on one hot key; twice a run, one worker's main process stops while its
-    # agent is cut off past the session: the grants its agent made on the lease meanwhile
-    # carry a proof that has aged by the time they reach a pool process, whose node the
-    # session's end has taken (a pool process must wait for its claim's answer then).
     # Two workers on one hot key; one worker's main process is killed mid-load: a grant it
     # handed to a pool process with the task just before may still be started on there, so
     # its agent must keep it for that process's claim (then stop once nothing is held).
     "main-killed": {"workers": 2, "pools": 2, "keys": 1, "rate": 60.0, "peers": 0, "session": 3.0,
                     "plan": [("main-killed", 2.0, 0.0)]},
+    # Two workers on one hot key; twice a run, one worker's main process stops while its
+    # agent is cut off past the session: the grants its agent made on the lease meanwhile
+    # carry a proof that has aged by the time they reach a pool process, whose node the
+    # session's end has taken (a pool process must wait for its claim's answer then).
     "main-paused-cut-off": {"workers": 2, "pools": 2, "keys": 1, "rate": 60.0, "peers": 0, "session": 1.0,
                             "plan": [("main-paused-cut-off", 1.0, 1.5), ("main-paused-cut-off", 3.5, 1.5)]},
 }
@@ -284,13 +284,6 @@ class Run:
             if held:
                 self.server.force_delete(held[int(r * len(held))])
 
-    def kill_main(self, worker) -> None:
-        if worker.main.alive:
-            self.world.log(f"fault: {worker.main.proc.name} killed")
-            worker.main.alive = False
-            worker.main.proc.alive = False
-            worker.gone(worker.main)
-
     def _no_errors(self) -> None:
         if ERRORS.records:
             record = ERRORS.records[0]
@@ -325,10 +318,7 @@ class Run:
         world.run_until(world.now + 30.0, stop=lambda: all(not w.client.connected for w in cut))
         for worker in self.workers:
             worker.exiting_pools = True
-            if worker.main.alive:
-                worker.main.alive = False
-                worker.main.proc.alive = False
-                worker.gone(worker.main)
+            worker.main.die()
             for pool in worker.pools:
                 pool.exit()
         world.run_until(world.now + 3.0)

@@ -72,8 +72,7 @@ class Claims:
             return
         wait.claimer = peer
         self.claimed.add(wait)
-        for hold in wait.holds.values():
-            hold.slot.attempt.hold.running()  # its node is watched from now on
+        self._runs(wait)
         wait.shown_held = True  # what the carried grant told it
         self.push_state(wait)
 
@@ -149,14 +148,20 @@ class Claims:
         wait.shown_held = state["held"]
         wait.claimer.send({"op": "state", "id": wait.id, **state})
 
+    @staticmethod
+    def _runs(wait: Wait) -> None:
+        """A body runs (or is about to) under the request's holds: claimed on its verdict, or
+        on the grant its task carried."""
+        for hold in wait.holds.values():
+            hold.slot.attempt.hold.running()  # its node is watched from now on
+
     def send_verdict(self, wait: Wait) -> None:
         """Tell the claimer its verdict; a grant carries the locks' state *now*: a request
         granted before ZooKeeper became unreachable may be claimed only later (no free pool
         process until then), and its body must not start on the old grant alone."""
         message = wait.verdict
         if message["verdict"] is Verdict.GRANTED:
-            for hold in wait.holds.values():
-                hold.slot.attempt.hold.running()  # its node is watched from now on
+            self._runs(wait)
             state = self._state(wait)
             wait.shown_held = state["held"]
             # The session the server granted, which may be shorter than the one asked for:

@@ -18,10 +18,10 @@ Requests (``op``) and the agent's answers:
   ours} when only holders are ahead of it (``hold``: how long locks on its path, or of its
   task, have been held on average, or null; ``ours``: the holder is a request of this
   worker's whose release passes the node on, rather than another contender's node in
-  ZooKeeper).  A grant made on a young proof of every node (the lease) has ``carry`` {proof, session_timeout,
-  waited, tokens}: the main process puts it in the request it hands to the pool
-  (:data:`CARRIED`), and the pool process starts on it while the proof is younger than the
-  lease window, claiming with ``carried``;
+  ZooKeeper).  A grant made on a young proof of every node (the lease) has ``carry``
+  {proof, session_timeout, waited, tokens}: the main process puts it in the request it hands
+  to the pool (:data:`CARRIED`), and the pool process starts on it while the proof is younger
+  than the lease window, claiming with ``carried``;
 * main -> agent ``cancel`` {id, why, in_pool}: ``revoked`` or ``shutdown`` — stop waiting
   (a request the main process already handed to the pool as next in line, ``in_pool``,
   gets that verdict instead if still undecided, and the main process hears ``revoked``
