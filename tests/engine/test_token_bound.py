@@ -17,6 +17,7 @@ from celery_zklock.engine import znodes
 from celery_zklock.engine.znodes import (
     MAX_GRANTS_PER_NODE, TOKEN_BOUND, TOKEN_WARN_AT, TokenRange, TokenOutOfRange, fencing_token, token_range,
 )
+from tests.lockutil import children
 
 
 def _zxid(epoch: int, counter: int = 0) -> int:
@@ -76,4 +77,4 @@ def test_a_lock_whose_token_would_be_inexact_is_refused_and_its_node_goes(zk_cli
     with pytest.raises(TokenOutOfRange):
         lock.acquire(timeout=5)
     assert not lock.is_held() and lock.token is None
-    assert [c for c in zk_client.get_children("/token-bound/k") if znodes.sequence_key(c)] == []
+    assert [c for c in children(zk_client, "/token-bound/k") if znodes.sequence_key(c)] == []
