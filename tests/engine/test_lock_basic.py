@@ -169,6 +169,43 @@ def test_cancel_wakes_a_blocked_acquire(zk_client, path):
     holder.release()
 
 
+def test_cancel_while_the_create_reply_is_unread_still_leaves_no_node(zk_client, zk_server, path):
+    """The create ran on the server, its reply waits in the client's completion queue, and
+    the acquire is cancelled: acquire must not return before our node is deleted (kazoo's
+    test_lock_cancel caught this in CI, with contenders() still listing the cancelled one)."""
+    holder = FairLock(zk_client, path)
+    holder.acquire()
+    other = KazooClient(hosts=zk_server.hosts)
+    other.start()
+    unblock = threading.Event()
+    other.handler.completion_queue.put(unblock.wait)  # every reply's callback waits behind this
+    waiter = FairLock(other, path)
+    seen = {}
+
+    def acquire():
+        seen["got"] = waiter.acquire()
+        seen["children"] = len(zk_client.get_children(path))
+
+    t = threading.Thread(target=acquire, daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 5
+        while len(zk_client.get_children(path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(zk_client.get_children(path)) == 2  # created on the server, reply unread
+        waiter.cancel()
+        t.join(0.5)  # the bug: acquire returned False here, its node still queued
+        unblock.set()
+        t.join(10)
+        assert seen["got"] is False
+        assert seen["children"] == 1  # ours was gone by the time acquire returned
+    finally:
+        unblock.set()
+        holder.release()
+        other.stop()
+        other.close()
+
+
 def test_contenders_lists_holders_then_waiters_with_identifiers(zk_client, path):
     a = FairLock(zk_client, path, identifier="worker-a", max_holders=2)
     b = FairLock(zk_client, path, identifier=json.dumps({"task": "b"}), max_holders=2)

@@ -82,6 +82,8 @@ class Ghosts:
                 adoptable = not delete_only and not at.finished and look == at.look
                 if adoptable and keep is None and stat.ephemeralOwner == session == kazoo_compat.session_id(at.client):
                     keep = (name, stat)
+                elif delete_only or at.finished:  # given up: cleanup waits for it
+                    at.delete_given_up(name, kazoo_compat.session_id(at.client))
                 else:  # a stale twin of another session, or a ghost we may not keep
                     at.delete(name, kazoo_compat.session_id(at.client))
             if delete_only or at.finished:

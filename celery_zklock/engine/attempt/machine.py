@@ -46,7 +46,9 @@ class Attempt:
         self.session: int | None = None  # the session our node belongs to
         self.lost_reason: str | None = None
         self.result = self.client.handler.async_result()  # True held / False gave up
-        self.cleanup = None  # async result of the delete made when giving up
+        self.cleanup = None  # set once given up: ready when no node of ours is left (see settle_cleanup)
+        self._cleanups: list = []  # the deletes made after giving up
+        self.cleanup_sealed = False  # every delete after giving up is in _cleanups
         self.mutex = threading.RLock()  # every handler of the attempt and its collaborators
         self.finished = False  # the result is set
         self.look = 0  # counts children reads and watch sets: replies of an older look are ignored
@@ -120,7 +122,7 @@ class Attempt:
             RECENT.add(self.lk.path)
             name = path.rsplit("/", 1)[1]
             if self.finished:  # given up while the create was in flight
-                self.cleanup = self.delete(name, session)
+                self.delete_given_up(name, session)
                 return self.settle_cleanup()
             if not self.adopt(name, stat.czxid, session):
                 return
@@ -318,11 +320,24 @@ class Attempt:
         self.state = State.IDLE
         self.pending = Pending.CLEANUP if self.pending is Pending.GHOST else None
         node, self.node, self.token = self.node, None, None
+        self.cleanup = self.client.handler.async_result()
         if node is not None:
-            self.cleanup = self.delete(node, self.session)
+            self.delete_given_up(node, self.session)
         if self.pending is None and not self.create_in_flight:
             self.monitor.unsubscribe(self)
+            self._cleaned_up()
         self._finish(value)
+
+    def delete_given_up(self, name: str, session) -> None:
+        """Delete a node of ours after giving up; :attr:`cleanup` waits for its reply."""
+        self._cleanups.append(self.delete(name, session))
+
+    def _cleaned_up(self) -> None:
+        """Nothing of ours can still appear: :attr:`cleanup` is ready once the deletes are
+        answered.  Why wait for a create's reply too: a caller of a cancelled acquire
+        expects no node of ours queued once it returns (kazoo's test_lock_cancel)."""
+        cleanup, self.cleanup_sealed = self.cleanup, True
+        kazoo_compat.on_all_ready(self._cleanups, lambda: cleanup.set(None))
 
     def cancel(self, value: bool | BaseException = False) -> None:
         with self.mutex:
@@ -382,3 +397,5 @@ class Attempt:
         if self.finished and not self.create_in_flight and self.state is State.IDLE:
             self.pending = None
             self.monitor.unsubscribe(self)
+            if self.cleanup is not None and not self.cleanup_sealed:
+                self._cleaned_up()
