@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from . import floor
 from .infra import log
 from .lock_bench import rotated
 from .stats import inverted, overlaps, summary
@@ -157,7 +158,10 @@ def overhead(d: Driver, s: Sizes, meter) -> dict:
     for c in names:
         out[c]["throughput_vs_plain"] = round(out[c]["throughput_per_s"] / base["throughput_per_s"], 3)
         out[c]["latency_p50_vs_plain"] = round(out[c]["latency_p50_ms"] / base["latency_p50_ms"], 3)
-    return {"contenders": out, "baseline": "plain", "samples_s": {c: latency[c] for c in names}}
+    log(f"  the floor: {s.burst * 2} keys joined and left by a bare kazoo client, and messages between two processes")
+    measured = floor.measure(meter.services, tasks=s.burst * 2, messages=s.burst * 20)
+    return {"contenders": out, "baseline": "plain", "samples_s": {c: latency[c] for c in names},
+            "floor": {**measured, **floor.ceilings(base, measured)}}
 
 
 # ------------------------------------------------------------------ scenario 2

@@ -226,7 +226,8 @@ class Workers:
 
 
 class CostMeter:
-    """CPU seconds used by the worker processes, ZooKeeper, Redis and this (publishing)
+    """CPU seconds used by the worker processes (in all, and by role: each worker's main
+    process, its lock agent, its pool processes), ZooKeeper, Redis and this (publishing)
     process, and requests ZooKeeper received, between two snapshots.
 
     Why: on a small machine throughput is bound by CPU shared between the workers and the
@@ -238,10 +239,16 @@ class CostMeter:
         self.services, self.workers = services, workers
 
     def snapshot(self) -> dict[str, float]:
-        worker_pids = [p for parent, children in self.workers.pids().items() for p in (parent, *children)]
+        roles = {"worker_main": 0.0, "worker_agent": 0.0, "worker_pool": 0.0}
+        for worker in self.workers.items:
+            agent = worker.agent_pid()
+            roles["worker_main"] += cpu_seconds(worker.pid)
+            for child in worker.child_pids():
+                roles["worker_agent" if child == agent else "worker_pool"] += cpu_seconds(child)
         own = os.times()
         return {
-            "workers": sum(cpu_seconds(p) for p in worker_pids),
+            "workers": sum(roles.values()),
+            **roles,
             "zookeeper": cpu_seconds(self.services.zk.proc.pid),
             "redis": cpu_seconds(self.services.redis.proc.pid),
             "publisher": own.user + own.system,

@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from . import lock_bench
+from . import floor, lock_bench
 
 SCENARIO_TITLES = {
     "overhead": "1. Per-task overhead, no contention (distinct keys)",
@@ -205,7 +205,9 @@ def issue_39(sc: dict) -> list[dict]:
         out.append(_target("overhead", who, "distinct keys: throughput >= 0.6x plain Celery",
                            zk["throughput_vs_plain"] >= 0.6,
                            f"{zk['throughput_vs_plain']:.2f}x (celery-once {peers[0] if peers else '-'}x, "
-                           f"celery-singleton {peers[1] if len(peers) > 1 else '-'}x)"))
+                           f"celery-singleton {peers[1] if len(peers) > 1 else '-'}x"
+                           + (f"; with all of our code free {sc['overhead']['floor']['ceiling_zookeeper_kazoo']}x"
+                              if sc["overhead"].get("floor") else "") + ")"))
         out.append(_target("overhead", who, "worker CPU per task <= 4.5 ms", zk["cpu_workers_ms_per_task"] <= 4.5,
                            f"{zk['cpu_workers_ms_per_task']} ms (plain {plain['cpu_workers_ms_per_task']} ms)"))
         out.append(_target("overhead", who, "ZooKeeper requests per task <= 2.5", zk["zk_requests_per_task"] <= 2.5,
@@ -384,6 +386,8 @@ def markdown(results: dict) -> str:
             continue
         same = SAME_AS.get(name, name)
         lines += _table(*_rows(data["modes"] if same in ("pool_slots", "flash_sale", "burst") else data["contenders"], TABLES[same]))
+        if name == "overhead" and data.get("floor"):
+            lines += ["", *_floor_lines(data)]
         if name == "tls":
             lines += ["", f"TLS against plaintext: engine acquire+release p50 {data['engine_tls_vs_plain']}x, "
                           f"Celery throughput {data['celery_tls_vs_plain']}x."]
@@ -405,6 +409,30 @@ def markdown(results: dict) -> str:
         lines += ["", NOTES[same] + (" Broker: RabbitMQ (127.0.0.1:5672)." if same != name else "")]
     lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     return "\n".join(lines)
+
+
+def _floor_lines(data: dict) -> list[str]:
+    """Scenario 1's CPU per task by process, and the floor under it (bench/floor.py)."""
+    f, o = data["floor"], data["contenders"]
+    roles = [("cpu_worker_main_ms_per_task", "worker main"), ("cpu_worker_agent_ms_per_task", "lock agent"),
+             ("cpu_worker_pool_ms_per_task", "pool processes"), ("cpu_zookeeper_ms_per_task", "ZooKeeper"),
+             ("cpu_redis_ms_per_task", "Redis"), ("cpu_publisher_ms_per_task", "publisher")]
+    rows = [[o[c].get("label", c)] + [o[c].get(k) for k, _ in roles] for c in ("plain", "zklock") if c in o]
+    agent = o.get("zklock", {}).get("cpu_worker_agent_ms_per_task")
+    return [
+        "Where the CPU of a task goes (ms per task, same bursts):", "",
+        *_table(["contender"] + [label for _, label in roles], rows), "",
+        f"The floor (`bench/floor.py`, same run): a bare kazoo client joining and leaving {f['tasks']} keys as the "
+        f"agent does (a multi with the key's container, then a delete; {floor.WINDOW} keys at a time) spent "
+        f"{f['client_cpu_ms_per_task']} ms of its own CPU and {f['zookeeper_cpu_ms_per_task']} ms of ZooKeeper's per "
+        f"key ({f['zk_requests_per_task']} requests); a one-line JSON message between two processes over a Unix "
+        f"socket {f['cpu_ms_per_message']} ms, both ends. With plain Celery's {f['plain_cpu_ms_per_task']} ms per task, "
+        f"a lock whose own code cost nothing would reach **{f['ceiling_zookeeper_kazoo']}x** plain Celery "
+        f"({f['ceiling_with_messages']}x with the {f['min_messages']} messages a task's lock needs at least between "
+        f"the worker's processes)." + (f" Our lock agent spent {agent} ms per task, "
+                                       f"{agent / f['client_cpu_ms_per_task']:.1f}x the bare kazoo client."
+                                       if agent else ""),
+    ]
 
 
 def _enqueue_tables(e: dict) -> list[str]:

@@ -28,7 +28,8 @@ CELERY = ["plain", "zklock", "naive", "once", "singleton"]
 #: scenario -> (contenders, numeric fields every contender must have)
 EXPECTED = {
     "overhead": (CELERY, ["throughput_per_s", "throughput_vs_plain", "latency_p50_ms", "latency_p99_ms",
-                          "cpu_workers_ms_per_task", "zk_requests_per_task"]),
+                          "cpu_workers_ms_per_task", "cpu_worker_main_ms_per_task", "cpu_worker_pool_ms_per_task",
+                          "zk_requests_per_task"]),
     "hot_key": (CELERY, ["ran", "published", "makespan_s", "ideal_s", "efficiency", "overlaps", "wait_max_ms"]),
     "fairness": (["ZkLockedTask engine (FairLock)", "Redis SET NX + 1 ms poll", "python-redis-lock"],
                  ["holds", "same_holder_pct", "wait_max_ms", "fair_bound_ms", "max_wait_vs_fair_bound"]),
@@ -61,6 +62,12 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
         for contender in contenders:
             for field in fields:
                 assert is_number(rows[contender].get(field)), (scenario, contender, field, rows[contender].get(field))
+    floor = results["scenarios"]["overhead"]["floor"]
+    for field in ("client_cpu_ms_per_task", "zookeeper_cpu_ms_per_task", "cpu_ms_per_message",
+                  "ceiling_zookeeper_kazoo", "ceiling_with_messages"):
+        assert is_number(floor[field]), (field, floor.get(field))
+    assert 0 < floor["ceiling_with_messages"] <= floor["ceiling_zookeeper_kazoo"] < 1
+    assert rows_agent(results) > 0  # the lock agent's CPU is its own column, not the pool's
     # ZkLockedTask recovers within the quick cap or says it is still blocked; either way a bool
     for row in results["scenarios"]["worker_loss"]["contenders"].values():
         assert isinstance(row["still_blocked"], bool)
@@ -103,6 +110,31 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
     assert "## Targets" in md and md.count("| ") > 40
     for png in results["plots"]:
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def rows_agent(results) -> float:
+    return results["scenarios"]["overhead"]["contenders"]["zklock"]["cpu_worker_agent_ms_per_task"]
+
+
+@pytest.mark.parametrize("floor, ceilings", [
+    # Plain Celery at 2 ms per task; ZooKeeper and kazoo 1 ms more: 2 / 3.
+    ({"zookeeper_cpu_ms_per_task": 0.6, "client_cpu_ms_per_task": 0.4, "cpu_ms_per_message": 0.0, "min_messages": 3},
+     (0.667, 0.667)),
+    # Three messages of 0.1 ms: 2 / 3.3.
+    ({"zookeeper_cpu_ms_per_task": 0.6, "client_cpu_ms_per_task": 0.4, "cpu_ms_per_message": 0.1, "min_messages": 3},
+     (0.667, 0.606)),
+    # Nothing but plain Celery: 1x.
+    ({"zookeeper_cpu_ms_per_task": 0.0, "client_cpu_ms_per_task": 0.0, "cpu_ms_per_message": 0.0, "min_messages": 3},
+     (1.0, 1.0)),
+])
+def test_floor_ceilings_are_plain_cpu_over_plain_plus_the_floor(floor, ceilings):
+    from bench.floor import ceilings as compute
+
+    plain = {"cpu_workers_ms_per_task": 1.2, "cpu_zookeeper_ms_per_task": 0.0, "cpu_redis_ms_per_task": 0.3,
+             "cpu_publisher_ms_per_task": 0.5}
+    got = compute(plain, floor)
+    assert got["plain_cpu_ms_per_task"] == 2.0
+    assert (got["ceiling_zookeeper_kazoo"], got["ceiling_with_messages"]) == ceilings
 
 
 def test_fairness_stats_counts_a_repeat_only_over_a_steady_waiter():
