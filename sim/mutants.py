@@ -148,6 +148,12 @@ MUTANTS = [
            "worker/agent.py",
            "                left = self.requests.carry_left(wait)\n",
            "                left = 0.0\n"),
+    Mutant("create-proof-late", "22. a fresh node's first proof dated when it is taken, not when its create was "
+           "sent (issue 39's carried first grant): a node that queued past its session still carries",
+           "engine/attempt/machine.py",
+           "        if self.client.connected:\n            self.state = State.HELD\n",
+           "        if self.client.connected:\n            self.create_sent = clock.boottime()\n"
+           "            self.state = State.HELD\n"),
 ]
 
 

@@ -270,7 +270,8 @@ class Requests:
 
     def _carry(self, wait: Wait) -> dict | None:
         """The grant, for the main process to hand to the pool with the task, when every path
-        was granted on a young proof (the lease): the pool process may start on it without
+        was granted on a young proof (the lease: a write to the node, or the create that made
+        it, sent less than the lease window ago): the pool process may start on it without
         waiting for its claim's answer while that proof stays younger than the lease window
         (:func:`~celery_zklock.worker.cohort_rules.lease_window`).  Why safe: the same
         argument as the lease, the session outlives the proof by its timeout; the claim
@@ -279,10 +280,10 @@ class Requests:
         session = kazoo_compat.session_timeout(self.client)
         proofs = []
         for hold in wait.holds.values():
-            confirmed = hold.slot.confirmed
-            if not hold.slot.held or not fresh(confirmed, hold.cohort.clock(), session):
+            proof = hold.slot.proof()  # a fresh node's create is its first proof
+            if not hold.slot.held or not fresh(proof, hold.cohort.clock(), session):
                 return None
-            proofs.append(confirmed)
+            proofs.append(proof)
         if not proofs:
             return None
         proof = min(proofs)

@@ -64,6 +64,12 @@ class Slot:
     def held(self) -> bool:
         return self.attempt.state is State.HELD and not self.lost
 
+    def proof(self) -> float | None:
+        """When the youngest proof of the node was sent: its newest write that succeeded, or
+        the create that made it (held: that create succeeded); None before either."""
+        sent = [t for t in (self.confirmed, self.attempt.create_sent) if t is not None]
+        return max(sent) if sent else None
+
     @property
     def node_path(self) -> str:
         return f"{self.attempt.lk.path}/{self.attempt.node}"

@@ -23,8 +23,9 @@ from celery_zklock.worker import agent_lock
 from celery_zklock.worker.agent_link import CARRIED, Connection
 from celery_zklock.worker.agent_requests import CARRY_GRACE
 from celery_zklock.worker.cohort_rules import lease_window
+from celery_zklock.worker.lease_clock import lease_clock
 from support.workers import Worker
-from tests.lockutil import overlapping
+from tests.lockutil import children, overlapping
 from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
 from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (the agent fixture)
 
@@ -82,7 +83,8 @@ def _main(agent) -> Connection:
 
 def _carried_grant(agent, main: Connection, zk_client) -> tuple[str, dict, str]:
     """Queue requests on one key and release each as soon as it is granted until a grant
-    comes with a carry (a local handoff on a young lease): (its id, the carry, the key)."""
+    comes with a carry (a fresh node's first grant, or a local handoff, on a young proof):
+    (its id, the carry, the key)."""
     key = f"/carried/{uuid.uuid4().hex[:8]}"
     zk_client.ensure_path("/carried")
     pool = Connection.open(agent.path)
@@ -99,6 +101,29 @@ def _carried_grant(agent, main: Connection, zk_client) -> tuple[str, dict, str]:
         pool.send({"op": "release", "id": rid})
         assert _answer(pool, "released", rid)["proven"] is True
     raise AssertionError("no grant of 12 local handoffs came with a carry")
+
+
+def test_a_fresh_nodes_first_grant_carries_the_create_as_its_proof(agent, zk_client):  # noqa: F811
+    """A key nobody holds: the create that made our node proves it ours as of its send, as a
+    write does, so the first grant travels with its task (on distinct keys, every task's
+    grant is a first grant: issue 39's claim round trip per task).  The proof is the
+    create's send, no later: taken before the answer came."""
+    main = _main(agent)
+    key = f"/carried/{uuid.uuid4().hex[:8]}"
+    before = lease_clock()
+    main.send({"op": "wait", "id": "f1", "paths": [key], "timeout": None, "identity": "f1"})
+    granted = _answer(main, "granted", "f1")
+    answered = lease_clock()
+    carry = granted.get("carry")
+    assert carry is not None, "a fresh node's first grant did not carry"
+    assert before <= carry["proof"] < answered
+    pool = Connection.open(agent.path)
+    pool.send({"op": "claim", "id": "f1", "carried": True})
+    assert _silent_for(pool, 0.3, "f1") == []  # held as the grant said: no answer
+    pool.send({"op": "release", "id": "f1"})
+    assert _answer(pool, "released", "f1")["proven"] is True
+    pool.close()
+    main.close()
 
 
 def _silent_for(conn: Connection, seconds: float, request_id: str) -> list[dict]:
@@ -155,14 +180,14 @@ def test_an_unclaimed_carried_grant_outlives_its_main_process_until_its_window_e
     the agent, with nothing left, stops."""
     main = _main(agent)
     rid, carry, key = _carried_grant(agent, main, zk_client)
-    node = [c for c in zk_client.get_children(key)]
+    node = children(zk_client, key)
     assert len(node) == 1
     main.close()
     time.sleep(min(0.5, CARRY_GRACE / 2))
-    assert zk_client.get_children(key) == node, "the carried grant was let go while its pool process could start on it"
+    assert children(zk_client, key) == node, "the carried grant was let go while its pool process could start on it"
     assert not agent.stopped.is_set()
     deadline = time.monotonic() + WINDOW + CARRY_GRACE + 5
-    while zk_client.get_children(key):
+    while children(zk_client, key):  # [] once the key's container is swept too
         assert time.monotonic() < deadline, "the carried grant was never let go"
         time.sleep(0.05)
     assert agent.stopped.wait(5), "the agent did not stop once nothing was held"

@@ -16,7 +16,7 @@ from functools import partial
 from kazoo.exceptions import NoAuthError, NoNodeError, SessionExpiredError
 from kazoo.protocol.states import EventType, KazooState
 
-from .. import kazoo_compat, znodes
+from .. import clock, kazoo_compat, znodes
 from ..driver import gets_the_lock
 from ..session import RETRYABLE, Outcome, guaranteed_delete
 from .ghosts import Ghosts
@@ -44,6 +44,9 @@ class Attempt:
         self.token: int | None = None  # znodes.fencing_token of our node (its first grant)
         self.czxid: int | None = None
         self.session: int | None = None  # the session our node belongs to
+        # When the create behind our node was sent (lease clock, engine.clock.boottime): its
+        # success proves our session alive at or after then, as a write's does (the lease).
+        self.create_sent: float | None = None
         self.lost_reason: str | None = None
         self.result = self.client.handler.async_result()  # True held / False gave up
         self.cleanup = None  # set once given up: ready when no node of ours is left (see settle_cleanup)
@@ -83,6 +86,7 @@ class Attempt:
         session = kazoo_compat.session_id(self.client)
         self.ghosts.session = session
         self.create_in_flight = True
+        self.create_sent = clock.boottime()
         new_key = self.lk.path not in RECENT and znodes.uses_containers(self.client)
         if new_key and znodes.containers_known_to_work(self.client):
             return self.parent.create_with_node(session)
