@@ -233,9 +233,10 @@ class MainProcess:
             req["verdict"] = "bypass"
             req["done"] = True
 
-    def idle(self) -> bool:
-        """pool_handoff.pool_idle: nothing waits for a process, and two are free."""
-        return not self.backlog and sum(1 for pool in self.worker.pools if pool.free()) >= 2
+    def may_park(self, ours: bool) -> bool:
+        """pool_handoff.may_park: nothing waits for a process; behind another contender's
+        holders, two are free."""
+        return not self.backlog and (ours or sum(1 for pool in self.worker.pools if pool.free()) >= 2)
 
     def slots(self) -> int:
         """worker_queue._slots: handoff slots, never the whole pool."""
@@ -244,7 +245,7 @@ class MainProcess:
     def _next_in_line(self, req: dict, hold, ours: bool = True) -> None:
         if req["dispatched"] or req.get("verdict") is not None:
             return
-        when = hand_over_early(hold, len(self.early), self.slots(), ours=ours, idle=not ours and self.idle())
+        when = hand_over_early(hold, len(self.early), self.slots(), self.may_park(ours))
         if when == "later":
             self.next_up[req["id"]] = (hold, ours)
         elif when == "now":
@@ -311,7 +312,7 @@ class MainProcess:
         for rid, (hold, ours) in list(self.next_up.items()):  # worker_queue._park_next_up
             if len(self.early) >= self.slots():
                 break
-            if not ours and not self.idle():
+            if not self.may_park(ours):
                 continue
             del self.next_up[rid]
             self._next_in_line(self.requests[rid], hold, ours)

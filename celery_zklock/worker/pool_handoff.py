@@ -13,27 +13,37 @@ from ..config import ZkSettings
 from .agent_link import HANDOFF_MAX_WAIT
 
 
-def hand_over_early(expected_wait: float | None, early: int, slots: int,
-                    max_wait: float = HANDOFF_MAX_WAIT, ours: bool = True, idle: bool = False) -> str:
+def hand_over_early(expected_wait: float | None, early: int, slots: int, idle: bool,
+                    max_wait: float = HANDOFF_MAX_WAIT) -> str:
     """Hand a next-in-line request to the pool ``"now"``, ``"later"`` (when a handoff slot
-    frees), or ``"no"`` (it waits here for its grant, like any other).
+    or a process frees), or ``"no"`` (it waits here for its grant, like any other).
 
     Why these rules: a pool process given a next-in-line request idles until the holder
     releases, so it is worth it only when that wait is known to be short (a hot chain of
     short tasks, where it saves the dispatch and the wait for a free slot at every
-    handoff) and only in a bounded number of processes: a long holder, or a task not seen
-    yet, never parks a pool process.  Behind holders that are not ours (``ours`` false:
-    another worker's node in ZooKeeper), the wait is that worker's whole streak, up to
-    ``zklock_cohort_hold``, not one hold: a process parks there only while the pool is
-    ``idle`` (nothing else waits for a process), else ``"later"``, when a process frees
-    (issue 39: parked behind the other worker's streak, it was a process the worker's other
-    keys lacked).
+    handoff), only in a bounded number of processes (a long holder, or a task not seen
+    yet, never parks a pool process), and only while the pool is ``idle`` for it
+    (:func:`may_park`): a process parked while other requests wait for one is a process
+    the worker's other keys lack (issue 39: beside a hot chain, their p95 was 1.2-1.4x the
+    ideal with parking regardless, 0.9-1.1x without, the chain as efficient).
     """
     if slots <= 0 or expected_wait is None or expected_wait > max_wait:
         return "no"
-    if not ours and not idle:
+    if not idle:
         return "later"
     return "now" if early < slots else "later"
+
+
+def may_park(c, ours: bool) -> bool:
+    """May a next-in-line request go to the pool before its grant?  Not while other requests
+    wait for a process (they would wait behind a process that idles).  Behind another
+    contender's holders (not ``ours``: another worker's node in ZooKeeper, whose whole
+    streak, up to ``zklock_cohort_hold``, comes first) one process must also stay free
+    besides the one it takes; behind our own holder none need be free now: one frees as
+    that holder ends (parking on a free process only, it parked half as often, as the
+    ending holder's process was often not yet counted free)."""
+    free = idle_processes(c)
+    return free is not None and (ours or free >= 2)
 
 
 def handoff_slots(c, settings: ZkSettings) -> int:
@@ -47,16 +57,16 @@ def handoff_slots(c, settings: ZkSettings) -> int:
     return pool_size(c) // 2
 
 
-def pool_idle(c) -> bool:
-    """Nothing waits for a pool process, and one would stay free besides the one a request
-    next in line would take (read from the worker's semaphore, one permit per process, and
-    the prefork pool's outbound buffer; without them: not idle)."""
+def idle_processes(c) -> int | None:
+    """Free pool processes when nothing waits for one; None while something does, or when
+    the pool's books cannot be read (the worker's semaphore, one permit per process, and
+    the prefork pool's outbound buffer)."""
     semaphore = getattr(c.controller, "semaphore", None)
     value = getattr(semaphore, "value", None)
     if not isinstance(value, int) or getattr(semaphore, "_waiting", True):
-        return False
+        return None
     buffer = getattr(getattr(c.pool, "_pool", None), "outbound_buffer", None)
-    return value >= 2 and not buffer
+    return None if buffer else value
 
 
 def pool_size(c) -> int:

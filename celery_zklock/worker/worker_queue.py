@@ -30,7 +30,7 @@ from . import agent_supervisor
 from .agent_link import CARRIED, HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
-from .pool_handoff import hand_over_early, handoff_slots, pool_idle, pool_size, run_next
+from .pool_handoff import hand_over_early, handoff_slots, may_park, pool_size, run_next
 
 logger = get_logger("celery_zklock.worker")
 
@@ -163,15 +163,14 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _next_in_line(self, request_id: str, hold: float | None, ours: bool = True) -> None:
         """The agent says only holders are ahead of this request: if its wait is expected
-        to be short and a handoff slot is free, hand it to the pool now (at the head of
-        its queue), where it claims and waits for the release; the grant then reaches a
-        process already running it.  Behind another contender's holders (not ``ours``) only
-        while the pool has nothing else to run."""
+        to be short, a handoff slot is free and no other request waits for a process, hand
+        it to the pool now (at the head of its queue), where it claims and waits for the
+        release; the grant then reaches a process already running it.  Behind another
+        contender's holders (not ``ours``), a process must also stay free besides."""
         req = self.aside.get(request_id)
         if req is None:
             return
-        idle = not ours and pool_idle(self.c)
-        when = hand_over_early(hold, len(self.early), self._slots(), ours=ours, idle=idle)
+        when = hand_over_early(hold, len(self.early), self._slots(), may_park(self.c, ours))
         if when == "later":
             self.next_up[request_id] = (hold, ours)  # a slot (or a process) may free up before its grant
         elif when == "now":
@@ -193,13 +192,13 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     def _park_next_up(self) -> None:
         """A handoff slot or a pool process freed: next-in-line requests that waited for one
-        go to the pool now, in the order they were told (behind another contender's holders
-        only while the pool is idle).  Called as a locked request ends, and every 0.1 s (the
+        go to the pool now, in the order they were told, while the pool is idle for them
+        (:func:`may_park`).  Called as a locked request ends, and every 0.1 s (the
         pool also frees when other tasks end)."""
         for request_id, (hold, ours) in list(self.next_up.items()):
             if len(self.early) >= self._slots():
                 return
-            if not ours and not pool_idle(self.c):
+            if not may_park(self.c, ours):
                 continue
             del self.next_up[request_id]
             self._next_in_line(request_id, hold, ours)

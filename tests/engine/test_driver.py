@@ -89,38 +89,58 @@ def test_identity_round_trip_and_delivery():
 
 
 @pytest.mark.parametrize(
-    "expected_wait, early, slots, expected",
+    "expected_wait, early, slots, idle, expected, why",
     [
-        (0.03, 0, 1, "now"),  # a short hold, a free handoff slot: into a pool process now
-        (0.03, 1, 1, "later"),  # the slot is taken: when it frees, if still undecided
-        (0.03, 0, 0, "no"),  # no handoff slots (zklock_handoff_slots=0, solo, -c 1)
-        (None, 0, 2, "no"),  # holds not known yet: never park a process on a guess
-        (0.5, 0, 1, "now"),  # the bound itself is short enough
-        (0.51, 0, 1, "no"),  # a long hold: its process would idle that long
-        (5.0, 3, 4, "no"),
+        (0.03, 0, 1, True, "now", "a short hold, a free handoff slot, nothing else waits for a process"),
+        (0.03, 0, 1, False, "later", "other requests wait for a process: they run first (issue 39: beside a "
+                                     "hot chain, the parked process was one the other keys lacked)"),
+        (0.03, 1, 1, True, "later", "the slot is taken: when it frees, if still undecided"),
+        (0.03, 0, 0, True, "no", "no handoff slots (zklock_handoff_slots=0, solo, -c 1)"),
+        (None, 0, 2, True, "no", "holds not known yet: never park a process on a guess"),
+        (0.5, 0, 1, True, "now", "the bound itself is short enough"),
+        (0.51, 0, 1, True, "no", "a long hold: its process would idle that long"),
+        (5.0, 3, 4, True, "no", "a long hold, whatever the slots"),
     ],
 )
-def test_hand_over_early(expected_wait, early, slots, expected):
-    from celery_zklock.worker.worker_queue import hand_over_early
+def test_hand_over_early(expected_wait, early, slots, idle, expected, why):
+    from celery_zklock.worker.pool_handoff import hand_over_early
 
-    assert hand_over_early(expected_wait, early, slots) == expected
+    assert hand_over_early(expected_wait, early, slots, idle) == expected, why
+
+
+class _Semaphore:
+    def __init__(self, value, waiting=()):
+        self.value, self._waiting = value, list(waiting)
+
+
+def _consumer(semaphore, buffer=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(controller=SimpleNamespace(semaphore=semaphore),
+                           pool=SimpleNamespace(_pool=SimpleNamespace(outbound_buffer=list(buffer))))
 
 
 @pytest.mark.parametrize(
-    "expected_wait, early, slots, idle, expected, why",
+    "free, waiting, buffered, ours, parks, why",
     [
-        (0.03, 0, 1, False, "later", "another worker's streak ahead, the pool has work: the process stays for it"),
-        (0.03, 0, 1, True, "now", "another worker's streak ahead, the pool idle: parking costs nothing"),
-        (0.03, 1, 1, True, "later", "no free slot: when one frees, if the pool is idle then"),
-        (None, 0, 1, True, "no", "holds not known yet"),
-        (0.51, 0, 1, True, "no", "long holds"),
-        (0.03, 0, 0, True, "no", "no handoff slots"),
+        (1, 0, 0, True, True, "behind our own holder: the one free process may park"),
+        (2, 0, 0, False, True, "behind another worker's streak, two free: one parks, one stays"),
+        (0, 0, 0, True, True, "behind our own holder, none free yet: the holder's frees as it ends"),
+        (1, 0, 0, False, False, "behind another worker's streak, one free: it stays free"),
+        (3, 1, 0, True, False, "a request waits for a process (the semaphore's queue): it goes first"),
+        (3, 0, 1, True, False, "a request waits in the pool's outbound buffer: it goes first"),
     ],
 )
-def test_hand_over_early_behind_another_contender(expected_wait, early, slots, idle, expected, why):
-    """Issue 39: behind holders that are not this worker's (another worker's node in
-    ZooKeeper, holding a whole streak), a pool process parks only while the pool is idle
-    (``"later"``: looked at again when a process or a slot frees)."""
-    from celery_zklock.worker.pool_handoff import hand_over_early
+def test_may_park_only_while_nothing_else_waits_for_a_process(free, waiting, buffered, ours, parks, why):
+    from celery_zklock.worker.pool_handoff import may_park
 
-    assert hand_over_early(expected_wait, early, slots, ours=False, idle=idle) == expected, why
+    c = _consumer(_Semaphore(free, [object()] * waiting), [object()] * buffered)
+    assert may_park(c, ours) is parks, why
+
+
+def test_may_park_is_no_without_the_pools_internals():
+    from types import SimpleNamespace
+
+    from celery_zklock.worker.pool_handoff import may_park
+
+    assert may_park(SimpleNamespace(controller=SimpleNamespace(), pool=SimpleNamespace()), True) is False
