@@ -182,13 +182,24 @@ for _c in CONTENDERS:
     for _kind in ("trivial", "hold"):
         TASKS[(_c, _kind)] = _register(_c, _kind)
 
+#: Contenders of one scenario only, outside :data:`CONTENDERS` (the tables' order): name -> label.
+EXTRA: dict[str, str] = {}
+
+
+def add_contender(name: str, label: str, base: type, options: dict) -> None:
+    """Register a contender's trivial and hold tasks (``bench.<name>.<kind>``) for a scenario
+    of its own; the module that calls this is the app the workers import."""
+    EXTRA[name] = label
+    _BASES[name] = (base, options)
+    for kind in ("trivial", "hold"):
+        TASKS[(name, kind)] = _register(name, kind)
+
+
 #: Enqueue-time singletons (scenario 12 only): ours with celery-once's semantics, at most
 #: one queued or running per key, next to the peers that lock at enqueue.
 ENQUEUE = {"dedupe": 'ZkLockedTask lock_enqueue="dedupe"'}
-_BASES["dedupe"] = (ZkLockedTask, {"lock_key": "k:{n}", "lock_timeout": 300, "lock_enqueue": "dedupe",
-                                   "lock_enqueue_until": "finish"})
-for _kind in ("trivial", "hold"):
-    TASKS[("dedupe", _kind)] = _register("dedupe", _kind)
+add_contender("dedupe", ENQUEUE["dedupe"], ZkLockedTask, {"lock_key": "k:{n}", "lock_timeout": 300,
+                                                          "lock_enqueue": "dedupe", "lock_enqueue_until": "finish"})
 
 
 def task(contender: str, kind: str = "trivial") -> Task:

@@ -13,13 +13,19 @@ ping-pong of one-line JSON messages over a Unix socket, in processes of their ow
 reports their CPU per task; :func:`ceilings` turns them into the best ratio any code of
 ours could reach, beside the measured one.
 
-Run alone: ``.venv/bin/python -m bench.floor`` (starts its own ZooKeeper).
+What those numbers leave out is what the design's hops cost inside loaded Celery workers;
+:func:`design` measures that, with the design's chain and nothing else in it
+(:mod:`bench.skeleton_app`), beside plain Celery and ZkLockedTask (``make bench`` scenario 14).
+
+Run alone: ``.venv/bin/python -m bench.floor`` (starts its own ZooKeeper), or
+``.venv/bin/python -m bench.floor design [TASKS] [PASSES]``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -165,6 +171,75 @@ def ceilings(plain: dict, floor: dict) -> dict:
             "ceiling_with_messages": round(p / (p + zk_kazoo + msgs), 3)}
 
 
+#: Keys of the hot workload: the flash sale's five SKUs, each task holding 1 ms.
+HOT_KEYS, HOT_MS = 5, 1.0
+
+
+def design(services, tasks: int = 500, passes: int = 4) -> dict:
+    """The design's floor in real workers (:mod:`bench.skeleton_app`), in the same two
+    workers as plain Celery and ZkLockedTask, order alternating pass by pass, CPU per task
+    by process role (the skeleton's one agent counted as the workers' agents):
+
+    * ``distinct``: ``tasks`` trivial tasks on distinct keys per contender (scenario 1's
+      workload), the skeleton joining and leaving each key in ZooKeeper;
+    * ``hot``: ``tasks`` tasks holding 1 ms on five keys (the flash sale's shape), the
+      skeleton queueing them in its agent only (a local handoff: no ZooKeeper request).
+    """
+    from .celery_scenarios import Driver
+    from .infra import CostMeter, Workers, log
+
+    driver = Driver(services.env())  # sets the environment bench.app reads at import
+    from . import skeleton_app  # registers the skeleton's tasks with the driver too
+
+    agent, path = skeleton_app.start_agent(services.zk_hosts, f"/bench-skeleton-{uuid.uuid4().hex[:8]}")
+    try:
+        workers = Workers({**services.env(), skeleton_app.SOCK_ENV: path}, count=2, concurrency=2,
+                          app_module="bench.skeleton_app").start(driver.app, connection=driver.connection)
+    except BaseException:
+        agent.kill()
+        raise
+    workloads = {"distinct": (["plain", "skeleton", "zklock"], "trivial", 0.0),
+                 "hot": (["plain", "skeleton_local", "zklock"], "hold", HOT_MS)}
+    out: dict = {"tasks_per_pass": tasks, "passes": passes, "hot_keys": HOT_KEYS, "hot_ms": HOT_MS}
+    try:
+        driver.contenders = ["plain", "skeleton", "skeleton_local", "zklock"]
+        driver.warm_up(40)
+        for workload, (names, kind, ms) in workloads.items():
+            meters = {c: CostMeter(services, workers, agents=[agent.pid] if c.startswith("skeleton") else ())
+                      for c in names}
+            done = dict.fromkeys(names, 0)
+            busy = dict.fromkeys(names, 0.0)
+            cost: dict[str, dict[str, float]] = {c: {} for c in names}
+            for p in range(passes):
+                order = names if p % 2 == 0 else names[::-1]
+                log(f"  the design's floor, {workload} keys, pass {p + 1}/{passes}: {tasks} tasks per contender, "
+                    f"order {', '.join(order)}")
+                for c in order:
+                    tag = driver.new_tag("design")
+                    before = meters[c].snapshot()
+                    t0 = time.time()
+                    sent = sum(driver.publish(c, f"{tag}-{i % HOT_KEYS}" if workload == "hot" else f"{tag}-{i}",
+                                              tag, kind, ms) is not None for i in range(tasks))
+                    rows = driver.records(tag, sent, timeout=300)
+                    after = meters[c].snapshot()
+                    done[c] += len(rows)
+                    busy[c] += max(r["done"] for r in rows) - t0
+                    for k in before:
+                        cost[c][k] = cost[c].get(k, 0.0) + after[k] - before[k]
+            rows_out = {c: {"tasks": done[c], "throughput_per_s": round(done[c] / busy[c], 1),
+                            **CostMeter.per_task(dict.fromkeys(cost[c], 0.0), cost[c], done[c])} for c in names}
+            for c in names:
+                rows_out[c]["throughput_vs_plain"] = round(rows_out[c]["throughput_per_s"]
+                                                           / rows_out["plain"]["throughput_per_s"], 3)
+            out[workload] = rows_out
+    finally:
+        workers.stop()
+        agent.kill()
+        agent.wait()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return out
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["kazoo"]:
         print(json.dumps(kazoo_loop(argv[1], int(argv[2]))))
@@ -176,7 +251,10 @@ def main(argv: list[str]) -> int:
 
     services = Services().start()
     try:
-        print(json.dumps(measure(services), indent=1))
+        if argv[:1] == ["design"]:
+            print(json.dumps(design(services, *(int(a) for a in argv[1:3])), indent=1))
+        else:
+            print(json.dumps(measure(services), indent=1))
     finally:
         services.close()
     return 0

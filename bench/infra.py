@@ -185,12 +185,14 @@ def package_versions() -> dict[str, str | None]:
 
 # ------------------------------------------------------------------ workers
 class Workers:
-    """``count`` real prefork ``celery worker`` processes (``-c 2``) running bench.app."""
+    """``count`` real prefork ``celery worker`` processes (``-c 2``) running ``app_module``
+    (bench.app, or a module that adds a scenario's contenders to it)."""
 
-    def __init__(self, env: dict[str, str], count: int = 2, concurrency: int = 2) -> None:
+    def __init__(self, env: dict[str, str], count: int = 2, concurrency: int = 2, app_module: str = "bench.app") -> None:
         from support.workers import Procs
 
         self.procs = Procs(env, tag=uuid.uuid4().hex[:6])
+        self.app_module = app_module
         self.count = count
         self.concurrency = concurrency
         self.items = []
@@ -198,7 +200,7 @@ class Workers:
     def start(self, app, timeout: float = 90.0, connection=None) -> "Workers":
         from support.workers import wait_ready
 
-        self.items = [self.procs.worker("bench.app", f"bench{i}", self.concurrency) for i in range(self.count)]
+        self.items = [self.procs.worker(self.app_module, f"bench{i}", self.concurrency) for i in range(self.count)]
         try:
             wait_ready(app, self.items, timeout, connection)
         except BaseException:
@@ -228,27 +230,37 @@ class Workers:
 class CostMeter:
     """CPU seconds used by the worker processes (in all, and by role: each worker's main
     process, its lock agent, its pool processes), ZooKeeper, Redis and this (publishing)
-    process, and requests ZooKeeper received, between two snapshots.
+    process, requests ZooKeeper received, and the worker processes' context switches by
+    role, between two snapshots.
 
     Why: on a small machine throughput is bound by CPU shared between the workers and the
     servers, so "where the time goes" per task explains a throughput ratio -- and the
     reject-style peers lock in the publisher, which only this process's CPU shows.
     """
 
-    def __init__(self, services: Services, workers: Workers) -> None:
+    def __init__(self, services: Services, workers: Workers, agents: tuple | list = ()) -> None:
         self.services, self.workers = services, workers
+        self.agents = list(agents)  # lock agents outside the workers (bench.skeleton_app's), counted as theirs
 
     def snapshot(self) -> dict[str, float]:
         roles = {"worker_main": 0.0, "worker_agent": 0.0, "worker_pool": 0.0}
+        switches = {f"switches_{role}": 0.0 for role in roles}
         for worker in self.workers.items:
             agent = worker.agent_pid()
             roles["worker_main"] += cpu_seconds(worker.pid)
+            switches["switches_worker_main"] += context_switches(worker.pid)
             for child in worker.child_pids():
-                roles["worker_agent" if child == agent else "worker_pool"] += cpu_seconds(child)
+                role = "worker_agent" if child == agent else "worker_pool"
+                roles[role] += cpu_seconds(child)
+                switches[f"switches_{role}"] += context_switches(child)
+        for pid in self.agents:
+            roles["worker_agent"] += cpu_seconds(pid)
+            switches["switches_worker_agent"] += context_switches(pid)
         own = os.times()
         return {
             "workers": sum(roles.values()),
             **roles,
+            **switches,
             "zookeeper": cpu_seconds(self.services.zk.proc.pid),
             "redis": cpu_seconds(self.services.redis.proc.pid),
             "publisher": own.user + own.system,
@@ -257,9 +269,10 @@ class CostMeter:
 
     @staticmethod
     def per_task(before: dict[str, float], after: dict[str, float], tasks: int) -> dict[str, float]:
-        """CPU ms per task by process group, and ZooKeeper requests per task."""
+        """CPU ms per task by process group, ZooKeeper requests and context switches per task."""
         out = {f"cpu_{k}_ms_per_task": round((after[k] - before[k]) * 1000 / tasks, 3) for k in before
-               if k != "zk_requests"}
+               if k != "zk_requests" and not k.startswith("switches_")}
+        out.update({f"{k}_per_task": round((after[k] - before[k]) / tasks, 1) for k in before if k.startswith("switches_")})
         out["zk_requests_per_task"] = round((after["zk_requests"] - before["zk_requests"]) / tasks, 2)
         return out
 
@@ -272,6 +285,25 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of all a process's threads so far (0 if it
+    is gone): each wake-up of a thread that slept on a socket, a pipe or a lock is one."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
 
 
 def rss_kib(pid: int | str = "self", field: str = "VmRSS") -> int | None:

@@ -28,6 +28,7 @@ SCENARIO_TITLES = {
     "flash_sale_rabbitmq": "11. The flash-sale workload on RabbitMQ",
     "burst_rabbitmq": "12. The burst on one key on RabbitMQ",
     "enqueue": "13. Enqueue-time singletons (lock_enqueue) beside celery-once and celery-singleton",
+    "design_floor": "14. The design's floor: the lock agent's chain with no lock logic (bench/skeleton_app.py)",
 }
 
 #: Scenarios run a second time on RabbitMQ: same tables, notes and targets as the first.
@@ -207,7 +208,9 @@ def issue_39(sc: dict) -> list[dict]:
                            f"{zk['throughput_vs_plain']:.2f}x (celery-once {peers[0] if peers else '-'}x, "
                            f"celery-singleton {peers[1] if len(peers) > 1 else '-'}x"
                            + (f"; with all of our code free {sc['overhead']['floor']['ceiling_zookeeper_kazoo']}x"
-                              if sc["overhead"].get("floor") else "") + ")"))
+                              if sc["overhead"].get("floor") else "")
+                           + (f"; the design's floor {_skeleton(sc, 'distinct')}x" if _skeleton(sc, "distinct") else "")
+                           + ")"))
         out.append(_target("overhead", who, "worker CPU per task <= 4.5 ms", zk["cpu_workers_ms_per_task"] <= 4.5,
                            f"{zk['cpu_workers_ms_per_task']} ms (plain {plain['cpu_workers_ms_per_task']} ms)"))
         out.append(_target("overhead", who, "ZooKeeper requests per task <= 2.5", zk["zk_requests_per_task"] <= 2.5,
@@ -225,8 +228,11 @@ def issue_39(sc: dict) -> list[dict]:
         u = sc.get(fs_name, {}).get("modes", {}).get("plain")
         if u is not None:
             w = sc[fs_name]["modes"]["worker"]
+            floor_hot = _skeleton(sc, "hot")
             out.append(_target(fs_name, who, "flash sale: orders/s >= 0.7x the same body with no lock",
-                               w["orders_per_s"] >= 0.7 * u["orders_per_s"], f"{sc[fs_name]['worker_vs_plain']}x"))
+                               w["orders_per_s"] >= 0.7 * u["orders_per_s"], f"{sc[fs_name]['worker_vs_plain']}x"
+                               + (f" (five hot keys in scenario 14: ours {_skeleton(sc, 'hot', 'zklock')}x, the "
+                                  f"design's floor {floor_hot}x)" if floor_hot else "")))
     for b_name in ("burst", "burst_rabbitmq"):
         if b_name in sc:
             b = sc[b_name]
@@ -234,6 +240,16 @@ def issue_39(sc: dict) -> list[dict]:
                                b["modes"]["worker"]["tasks_per_s"] >= 2 * b["modes"]["pool"]["tasks_per_s"],
                                f"{b['worker_vs_pool']}x"))
     return out
+
+
+def _skeleton(sc: dict, workload: str, contender: str | None = None):
+    """Scenario 14's throughput against plain Celery: the skeleton's (the design's floor), or
+    ``contender``'s in the same bursts; None when the run has no scenario 14."""
+    rows = sc.get("design_floor", {}).get(workload)
+    if not rows:
+        return None
+    name = contender or next(c for c in rows if c.startswith("skeleton"))
+    return rows[name]["throughput_vs_plain"]
 
 
 def _past_bound(w: dict) -> str:
@@ -313,6 +329,15 @@ TABLES = {
 }
 
 NOTES = {
+    "design_floor": "The skeleton (`bench/skeleton_app.py`) is the lock agent's design with nothing else in it: the "
+                    "worker's main process holds a request aside and sends `wait` to one agent process, which joins the "
+                    "key with the multi ours sends for a new key (distinct keys) or queues it in its memory (hot keys: a "
+                    "local handoff, no ZooKeeper request) and answers `granted`; the main process then hands the request "
+                    "to the pool, whose process runs the body, sends `release` and waits for `released` (the delete's "
+                    "reply, or the next holder's grant). Four messages per task, three processes, no queue order, "
+                    "lease, claim, cohort bound, event, signal, timeout or fault handling: not a lock, the cost floor of "
+                    "its chain. All three contenders run in the same two workers (prefork -c 2), in turn, order "
+                    "alternating pass by pass.",
     "overhead": "Throughput: bursts of trivial tasks on distinct keys, alternating contender order per pass; "
                 "latency: one task in flight, publish to `task_postrun` (after the contender's unlock), "
                 "contenders rotating task by task. CPU per task: all worker processes, the ZooKeeper and Redis servers "
@@ -384,6 +409,9 @@ def markdown(results: dict) -> str:
         if name == "enqueue":
             lines += _enqueue_tables(data)
             continue
+        if name == "design_floor":
+            lines += _design_floor_lines(data)
+            continue
         same = SAME_AS.get(name, name)
         lines += _table(*_rows(data["modes"] if same in ("pool_slots", "flash_sale", "burst") else data["contenders"], TABLES[same]))
         if name == "overhead" and data.get("floor"):
@@ -433,6 +461,28 @@ def _floor_lines(data: dict) -> list[str]:
                                        f"{agent / f['client_cpu_ms_per_task']:.1f}x the bare kazoo client."
                                        if agent else ""),
     ]
+
+
+def _design_floor_lines(data: dict) -> list[str]:
+    """Scenario 14: each workload's contenders, CPU and wake-ups per task by process."""
+    columns = [("throughput_per_s", "tasks/s"), ("throughput_vs_plain", "vs plain"),
+               ("cpu_worker_main_ms_per_task", "main ms"), ("cpu_worker_agent_ms_per_task", "agent ms"),
+               ("cpu_worker_pool_ms_per_task", "pool ms"), ("cpu_zookeeper_ms_per_task", "ZooKeeper ms"),
+               ("cpu_redis_ms_per_task", "Redis ms"), ("cpu_publisher_ms_per_task", "publisher ms"),
+               ("zk_requests_per_task", "ZK req"), ("switches_worker_main_per_task", "main wake-ups"),
+               ("switches_worker_agent_per_task", "agent wake-ups"), ("switches_worker_pool_per_task", "pool wake-ups")]
+    label = {"plain": "plain Celery", "zklock": "ZkLockedTask", "skeleton": "the design's chain (ZooKeeper)",
+             "skeleton_local": "the design's chain (agent's queue)"}
+    lines = []
+    for workload, what in (("distinct", f"{data['tasks_per_pass']} trivial tasks on distinct keys"),
+                           ("hot", f"{data['tasks_per_pass']} tasks of {data['hot_ms']:g} ms on {data['hot_keys']} keys")):
+        rows = data.get(workload)
+        if not rows:
+            continue
+        lines += [f"{what.capitalize()}, {data['passes']} pass(es) per contender (per task; wake-ups: context switches):", "",
+                  *_table(["contender"] + [h for _, h in columns],
+                          [[label.get(c, c)] + [r.get(k) for k, _ in columns] for c, r in rows.items()]), ""]
+    return lines + [NOTES["design_floor"]]
 
 
 def _enqueue_tables(e: dict) -> list[str]:

@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import burst, celery_scenarios, enqueue, fairness, flash_sale, lock_bench, many_keys, pool_slots, report, scale, tls, worker_loss
+from . import (burst, celery_scenarios, enqueue, fairness, flash_sale, floor, lock_bench, many_keys, pool_slots, report,
+               scale, tls, worker_loss)
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -97,6 +98,9 @@ def run(quick: bool, out: Path, burst_tasks: int | None = None) -> dict:
             log("stopping workers")
             workers.stop(timeout=5 if quick else 20)
         workers.procs.remove_logs()
+        # Scenario 1's floor in real workers: the agent's chain with no lock logic in it.
+        sc["design_floor"] = timed(results, "design_floor", floor.design, services, 100 if quick else 500,
+                                   1 if quick else 4)
         hot, cold = (12, 24) if quick else (60, 120)
         sc["pool_slots"] = timed(results, "pool_slots", pool_slots.run, services, driver, hot, cold, 30,
                                  1 if quick else 3)

@@ -1,0 +1,240 @@
+"""The floor of this design: a lock agent beside the pool doing nothing but the design's
+fewest steps per task, run in real workers against plain Celery and ZkLockedTask.
+
+Why: issue 39 asks, for a missed target, for "the floor of this design on this machine".
+:mod:`bench.floor` measures what ZooKeeper and a bare kazoo client cost per key, and one
+message between two processes; what it cannot show is what the design's hops cost inside
+a loaded Celery worker, where each message wakes a process that shares two cores with the
+broker, ZooKeeper and the publisher.  This builds the design with nothing else in it:
+
+* the worker's main process holds each request of a ``bench.skeleton.*`` task aside and
+  sends ``wait`` to its agent (a consumer step wrapping ``on_task_request``, the hook
+  :mod:`celery_zklock.worker.worker_queue` uses), and hands the request to the pool on
+  ``granted``;
+* the agent (its own process, one for both workers) joins the key with the one multi
+  ours sends for a new key (container + ephemeral sequential node, from a stock kazoo
+  client) and answers ``granted`` from kazoo's completion thread; or, for a hot key, queues
+  the request in its memory and grants it when the holder before it releases (the floor
+  of a local handoff: no ZooKeeper request, no fairness bound, one process's queue);
+* the pool process runs the body, then sends ``release`` and blocks for ``released``: the
+  agent deletes the node and answers on the delete's reply (the proof ours waits for).
+
+Four messages per task between three processes, and two ZooKeeper requests (distinct keys)
+or none (hot keys); no queue order, lease, claim, cohort bound, event, signal, metric,
+guard, timeout, loss or fault handling.  It is not a
+lock (nothing checks an order, nothing survives a fault): only the cost floor of the
+design's chain, with real Celery around it.
+
+Measured by :func:`bench.floor.design` (``.venv/bin/python -m bench.floor design``), which
+runs it beside plain Celery and ZkLockedTask in the same workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+from celery import Task, bootsteps
+
+from . import app as bench_app
+
+#: Where the workers' main and pool processes find the skeleton agent.
+SOCK_ENV = "BENCH_SKELETON_SOCK"
+PREFIX = "bench.skeleton"  # bench.skeleton.* joins ZooKeeper, bench.skeleton_local.* only queues here
+LOCAL = "bench.skeleton_local."
+
+
+def _line(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+# ------------------------------------------------------------------ the agent process
+def agent_main(path: str, hosts: str, root: str) -> int:
+    """Accept the main and pool processes' connections; ``wait`` joins the key (one multi),
+    ``release`` leaves it (one delete); each answer goes out from kazoo's completion
+    thread, the reply's own thread, with no further hop.  A ``local`` wait queues in this
+    process only (a hot key's local handoff, with no ZooKeeper request at all, and no
+    exclusion between workers: a floor, not a lock)."""
+    from kazoo.client import KazooClient
+
+    from celery_zklock.engine import kazoo_compat
+
+    client = KazooClient(hosts=hosts)
+    client.start(timeout=30)
+    client.ensure_path(root)
+    nodes: dict[str, str] = {}
+    send_guard = threading.Lock()
+
+    def send(conn: socket.socket, message: dict) -> None:
+        with send_guard:
+            try:
+                conn.sendall(_line(message))
+            except OSError:
+                pass
+
+    holders: dict[str, str] = {}  # local key -> the request holding it
+    queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+    local: dict[str, str] = {}  # local request -> its key
+
+    def on_wait(conn: socket.socket, msg: dict) -> None:
+        key = f"{root}/{msg['key']}"
+        if msg.get("local"):
+            local[msg["id"]] = key
+            if key in holders:
+                return queues[key].append((conn, msg["id"]))
+            holders[key] = msg["id"]
+            return send(conn, {"op": "granted", "id": msg["id"]})
+
+        def joined(made) -> None:
+            (_container, (node, _stat)), = made.get()
+            nodes[msg["id"]] = node
+            send(conn, {"op": "granted", "id": msg["id"]})
+
+        kazoo_compat.create_in_new_containers_async(client, [(key, f"{key}/_c_x-lock-", b"", None, None)]).rawlink(joined)
+
+    def on_release(conn: socket.socket, msg: dict) -> None:
+        key = local.pop(msg["id"], None)
+        if key is not None:
+            if queues[key]:
+                owner, holders[key] = queues[key].popleft()
+                send(owner, {"op": "granted", "id": holders[key]})
+            else:
+                del holders[key], queues[key]
+            return send(conn, {"op": "released", "id": msg["id"], "proven": True})
+        node = nodes.pop(msg["id"], None)
+        if node is None:
+            return send(conn, {"op": "released", "id": msg["id"], "proven": False})
+
+        def deleted(result) -> None:
+            result.get()
+            send(conn, {"op": "released", "id": msg["id"], "proven": True})
+
+        client.delete_async(node).rawlink(deleted)
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ)
+    buffers: dict[socket.socket, bytes] = {}
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+    try:
+        while True:
+            for skey, _ in sel.select():
+                sock = skey.fileobj
+                if sock is server:
+                    conn, _ = server.accept()
+                    buffers[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                data = sock.recv(65536)
+                if not data:
+                    sel.unregister(sock)
+                    buffers.pop(sock, None)
+                    sock.close()
+                    continue
+                *lines, buffers[sock] = (buffers[sock] + data).split(b"\n")
+                for line in lines:
+                    msg = json.loads(line)
+                    (on_wait if msg["op"] == "wait" else on_release)(sock, msg)
+    finally:
+        client.stop()
+        client.close()
+
+
+def start_agent(hosts: str, root: str) -> tuple[subprocess.Popen, str]:
+    """The agent, and the socket path the workers find it at (:data:`SOCK_ENV`).  One for
+    all workers: its queues then exclude across them, as ZooKeeper would (the hot
+    workload's floor is a lock, not two)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="skeleton-"), "agent.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "bench.skeleton_app", path, hosts, root], stdout=subprocess.PIPE,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if proc.stdout.readline().strip() != b"READY":
+        proc.kill()
+        raise RuntimeError("the skeleton agent did not start")
+    return proc, path
+
+
+# ------------------------------------------------------------------ the main process
+class Gate(bootsteps.StartStopStep):
+    """Hold a skeleton task's request aside until its agent says ``granted``."""
+
+    label = "skeleton gate"
+
+    def __init__(self, c, **kwargs) -> None:
+        super().__init__(c, **kwargs)
+        self.c, self.inner, self.aside, self.buffer = c, c.on_task_request, {}, b""
+        self.sock: socket.socket | None = None
+        c.on_task_request = self.on_request
+
+    def start(self, c) -> None:
+        if self.sock is None and os.environ.get(SOCK_ENV):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(os.environ[SOCK_ENV])
+            c.hub.add_reader(self.sock.fileno(), self._readable)
+
+    def on_request(self, req) -> None:
+        if self.sock is None or not req.task.name.startswith(PREFIX):
+            return self.inner(req)
+        self.aside[req.id] = req
+        self.sock.sendall(_line({"op": "wait", "id": req.id, "key": f"k:{(req.args or [None])[0]}",
+                                 "local": req.task.name.startswith(LOCAL)}))
+
+    def _readable(self) -> None:
+        *lines, self.buffer = (self.buffer + self.sock.recv(65536)).split(b"\n")
+        for line in lines:
+            self.inner(self.aside.pop(json.loads(line)["id"]))
+
+
+bench_app.app.steps["consumer"].add(Gate)
+
+
+# ------------------------------------------------------------------ the pool process
+_link: dict[int, socket.socket] = {}
+
+
+def _release(task_id: str) -> bool:
+    sock = _link.get(os.getpid())
+    if sock is None:
+        _link.clear()
+        sock = _link[os.getpid()] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(os.environ[SOCK_ENV])
+    sock.sendall(_line({"op": "release", "id": task_id}))
+    buffer = b""
+    while not buffer.endswith(b"\n"):
+        buffer += sock.recv(65536)
+    return json.loads(buffer)["proven"]
+
+
+class SkeletonTask(Task):
+    """The body, then the release and its proof, as ZkLockedTask's wrapper ends."""
+
+    abstract = True
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            if not _release(self.request.id):
+                raise RuntimeError("released without proof")
+
+
+bench_app.add_contender("skeleton", "the design's chain, no lock logic", SkeletonTask, {})
+bench_app.add_contender("skeleton_local", "the design's chain, queued in the agent only", SkeletonTask, {})
+app = bench_app.app  # what ``celery -A bench.skeleton_app`` loads
+
+
+def main(argv: list[str]) -> int:
+    return agent_main(*argv[:3])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
