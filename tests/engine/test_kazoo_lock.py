@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from kazoo.exceptions import LockTimeout
+from kazoo.exceptions import LockTimeout, NoNodeError
 from kazoo.recipe.lock import Lock
 
 from celery_zklock import KazooLock
+from tests.faults.harness import wait_until
 from tests.lockutil import children
 
 
@@ -71,6 +72,7 @@ def test_timeout_bounds_the_whole_acquire_and_leaves_no_node(zk_client, path):
 def test_kazoo_locks_on_the_same_path_need_the_curator_pattern(zk_client, path):
     """Switching some processes only: kazoo's Lock sees our (Curator-named) nodes when given
     extra_lock_patterns=["-lock-"]; without it, it does not (docs/engine.md says so)."""
+    zk_client.ensure_path(path)  # persistent, as docs/engine.md asks of a path kazoo's Lock shares
     ours = KazooLock(zk_client, path, "ours")
     assert ours.acquire()
     assert Lock(zk_client, path, "aware", extra_lock_patterns=["-lock-"]).acquire(blocking=False) is False
@@ -82,3 +84,25 @@ def test_kazoo_locks_on_the_same_path_need_the_curator_pattern(zk_client, path):
     assert theirs.acquire()
     assert KazooLock(zk_client, path).acquire(blocking=False) is False  # we always see kazoo's
     theirs.release()
+
+
+def test_a_kazoo_lock_sharing_our_path_needs_it_persistent(zk_client, path):
+    """kazoo's Lock makes sure of its path once per Lock object; ours makes the path a
+    container, which ZooKeeper deletes once its last node goes.  That kazoo Lock's next
+    acquire then fails with NoNodeError (a fresh-clone CI run met it as a flaky test); a path
+    created persistent first, as docs/engine.md says, is never swept."""
+    ours = KazooLock(zk_client, path, "ours")
+    assert ours.acquire()  # the path is our container now
+    theirs = Lock(zk_client, path, "theirs", extra_lock_patterns=["-lock-"])
+    assert theirs.acquire(blocking=False) is False  # it found the path there: never again looks
+    ours.release()
+    wait_until(lambda: zk_client.exists(path) is None, 10, what="the empty container swept")
+    with pytest.raises(NoNodeError):
+        theirs.acquire(blocking=False)
+    zk_client.ensure_path(path)
+    assert theirs.acquire(blocking=False)
+    theirs.release()
+    assert ours.acquire()
+    ours.release()
+    time.sleep(0.5)  # several sweeps of the test server (every 100 ms)
+    assert zk_client.exists(path) is not None
