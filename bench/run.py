@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from celery_zklock.engine.client import close_clients
+
 from . import (burst, celery_scenarios, enqueue, fairness, flash_sale, floor, lock_bench, many_keys, pool_slots, report,
                scale, tls, worker_loss)
 from .infra import CostMeter, Services, Workers, log
@@ -123,6 +125,9 @@ def run(quick: bool, out: Path, burst_tasks: int | None = None) -> dict:
             log(f"no RabbitMQ at {burst.RABBITMQ_URL}: its burst and flash sale are skipped")
         sc["tls"] = timed(results, "tls", tls.run, services, driver, quick)
     finally:
+        # This process's own ZooKeeper clients (the enqueue scenario's guards) go first: closed
+        # at exit, after the servers, they retried a server that was gone.
+        close_clients()
         log("stopping ZooKeeper and Redis")
         services.close()
     results["loadavg"] = [load_start, os.getloadavg()[0]]
