@@ -127,41 +127,47 @@ def overhead(d: Driver, s: Sizes, meter) -> dict:
             record = d.next_record(tag, timeout=60)
             latency[c].append(record["done"] - sent)
             to_start[c].append(record["start"] - sent)
+    out = bursts(d, names, s.burst, s.burst_passes, lambda c: meter, lambda tag, p, i: f"b{p}-{i}", "throughput")
+    for c in names:
+        out[c] = {"label": d.label[c], **out[c], **summary(latency[c], "latency_"), **summary(to_start[c], "start_")}
+    base = out["plain"]
+    for c in names:
+        out[c]["latency_p50_vs_plain"] = round(out[c]["latency_p50_ms"] / base["latency_p50_ms"], 3)
+    log(f"  the floor: {s.burst * 2} keys joined and left by a bare kazoo client, and messages between two processes")
+    measured = floor.measure(meter.services, tasks=s.burst * 2, messages=s.burst * 20)
+    return {"contenders": out, "baseline": "plain", "samples_s": {c: latency[c] for c in names},
+            "floor": {**measured, **floor.ceilings(base, measured)}}
+
+
+def bursts(d: Driver, names: list[str], tasks: int, passes: int, meter_of, key_of, what: str,
+           kind: str = "trivial", ms_: float = 0) -> dict[str, dict]:
+    """``passes`` bursts of ``tasks`` per contender, the order alternating pass by pass (A..E,
+    then E..A), each task on the key ``key_of(tag, pass, i)``; per contender: tasks run,
+    throughput (first publish to last done), ``meter_of(contender)``'s costs per task
+    (:class:`bench.infra.CostMeter`) and the throughput against ``plain``'s."""
     done = {c: 0 for c in names}
     busy = {c: 0.0 for c in names}
     cost: dict[str, dict[str, float]] = {c: {} for c in names}
-    for p in range(s.burst_passes):
+    for p in range(passes):
         order = names if p % 2 == 0 else names[::-1]
-        log(f"  throughput pass {p + 1}/{s.burst_passes}: {s.burst} tasks per contender, order {', '.join(order)}")
+        log(f"  {what} pass {p + 1}/{passes}: {tasks} tasks per contender, order {', '.join(order)}")
         for c in order:
+            meter = meter_of(c)
             tag = d.new_tag("burst")
             before = meter.snapshot()
             t0 = time.time()
-            sent = sum(d.publish(c, f"b{p}-{i}", tag) is not None for i in range(s.burst))
+            sent = sum(d.publish(c, key_of(tag, p, i), tag, kind, ms_) is not None for i in range(tasks))
             rows = d.records(tag, sent, timeout=300)
             done[c] += len(rows)
             busy[c] += max(r["done"] for r in rows) - t0
             after = meter.snapshot()
             for k in before:
                 cost[c][k] = cost[c].get(k, 0.0) + after[k] - before[k]
-    out = {}
+    out = {c: {"tasks": done[c], "throughput_per_s": round(done[c] / busy[c], 1),
+               **meter_of(c).per_task(dict.fromkeys(cost[c], 0.0), cost[c], done[c])} for c in names}
     for c in names:
-        out[c] = {
-            "label": d.label[c],
-            "tasks": done[c],
-            "throughput_per_s": round(done[c] / busy[c], 1),
-            **summary(latency[c], "latency_"),
-            **summary(to_start[c], "start_"),
-            **meter.per_task(dict.fromkeys(cost[c], 0.0), cost[c], done[c]),
-        }
-    base = out["plain"]
-    for c in names:
-        out[c]["throughput_vs_plain"] = round(out[c]["throughput_per_s"] / base["throughput_per_s"], 3)
-        out[c]["latency_p50_vs_plain"] = round(out[c]["latency_p50_ms"] / base["latency_p50_ms"], 3)
-    log(f"  the floor: {s.burst * 2} keys joined and left by a bare kazoo client, and messages between two processes")
-    measured = floor.measure(meter.services, tasks=s.burst * 2, messages=s.burst * 20)
-    return {"contenders": out, "baseline": "plain", "samples_s": {c: latency[c] for c in names},
-            "floor": {**measured, **floor.ceilings(base, measured)}}
+        out[c]["throughput_vs_plain"] = round(out[c]["throughput_per_s"] / out["plain"]["throughput_per_s"], 3)
+    return out
 
 
 # ------------------------------------------------------------------ scenario 2

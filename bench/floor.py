@@ -185,8 +185,8 @@ def design(services, tasks: int = 500, passes: int = 4) -> dict:
     * ``hot``: ``tasks`` tasks holding 1 ms on five keys (the flash sale's shape), the
       skeleton queueing them in its agent only (a local handoff: no ZooKeeper request).
     """
-    from .celery_scenarios import Driver
-    from .infra import CostMeter, Workers, log
+    from .celery_scenarios import Driver, bursts
+    from .infra import CostMeter, Workers
 
     driver = Driver(services.env())  # sets the environment bench.app reads at import
     from . import skeleton_app  # registers the skeleton's tasks with the driver too
@@ -198,40 +198,19 @@ def design(services, tasks: int = 500, passes: int = 4) -> dict:
     except BaseException:
         agent.kill()
         raise
-    workloads = {"distinct": (["plain", "skeleton", "zklock"], "trivial", 0.0),
-                 "hot": (["plain", "skeleton_local", "zklock"], "hold", HOT_MS)}
+    workloads = {"distinct": (["plain", "skeleton", "zklock"], "trivial", 0.0, lambda tag, p, i: f"{tag}-{i}"),
+                 "hot": (["plain", "skeleton_local", "zklock"], "hold", HOT_MS, lambda tag, p, i: f"{tag}-{i % HOT_KEYS}")}
+    labels = {**skeleton_app.bench_app.CONTENDERS, **skeleton_app.bench_app.EXTRA}
     out: dict = {"tasks_per_pass": tasks, "passes": passes, "hot_keys": HOT_KEYS, "hot_ms": HOT_MS}
     try:
         driver.contenders = ["plain", "skeleton", "skeleton_local", "zklock"]
         driver.warm_up(40)
-        for workload, (names, kind, ms) in workloads.items():
+        for workload, (names, kind, ms, key_of) in workloads.items():
             meters = {c: CostMeter(services, workers, agents=[agent.pid] if c.startswith("skeleton") else ())
                       for c in names}
-            done = dict.fromkeys(names, 0)
-            busy = dict.fromkeys(names, 0.0)
-            cost: dict[str, dict[str, float]] = {c: {} for c in names}
-            for p in range(passes):
-                order = names if p % 2 == 0 else names[::-1]
-                log(f"  the design's floor, {workload} keys, pass {p + 1}/{passes}: {tasks} tasks per contender, "
-                    f"order {', '.join(order)}")
-                for c in order:
-                    tag = driver.new_tag("design")
-                    before = meters[c].snapshot()
-                    t0 = time.time()
-                    sent = sum(driver.publish(c, f"{tag}-{i % HOT_KEYS}" if workload == "hot" else f"{tag}-{i}",
-                                              tag, kind, ms) is not None for i in range(tasks))
-                    rows = driver.records(tag, sent, timeout=300)
-                    after = meters[c].snapshot()
-                    done[c] += len(rows)
-                    busy[c] += max(r["done"] for r in rows) - t0
-                    for k in before:
-                        cost[c][k] = cost[c].get(k, 0.0) + after[k] - before[k]
-            rows_out = {c: {"tasks": done[c], "throughput_per_s": round(done[c] / busy[c], 1),
-                            **CostMeter.per_task(dict.fromkeys(cost[c], 0.0), cost[c], done[c])} for c in names}
-            for c in names:
-                rows_out[c]["throughput_vs_plain"] = round(rows_out[c]["throughput_per_s"]
-                                                           / rows_out["plain"]["throughput_per_s"], 3)
-            out[workload] = rows_out
+            rows = bursts(driver, names, tasks, passes, meters.__getitem__, key_of,
+                          f"the design's floor, {workload} keys,", kind, ms)
+            out[workload] = {c: {"label": labels[c], **row} for c, row in rows.items()}
     finally:
         workers.stop()
         agent.kill()

@@ -471,8 +471,6 @@ def _design_floor_lines(data: dict) -> list[str]:
                ("cpu_redis_ms_per_task", "Redis ms"), ("cpu_publisher_ms_per_task", "publisher ms"),
                ("zk_requests_per_task", "ZK req"), ("switches_worker_main_per_task", "main wake-ups"),
                ("switches_worker_agent_per_task", "agent wake-ups"), ("switches_worker_pool_per_task", "pool wake-ups")]
-    label = {"plain": "plain Celery", "zklock": "ZkLockedTask", "skeleton": "the design's chain (ZooKeeper)",
-             "skeleton_local": "the design's chain (agent's queue)"}
     lines = []
     for workload, what in (("distinct", f"{data['tasks_per_pass']} trivial tasks on distinct keys"),
                            ("hot", f"{data['tasks_per_pass']} tasks of {data['hot_ms']:g} ms on {data['hot_keys']} keys")):
@@ -481,7 +479,7 @@ def _design_floor_lines(data: dict) -> list[str]:
             continue
         lines += [f"{what.capitalize()}, {data['passes']} pass(es) per contender (per task; wake-ups: context switches):", "",
                   *_table(["contender"] + [h for _, h in columns],
-                          [[label.get(c, c)] + [r.get(k) for k, _ in columns] for c, r in rows.items()]), ""]
+                          [[r.get("label", c)] + [r.get(k) for k, _ in columns] for c, r in rows.items()]), ""]
     return lines + [NOTES["design_floor"]]
 
 

@@ -227,8 +227,8 @@ class SkeletonTask(Task):
                 raise RuntimeError("released without proof")
 
 
-bench_app.add_contender("skeleton", "the design's chain, no lock logic", SkeletonTask, {})
-bench_app.add_contender("skeleton_local", "the design's chain, queued in the agent only", SkeletonTask, {})
+bench_app.add_contender("skeleton", "the design's chain (ZooKeeper)", SkeletonTask, {})
+bench_app.add_contender("skeleton_local", "the design's chain (agent's queue)", SkeletonTask, {})
 app = bench_app.app  # what ``celery -A bench.skeleton_app`` loads
 
 
