@@ -141,8 +141,9 @@ def add_local_waiters(report: dict, waiting: dict[str, list[dict]]) -> dict:
 def guard_report(client, root: str, key: str | None = None, prefix: str | None = None, task: str | None = None) -> dict:
     """{guard path: [guard]}: the enqueue guards (``lock_enqueue``) in place, each ``queued``
     (a persistent node: its message waits in the broker), ``publishing`` (not yet confirmed
-    sent) or ``running`` (an ephemeral node of
-    the session running it, ``lock_enqueue_until="finish"``), with its age and expiry;
+    sent), ``running`` (an ephemeral node of the session running it,
+    ``lock_enqueue_until="finish"``) or ``stale`` (a late confirm landed on another
+    publisher's node: it names nobody), with its age and expiry;
     only those of ``task`` (a task name) when given."""
     base = guards.folder(root)
     names = []
@@ -167,7 +168,8 @@ def guard_report(client, root: str, key: str | None = None, prefix: str | None =
         except NoNodeError:
             continue
         g = guards.Guard.loads(raw)
-        state = "running" if stat.ephemeralOwner else "queued" if g is None or g.confirmed else "publishing"
+        state = ("running" if stat.ephemeralOwner else "stale" if guards.misplaced(g, stat.czxid)
+                 else "queued" if g is None or g.confirmed else "publishing")
         found[f"{base}/{name}"] = [{
             "node": name, "position": 0, "holder": False, "guard": state, "deduped": guards.dedupes(client, f"{base}/{name}"),
             "for_s": round(now - stat.ctime / 1000.0, 3), "task": g.task if g else None,

@@ -66,6 +66,12 @@ class Guard:
     at: float = 0.0  # when it was published
     confirmed: bool = True  # its message is with the broker (guards of older versions: yes)
     publish_by: float = 0.0  # unconfirmed past this: its publisher never got through
+    #: The czxid of the node its publisher created, written by the confirm (0: not stated,
+    #: as in guards of older versions and running guards, whose identity is their session).
+    #: A confirm is a write conditional on version 0, and every new guard is at version 0:
+    #: one that arrives after its task started and another publisher took the key lands on
+    #: that publisher's node, and this field is then how a reader tells (:func:`misplaced`).
+    node: int = 0
     #: Publishes deduped into it (a lower bound under contention), as :func:`~celery_zklock.
     #: engine.guards.release` read them off its counter node: never stored in the guard itself.
     deduped: int = 0
@@ -82,7 +88,7 @@ class Guard:
             return cls(id=str(raw["id"]), task=str(raw.get("task") or ""), until=str(raw.get("until") or "start"),
                        expires_at=float(raw["expires_at"]), retries=int(raw.get("retries") or 0),
                        at=float(raw.get("at") or 0.0), confirmed=bool(raw.get("confirmed", True)),
-                       publish_by=float(raw.get("publish_by") or 0.0))
+                       publish_by=float(raw.get("publish_by") or 0.0), node=int(raw.get("node") or 0))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -104,19 +110,31 @@ def bound(now: float, eta: float | None, expires: float | None, staleness: float
     return max(now, eta or now) + staleness
 
 
-def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False) -> Verdict:
+def misplaced(found: "Guard | None", czxid: int) -> bool:
+    """A confirm that landed on another node than the one its publisher created (pure): the
+    guard names a task that already started (its own node ended then), on a node another
+    publisher created since, whose task id the confirm overwrote.  It names nobody: nobody
+    may dedupe into it (the work would be lost) and any run or publish may clear it (its
+    real publisher's task is queued all the same: a duplicate at worst)."""
+    return found is not None and found.confirmed and bool(found.node) and bool(czxid) and found.node != czxid
+
+
+def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False, czxid: int = 0) -> Verdict:
     """What a publisher of ``task_id`` does about a guard it found in place (pure).
 
     ``running``: the guard is an ephemeral node (``lock_enqueue_until="finish"``, its task
     running): its bound is the running worker's session, not ``expires_at``, which bounds
-    only a queued guard whose message the broker may have lost.  A node we cannot read as
-    a guard is somebody else's: held, never deleted."""
+    only a queued guard whose message the broker may have lost.  ``czxid``: the node's
+    (0: unknown), against which a confirmed guard's ``node`` is checked.  A node we cannot
+    read as a guard is somebody else's: held, never deleted."""
     if found is None:
         return HELD
+    if running:
+        return OWN if found.id == task_id else HELD
+    if misplaced(found, czxid):
+        return STALE
     if found.id == task_id:
         return OWN
-    if running:
-        return HELD
     if not found.confirmed:
         return STALE if now >= found.publish_by else UNCONFIRMED
     if now >= found.expires_at:

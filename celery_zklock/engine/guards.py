@@ -22,7 +22,7 @@ from . import guard_counts, kazoo_compat
 from .guard_counts import dedupes  # noqa: F401  (re-exported)
 from .guard_rules import (  # noqa: F401  (the rules, re-exported: callers know one module)
     FOLDER, HEADER, HELD, MODES, OWN, PUBLISH_WINDOW, STALE, UNCONFIRMED, UNTIL, Guard, Verdict, bound, folder,
-    guard_path, guarded, verdict,
+    guard_path, guarded, misplaced, verdict,
 )
 
 #: Bounds every ZooKeeper call of a guard when the caller gives none (seconds).
@@ -39,11 +39,17 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class Taken:
-    """The outcome of :func:`take`, and the guard in the way when it is another's."""
+    """The outcome of :func:`take`, the guard in the way when it is another's, and when the
+    guard is ours, the czxid of each node we made (what :func:`confirm` names)."""
 
     outcome: Outcome
     path: str | None = None
     found: Guard | None = None
+    nodes: dict | None = None
+
+
+def _judge(found: Guard | None, task_id: str, stat) -> Verdict:
+    return verdict(found, task_id, time.time(), bool(stat.ephemeralOwner), stat.czxid)
 
 
 class _Calls:
@@ -98,7 +104,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
         except NoNodeError:
             continue
         found = Guard.loads(raw)
-        seen = verdict(found, guard.id, time.time(), bool(stat.ephemeralOwner))
+        seen = _judge(found, guard.id, stat)
         if seen is HELD:
             guard_counts.count_dedupe(client, path, stat)
             return Taken(Outcome.HELD, path, found)
@@ -106,15 +112,21 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
             held = _settled(calls, path, guard.id)
             if held is not None:
                 return held
+    nodes: dict[str, int] = {}  # the czxid of each node we made (or took over)
     for _ in range(attempts):
         txn = client.transaction()
         for path in paths:
             txn.create(path, data, acl=acl)
-        results = calls.commit(txn)
+        committed = txn.commit_async()
+        made = [client.get_async(path) for path in paths]  # pipelined: read after the commit
+        results = committed.get(timeout=calls.timeout)
         failed = [(p, r) for p, r in zip(paths, results)
                   if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
         if not failed:
-            return Taken(Outcome.TAKEN)
+            ours = _made(calls, paths, made, guard.id)
+            if ours is None:
+                continue  # a node we made was gone before we read it: make it again
+            return Taken(Outcome.TAKEN, nodes={**nodes, **ours})
         path, error = failed[0]
         if isinstance(error, NoNodeError):
             calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
@@ -125,14 +137,16 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
         if read is None:
             continue  # gone meanwhile: try again
         found, stat = read
-        seen = verdict(found, guard.id, time.time(), bool(stat.ephemeralOwner))
+        seen = _judge(found, guard.id, stat)
         if seen is STALE:
             _delete(calls, path, stat.version)
         elif seen is OWN:
-            if _take_over(client, calls, path, stat, guard, acl):
+            node = _take_over(client, calls, path, stat, guard, acl)
+            if node:
+                nodes[path] = node
                 paths = [p for p in paths if p != path]
                 if not paths:
-                    return Taken(Outcome.OWN, path, found)
+                    return Taken(Outcome.OWN, path, found, nodes)
         elif seen is UNCONFIRMED:
             held = _settled(calls, path, guard.id)
             if held is not None:
@@ -153,7 +167,7 @@ def _settled(calls: _Calls, path: str, task_id: str) -> Taken | None:
             return None
         found, stat = read
         now = time.time()
-        seen = verdict(found, task_id, now, bool(stat.ephemeralOwner))
+        seen = _judge(found, task_id, stat)
         if seen is HELD:
             guard_counts.count_dedupe(calls.client, path, stat)
             return Taken(Outcome.HELD, path, found)
@@ -177,15 +191,20 @@ def _settle(calls: _Calls, path: str, step, what: str) -> None:
     raise RuntimeError(f"could not {what} the enqueue guard {path}: it kept changing under us")
 
 
-def confirm(client, paths: list[str], guard: Guard, timeout: float | None = None) -> None:
+def confirm(client, paths: list[str], guard: Guard, timeout: float | None = None,
+            taken: Taken | None = None) -> None:
     """Our message is with the broker: publishers that find the guard may now dedupe into it.
-    One conditional write per path, all pipelined: the guard :func:`take` created (or took
-    over) is at version 0 until its task starts, which ends it (NoNode) or moves it (a new
-    node, ours, at version 0 again, where writing ours confirmed changes nothing).  Only a
-    publish slower than :data:`PUBLISH_WINDOW` can find another publisher's guard at
-    version 0 in its place; confirming ours over it then costs a duplicate, never a loss."""
-    data = replace(guard, confirmed=True, publish_by=0.0).dumps()
-    writes = [client.set_async(path, data, version=0) for path in paths]
+    One write per path conditional on version 0, all pipelined, each naming the node
+    :func:`take` made (``taken.nodes``; a path with none is left unconfirmed: stale after
+    :data:`PUBLISH_WINDOW`, a duplicate at worst).  The condition alone cannot tell our node
+    from a newer one: a confirm that arrives after our task started (its node gone) and
+    another publisher took the key lands on that publisher's node, also at version 0.  It
+    then names a node it is not on, which readers take for stale (:func:`misplaced`), never
+    for a run to dedupe into: a late confirm costs a duplicate, never a loss."""
+    nodes = (taken.nodes if taken is not None else None) or {}
+    writes = [client.set_async(path, replace(guard, confirmed=True, publish_by=0.0, node=nodes[path]).dumps(),
+                               version=0)
+              for path in paths if nodes.get(path)]
     for pending in writes:
         try:
             pending.get(timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
@@ -193,13 +212,36 @@ def confirm(client, paths: list[str], guard: Guard, timeout: float | None = None
             pass  # its task started (and its guard moved on) meanwhile
 
 
-def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> bool:
+def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> int:
     """Our own guard (a retry of the same task id): name the new message in it, as a
-    persistent node — the run that retried ends, or dies, without taking it along."""
+    persistent node — the run that retried ends, or dies, without taking it along.
+    Returns the new node's czxid (0 when the guard changed meanwhile)."""
     txn = client.transaction()
     txn.delete(path, version=stat.version)
     txn.create(path, guard.dumps(), acl=acl)
-    return not any(isinstance(r, Exception) for r in calls.commit(txn))
+    committed = txn.commit_async()
+    made = [client.get_async(path)]
+    if any(isinstance(r, Exception) for r in committed.get(timeout=calls.timeout)):
+        return 0
+    ours = _made(calls, [path], made, guard.id)
+    return ours[path] if ours else 0
+
+
+def _made(calls: _Calls, paths: list[str], reads: list, task_id: str) -> dict[str, int] | None:
+    """The czxid of each node we just made, from the reads sent after the commit (a session's
+    requests are answered in order); None if one is no longer ours (deleted as stale and
+    taken by another publisher meanwhile: only a publish slower than PUBLISH_WINDOW)."""
+    nodes = {}
+    for path, pending in zip(paths, reads):
+        try:
+            raw, stat = pending.get(timeout=calls.timeout)
+        except NoNodeError:
+            return None
+        found = Guard.loads(raw)
+        if found is None or found.id != task_id or found.confirmed:
+            return None
+        nodes[path] = stat.czxid
+    return nodes
 
 
 def folder_of(path: str) -> str:
@@ -226,6 +268,9 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
 
     def step(read) -> bool:
         found, stat = read if read is not None else (None, None)
+        if stat is not None and misplaced(found, stat.czxid):
+            _delete(calls, path, stat.version)  # names nobody: cleared by whoever finds it
+            return True
         if found is None or not found.ended_by(task_id, retries) or (running and stat.ephemeralOwner != session):
             return True
         try:
@@ -267,11 +312,15 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
                 pass
             return True
         found, stat = read
+        if misplaced(found, stat.czxid):
+            _delete(calls, path, stat.version)  # names nobody: cleared, then this run guarded
+            return False
         if found is None or not found.ended_by(task_id, retries) or stat.ephemeralOwner:
             return True
         txn = client.transaction()
         txn.delete(path, version=stat.version)
-        txn.create(path, replace(found, confirmed=True, retries=retries).dumps(), acl=acl, ephemeral=True)
+        # node=0: a running guard's identity is its session, not the czxid its confirm named.
+        txn.create(path, replace(found, confirmed=True, retries=retries, node=0).dumps(), acl=acl, ephemeral=True)
         if any(isinstance(r, Exception) for r in calls.commit(txn)):
             return False  # the guard changed meanwhile (its publisher confirmed it): read again
         guard_counts.take(client, path, stat.czxid, calls.timeout)  # the queued guard's count: its work runs now

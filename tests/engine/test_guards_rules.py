@@ -9,8 +9,9 @@ from celery_zklock.engine import guards
 from celery_zklock.engine.guards import HELD, OWN, STALE, UNCONFIRMED, Guard, bound, verdict
 
 
-def _g(task_id="a", expires_at=100.0, retries=0, confirmed=True, publish_by=0.0):
-    return Guard(task_id, "t", "start", expires_at, retries, 1.0, confirmed=confirmed, publish_by=publish_by)
+def _g(task_id="a", expires_at=100.0, retries=0, confirmed=True, publish_by=0.0, node=0):
+    return Guard(task_id, "t", "start", expires_at, retries, 1.0, confirmed=confirmed, publish_by=publish_by,
+                 node=node)
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,44 @@ def test_verdict(found, task_id, now, expected, why):
 )
 def test_verdict_of_a_running_guard(found, task_id, now, expected, why):
     assert verdict(found, task_id, now, running=True) == expected, why
+
+
+@pytest.mark.parametrize(
+    "found, task_id, czxid, expected, why",
+    [
+        (_g("a", node=7), "b", 7, HELD, "confirmed on the node its publisher made: dedupe into it"),
+        (_g("a", node=7), "b", 9, STALE,
+         "confirmed onto node 9, made by another publisher after a's run began: names nobody"),
+        (_g("a", node=7), "a", 9, STALE, "not a's node either: a retry of a replaces it"),
+        (_g("a", node=0), "b", 9, HELD, "a guard of an older version names no node: trusted as before"),
+        (_g("a", node=7), "b", 0, HELD, "the node's czxid unknown: trusted"),
+        (_g("a", confirmed=False, publish_by=60.0, node=0), "b", 9, UNCONFIRMED, "unconfirmed: its own create"),
+    ],
+)
+def test_verdict_of_a_guard_confirmed_onto_a_node(found, task_id, czxid, expected, why):
+    assert verdict(found, task_id, 50.0, czxid=czxid) == expected, why
+
+
+@pytest.mark.parametrize(
+    "found, running, expected, why",
+    [
+        (_g("a", node=7), True, HELD, "running: a late confirm of its own landed on it; its session bounds it"),
+        (_g("a", node=7), False, STALE, "queued: its publisher's confirm landed on another's node"),
+    ],
+)
+def test_a_running_guard_is_never_misplaced(found, running, expected, why):
+    assert verdict(found, "b", 50.0, running=running, czxid=9) == expected, why
+
+
+@pytest.mark.parametrize(
+    "found, czxid, expected",
+    [
+        (_g(node=7), 7, False), (_g(node=7), 8, True), (_g(node=0), 8, False), (_g(node=7), 0, False),
+        (_g(confirmed=False, node=7), 8, False), (None, 8, False),
+    ],
+)
+def test_misplaced(found, czxid, expected):
+    assert guards.misplaced(found, czxid) is expected
 
 
 @pytest.mark.parametrize(
@@ -85,7 +124,7 @@ def test_unreadable_guards_load_as_none(raw):
 
 
 def test_a_guard_round_trips_and_names_its_run():
-    g = Guard("id-1", "tasks.refresh", "finish", 123.5, 2, 100.0)
+    g = Guard("id-1", "tasks.refresh", "finish", 123.5, 2, 100.0, node=42)
     back = Guard.loads(g.dumps())
     assert back == g and back.names("id-1", 2) and not back.names("id-1", 1) and not back.names("id-2", 2)
 
