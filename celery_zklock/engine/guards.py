@@ -320,7 +320,11 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
         txn = client.transaction()
         txn.delete(path, version=stat.version)
         # node=0: a running guard's identity is its session, not the czxid its confirm named.
-        txn.create(path, replace(found, confirmed=True, retries=retries, node=0).dumps(), acl=acl, ephemeral=True)
+        running = replace(found, confirmed=True, retries=retries, node=0).dumps()
+        txn.create(path, running, acl=acl, ephemeral=True)
+        # At version 1: a confirm still on its way (a write conditional on version 0, ours or
+        # a publisher's whose task started before ours) can never land on a running guard.
+        txn.set_data(path, running, version=0)
         if any(isinstance(r, Exception) for r in calls.commit(txn)):
             return False  # the guard changed meanwhile (its publisher confirmed it): read again
         guard_counts.take(client, path, stat.czxid, calls.timeout)  # the queued guard's count: its work runs now

@@ -62,6 +62,24 @@ def test_a_guard_confirmed_onto_another_node_is_cleared_by_a_start(zk, request):
     assert zk.exists(path) is None
 
 
+def test_a_late_confirm_never_lands_on_a_running_guard(zk, request):
+    """``until="finish"``: T2 runs (its guard an ephemeral node of its session) when T1's
+    confirm arrives; the running guard still names T2 and ends with T2's run."""
+    path = guards.guard_path("/g-confirm", "t", f"user:{request.node.name}")
+    first = _guard("T1", "finish")
+    taken = guards.take(zk, [path], first)
+    guards.start(zk, [path], "T1", 0, "finish")
+    guards.release(zk, [path], "T1", 0, running=True)
+    second = _guard("T2", "finish")
+    guards.confirm(zk, [path], second, taken=guards.take(zk, [path], second))
+    guards.start(zk, [path], "T2", 0, "finish")
+    guards.confirm(zk, [path], first, taken=taken)  # T1's, only now
+    held = guards.take(zk, [path], _guard("T3", "finish"))
+    assert held.outcome is Outcome.HELD and held.found.id == "T2"
+    assert [g.id for g in guards.release(zk, [path], "T2", 0, running=True)] == ["T2"]
+    assert zk.exists(path) is None
+
+
 def test_a_timely_confirm_still_dedupes(zk, request):
     path = guards.guard_path("/g-confirm", "t", f"user:{request.node.name}")
     first = _guard("T1")
