@@ -56,6 +56,14 @@ def test_planted_bugs_are_found_and_reported_with_their_seed():
     assert "2/2 found" in found.stdout
 
 
+def test_a_planted_bug_outside_the_simulator_is_found_by_its_tests():
+    """The enqueue guards are not simulated: their mutants name the real-ZooKeeper tests that
+    must fail on the mutated copy (and check that the copy is what those tests import)."""
+    found = _sim("misplaced-confirm", module="sim.mutants")
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert "found    misplaced-confirm    by test_a_late_confirm" in found.stdout, found.stdout
+
+
 def test_a_violation_fails_the_run_and_names_its_seed(tmp_path):
     """What CI sees: the mutated copy fails `python -m sim.run` with the seed and a replay line."""
     import shutil
