@@ -166,7 +166,7 @@ MUTANTS = [
            killer="tests/engine/test_guards_confirm.py"),
     Mutant("running-guard-v0", "24. a running guard made at version 0, where a confirm on its way can land",
            "engine/guards.py",
-           "        txn.set_data(path, running, version=0)\n",
+           "    txn.set_data(path, data, version=0)\n",
            "",
            killer="tests/engine/test_guards_confirm.py"),
 ]

@@ -302,14 +302,14 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
             # A redelivered copy whose first run's worker died (its ephemeral guard went
             # with it): guard this run again, unless another task of the key queued since.
             # (expires_at bounds only a queued guard: a running one lasts as our session.)
-            guard = Guard(task_id, "", "finish", time.time(), retries, time.time())
-            try:
-                client.create_async(path, guard.dumps(), acl=acl, ephemeral=True).get(timeout=calls.timeout)
-            except NoNodeError:
+            txn = client.transaction()
+            _running(txn, path, Guard(task_id, "", "finish", time.time(), retries, time.time()).dumps(), acl)
+            made = calls.commit(txn)[0]
+            if isinstance(made, NoNodeError):
                 calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
                 return False
-            except NodeExistsError:
-                pass
+            if isinstance(made, Exception) and not isinstance(made, NodeExistsError):
+                raise made
             return True
         found, stat = read
         if misplaced(found, stat.czxid):
@@ -320,11 +320,7 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
         txn = client.transaction()
         txn.delete(path, version=stat.version)
         # node=0: a running guard's identity is its session, not the czxid its confirm named.
-        running = replace(found, confirmed=True, retries=retries, node=0).dumps()
-        txn.create(path, running, acl=acl, ephemeral=True)
-        # At version 1: a confirm still on its way (a write conditional on version 0, ours or
-        # a publisher's whose task started before ours) can never land on a running guard.
-        txn.set_data(path, running, version=0)
+        _running(txn, path, replace(found, confirmed=True, retries=retries, node=0).dumps(), acl)
         if any(isinstance(r, Exception) for r in calls.commit(txn)):
             return False  # the guard changed meanwhile (its publisher confirmed it): read again
         guard_counts.take(client, path, stat.czxid, calls.timeout)  # the queued guard's count: its work runs now
@@ -332,6 +328,14 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
 
     for path in paths:
         _settle(calls, path, step, "move")
+
+
+def _running(txn, path: str, data: bytes, acl) -> None:
+    """Add a running guard to ``txn``: an ephemeral node of this session, at version 1.
+    Why 1: a confirm still on its way (a write conditional on version 0, ours or that of a
+    publisher whose task started before ours) can then never land on a running guard."""
+    txn.create(path, data, acl=acl, ephemeral=True)
+    txn.set_data(path, data, version=0)
 
 
 def main() -> int:
