@@ -163,7 +163,7 @@ MUTANTS = [
            "engine/guard_rules.py",
            "    return found is not None and found.confirmed and bool(found.node)",
            "    return False and found is not None and found.confirmed and bool(found.node)",
-           killer="tests/engine/test_guards_confirm.py"),
+           killer="tests/engine/test_guards_confirm.py tests/engine/test_guards_interleavings.py"),
     Mutant("running-guard-v0", "24. a running guard made at version 0, where a confirm on its way can land",
            "engine/guards.py",
            "    txn.set_data(path, data, version=0)\n",
