@@ -21,7 +21,6 @@ import time
 import uuid
 
 import pytest
-from kazoo.client import KazooClient
 
 from celery_zklock.engine import guards
 from celery_zklock.engine.guards import Guard, Outcome
@@ -30,7 +29,7 @@ PAUSES = (0.0, 0.0, 0.0, 0.0005, 0.002, 0.01)
 
 
 @pytest.mark.parametrize("until", ["start", "finish"])
-def test_no_publish_is_deduped_into_work_already_done(zk_server, until):
+def test_no_publish_is_deduped_into_work_already_done(clients, until):
     root = f"/g-interleave-{uuid.uuid4().hex[:8]}"
     keys = [guards.guard_path(root, "t", f"k:{i}") for i in range(3)]
     broker: queue.Queue = queue.Queue()
@@ -38,16 +37,8 @@ def test_no_publish_is_deduped_into_work_already_done(zk_server, until):
     begun: dict[str, float] = {}  # task id -> when its body began (start returned)
     ended: dict[str, float] = {}  # task id -> when its run ended (finish returned)
     runs: list[str] = []
-    clients = []
-
-    def client() -> KazooClient:
-        c = KazooClient(hosts=zk_server.hosts)
-        c.start(timeout=10)
-        clients.append(c)
-        return c
-
     def publisher(seed: int) -> None:
-        zk, rnd = client(), random.Random(seed)
+        zk, rnd = clients(), random.Random(seed)
         for _ in range(60):
             path, mine = rnd.choice(keys), str(uuid.uuid4())
             made_at = time.time()
@@ -62,7 +53,7 @@ def test_no_publish_is_deduped_into_work_already_done(zk_server, until):
             rows.append((path, mine, mine, made_at))
 
     def worker(seed: int) -> None:
-        zk, rnd = client(), random.Random(seed)
+        zk, rnd = clients(), random.Random(seed)
         while True:
             item = broker.get()
             if item is None:
@@ -77,30 +68,25 @@ def test_no_publish_is_deduped_into_work_already_done(zk_server, until):
                 guards.release(zk, [path], task_id, 0, running=True)
                 ended[task_id] = time.time()
 
-    try:
-        workers = [threading.Thread(target=worker, args=(100 + i,)) for i in range(2)]
-        publishers = [threading.Thread(target=publisher, args=(i,)) for i in range(6)]
-        for t in workers + publishers:
-            t.start()
-        for t in publishers:
-            t.join(120)
-        for _ in workers:
-            broker.put(None)
-        for t in workers:
-            t.join(120)
-        queued = sorted(mine for _p, mine, got, _m in rows if got == mine)
-        assert len(rows) == 360 and sorted(runs) == queued  # every message the broker took ran once
-        done = begun if until == "start" else ended
-        late = [(got, round(made_at - done[got], 4)) for _p, mine, got, made_at in rows
-                if got != mine and got in done and made_at > done[got]]
-        assert not late, f"{len(late)} publishes deduped into work already under way or done, e.g. {late[:3]}"
-        assert len(queued) < len(rows)  # deduping did happen
-        checker = clients[0]
-        for path in keys:  # what is left names nobody: a publish now queues again
-            if checker.exists(path) is not None:
-                raw, stat = checker.get(path)
-                assert guards.misplaced(Guard.loads(raw), stat.czxid), (path, Guard.loads(raw), stat)
-    finally:
-        for c in clients:
-            c.stop()
-            c.close()
+    checker = clients()
+    workers = [threading.Thread(target=worker, args=(100 + i,)) for i in range(2)]
+    publishers = [threading.Thread(target=publisher, args=(i,)) for i in range(6)]
+    for t in workers + publishers:
+        t.start()
+    for t in publishers:
+        t.join(120)
+    for _ in workers:
+        broker.put(None)
+    for t in workers:
+        t.join(120)
+    queued = sorted(mine for _p, mine, got, _m in rows if got == mine)
+    assert len(rows) == 360 and sorted(runs) == queued  # every message the broker took ran once
+    done = begun if until == "start" else ended
+    late = [(got, round(made_at - done[got], 4)) for _p, mine, got, made_at in rows
+            if got != mine and got in done and made_at > done[got]]
+    assert not late, f"{len(late)} publishes deduped into work already under way or done, e.g. {late[:3]}"
+    assert len(queued) < len(rows)  # deduping did happen
+    for path in keys:  # what is left names nobody: a publish now queues again
+        if checker.exists(path) is not None:
+            raw, stat = checker.get(path)
+            assert guards.misplaced(Guard.loads(raw), stat.czxid), (path, Guard.loads(raw), stat)

@@ -7,27 +7,9 @@ from __future__ import annotations
 
 import time
 
-import pytest
-from kazoo.client import KazooClient
 
 from celery_zklock.engine import guards
 from celery_zklock.engine.guards import Guard
-
-
-@pytest.fixture
-def clients(zk_server):
-    made = []
-
-    def new() -> KazooClient:
-        c = KazooClient(hosts=zk_server.hosts)
-        c.start(timeout=10)
-        made.append(c)
-        return c
-
-    yield new
-    for c in made:
-        c.stop()
-        c.close()
 
 
 def _publish(client, path: str, task_id: str) -> str:
