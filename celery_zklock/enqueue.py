@@ -112,7 +112,7 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
     elif mine:
         # Publishers that found it waiting may now dedupe into it.  Unconfirmed (we died, or
         # ZooKeeper went), it goes stale after guards.PUBLISH_WINDOW: a duplicate at worst.
-        _quietly(guards.confirm, client, paths, guard, opts.connect_timeout, taken)
+        _quietly(guards.confirm, client, taken, guard, opts.connect_timeout)
     return result
 
 

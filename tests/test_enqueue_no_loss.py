@@ -251,7 +251,7 @@ def test_a_publish_waits_for_an_unconfirmed_guard_and_then_dedupes_into_it(mod, 
                         confirmed=False, publish_by=time.time() + 8.0)
     zk.create(path, slow.dumps(), makepath=True)
     made = guards.Taken(guards.Outcome.TAKEN, nodes={path: zk.exists(path).czxid})  # what take() returns
-    threading.Timer(0.5, lambda: guards.confirm(zk, [path], slow, taken=made)).start()
+    threading.Timer(0.5, lambda: guards.confirm(zk, made, slow)).start()
     assert mod.refresh.apply_async((key, 0), queue=f"nobody-{key}").id == "slow-one"
     _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
 

@@ -117,9 +117,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
         txn = client.transaction()
         for path in paths:
             txn.create(path, data, acl=acl)
-        committed = txn.commit_async()
-        made = [client.get_async(path) for path in paths]  # pipelined: read after the commit
-        results = committed.get(timeout=calls.timeout)
+        results, made = _commit_reading(calls, txn, paths)
         failed = [(p, r) for p, r in zip(paths, results)
                   if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
         if not failed:
@@ -191,20 +189,16 @@ def _settle(calls: _Calls, path: str, step, what: str) -> None:
     raise RuntimeError(f"could not {what} the enqueue guard {path}: it kept changing under us")
 
 
-def confirm(client, paths: list[str], guard: Guard, timeout: float | None = None,
-            taken: Taken | None = None) -> None:
+def confirm(client, taken: Taken, guard: Guard, timeout: float | None = None) -> None:
     """Our message is with the broker: publishers that find the guard may now dedupe into it.
-    One write per path conditional on version 0, all pipelined, each naming the node
-    :func:`take` made (``taken.nodes``; a path with none is left unconfirmed: stale after
-    :data:`PUBLISH_WINDOW`, a duplicate at worst).  The condition alone cannot tell our node
+    One write per node :func:`take` made (``taken.nodes``: path -> czxid), conditional on
+    version 0, all pipelined, each naming its node.  The condition alone cannot tell our node
     from a newer one: a confirm that arrives after our task started (its node gone) and
     another publisher took the key lands on that publisher's node, also at version 0.  It
     then names a node it is not on, which readers take for stale (:func:`misplaced`), never
     for a run to dedupe into: a late confirm costs a duplicate, never a loss."""
-    nodes = (taken.nodes if taken is not None else None) or {}
-    writes = [client.set_async(path, replace(guard, confirmed=True, publish_by=0.0, node=nodes[path]).dumps(),
-                               version=0)
-              for path in paths if nodes.get(path)]
+    writes = [client.set_async(path, replace(guard, confirmed=True, publish_by=0.0, node=node).dumps(), version=0)
+              for path, node in (taken.nodes or {}).items()]
     for pending in writes:
         try:
             pending.get(timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
@@ -219,12 +213,20 @@ def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> int
     txn = client.transaction()
     txn.delete(path, version=stat.version)
     txn.create(path, guard.dumps(), acl=acl)
-    committed = txn.commit_async()
-    made = [client.get_async(path)]
-    if any(isinstance(r, Exception) for r in committed.get(timeout=calls.timeout)):
+    results, made = _commit_reading(calls, txn, [path])
+    if any(isinstance(r, Exception) for r in results):
         return 0
     ours = _made(calls, [path], made, guard.id)
     return ours[path] if ours else 0
+
+
+def _commit_reading(calls: _Calls, txn, paths: list[str]) -> tuple[list, list]:
+    """Commit ``txn`` and read ``paths`` in the same pipeline (a session's requests are
+    answered in order: the reads see the commit): its results, and the pending reads that
+    :func:`_made` turns into the czxid of each node we made."""
+    committed = txn.commit_async()
+    reads = [calls.client.get_async(path) for path in paths]
+    return committed.get(timeout=calls.timeout), reads
 
 
 def _made(calls: _Calls, paths: list[str], reads: list, task_id: str) -> dict[str, int] | None:

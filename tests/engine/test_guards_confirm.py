@@ -42,7 +42,7 @@ def test_a_late_confirm_never_names_a_run_already_under_way(zk, request, until):
     assert zk.exists(path) is None
     second = guards.take(zk, [path], _guard("T2", until))
     assert second.outcome is Outcome.TAKEN  # work published after T1 began: queued
-    guards.confirm(zk, [path], first, taken=taken)  # T1's confirm arrives only now
+    guards.confirm(zk, taken, first)  # T1's confirm arrives only now
     third = guards.take(zk, [path], _guard("T3", until))
     assert not (third.outcome is Outcome.HELD and third.found.id == "T1"), \
         "a publish after T1's start was deduped into T1: its work is lost"
@@ -57,7 +57,7 @@ def test_a_guard_confirmed_onto_another_node_is_cleared_by_a_start(zk, request):
     taken = guards.take(zk, [path], first)
     guards.start(zk, [path], "T1", 0, "start")
     assert guards.take(zk, [path], _guard("T2")).outcome is Outcome.TAKEN
-    guards.confirm(zk, [path], first, taken=taken)
+    guards.confirm(zk, taken, first)
     guards.start(zk, [path], "T2", 0, "start")
     assert zk.exists(path) is None
 
@@ -71,9 +71,9 @@ def test_a_late_confirm_never_lands_on_a_running_guard(zk, request):
     guards.start(zk, [path], "T1", 0, "finish")
     guards.release(zk, [path], "T1", 0, running=True)
     second = _guard("T2", "finish")
-    guards.confirm(zk, [path], second, taken=guards.take(zk, [path], second))
+    guards.confirm(zk, guards.take(zk, [path], second), second)
     guards.start(zk, [path], "T2", 0, "finish")
-    guards.confirm(zk, [path], first, taken=taken)  # T1's, only now
+    guards.confirm(zk, taken, first)  # T1's, only now
     held = guards.take(zk, [path], _guard("T3", "finish"))
     assert held.outcome is Outcome.HELD and held.found.id == "T2"
     assert [g.id for g in guards.release(zk, [path], "T2", 0, running=True)] == ["T2"]
@@ -84,7 +84,7 @@ def test_a_timely_confirm_still_dedupes(zk, request):
     path = guards.guard_path("/g-confirm", "t", f"user:{request.node.name}")
     first = _guard("T1")
     taken = guards.take(zk, [path], first)
-    guards.confirm(zk, [path], first, taken=taken)
+    guards.confirm(zk, taken, first)
     held = guards.take(zk, [path], _guard("T2"))
     assert held.outcome is Outcome.HELD and held.found.id == "T1"
     guards.start(zk, [path], "T1", 0, "start")

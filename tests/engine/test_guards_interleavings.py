@@ -49,7 +49,7 @@ def test_no_publish_is_deduped_into_work_already_done(clients, until):
                 continue
             broker.put((path, mine))  # the broker has the message: a worker may run it now
             time.sleep(rnd.choice(PAUSES))  # the publisher is slow to confirm
-            guards.confirm(zk, [path], guard, taken=taken)
+            guards.confirm(zk, taken, guard)
             rows.append((path, mine, mine, made_at))
 
     def worker(seed: int) -> None:
