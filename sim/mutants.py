@@ -169,6 +169,12 @@ MUTANTS = [
            "    txn.set_data(path, data, version=0)\n",
            "",
            killer="tests/engine/test_guards_confirm.py"),
+    Mutant("link-dozes", "25. a lock registered while its pool process's link thread dozes does not wake it: "
+           "a lost lock's state push waits out the idle sleep, is_held() stays True meanwhile",
+           "worker/agent_lock.py",
+           "                self._dozing = False\n                self._turn.notify_all()\n",
+           "                pass\n",
+           killer="tests/worker/test_handoff_gap.py::test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll"),
 ]
 
 

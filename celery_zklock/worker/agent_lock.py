@@ -20,8 +20,14 @@ from .agent_link import CARRIED, ENV, ClaimAnswer, Connection, Verdict
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
 
-#: Seconds between the reader's drains of the link while no lock is held through it.
+#: Seconds between the link thread's reads while no lock has been held through the link for
+#: as long: it only keeps the agent's sends from blocking (heartbeats pile up otherwise).
 IDLE_DRAIN = 1.0
+
+#: Seconds between the link thread's reads while locks are held through the link (or were,
+#: within :data:`IDLE_DRAIN`): the most a state push from the agent waits before
+#: ``is_held()`` and an interrupt see it.
+POLL = 0.05
 
 _link_guard = threading.Lock()
 _link: "AgentLink | None" = None
@@ -30,14 +36,15 @@ _link: "AgentLink | None" = None
 class AgentLink:
     """This process's connection to its worker's agent.
 
-    Who reads the socket: a reader thread while a lock is held through the link (it keeps
-    ``is_held()`` current: state pushes, heartbeats), and a caller waiting for its answer (a
-    claim, a release) itself, the reader standing aside meanwhile.  Why: a reply handed from
-    the reader thread to the waiting one cost a thread wake-up and a GIL hand-over in every
-    claim and release, and on a hot key the claim's is in the gap between one holder's end
-    and the next one's start (issue 39).  With no lock held the reader only drains the
-    heartbeats now and then (:data:`IDLE_DRAIN`), so that the agent's sends never block; so
-    a task wakes it twice (its lock registered, its release called), as before."""
+    Who reads the socket: a caller waiting for its answer (a claim, a release) reads it
+    itself; the link's thread only drains what came meanwhile, on a clock (:data:`POLL`
+    while locks are held, :data:`IDLE_DRAIN` otherwise), and never waits on the socket.
+    Why a clock and not a thread that waits on the socket: such a thread was woken twice
+    per task (a lock registered, its release called) and took the GIL from the body each
+    time; on five hot keys that was half of a pool process's context switches and about a
+    tenth of the workers' CPU per task (issue 39).  What it costs: a state push (suspended,
+    lost) reaches ``is_held()`` and an interrupt up to :data:`POLL` later, against a loss the
+    agent itself learns of from ZooKeeper's session events."""
 
     def __init__(self, path: str) -> None:
         self.pid = os.getpid()
@@ -50,11 +57,11 @@ class AgentLink:
         self._guard = threading.Lock()
         self._receiving = threading.Lock()  # held by whichever thread takes bytes off the socket
         self._turn = threading.Condition()
-        self._caller_reads = False  # a caller reads for its answer: the reader thread waits
-        self._selecting = False  # the reader waits in select: a caller wakes it through the pipe
-        self._aside_r, self._aside_w = os.pipe()  # written to wake the reader out of select
+        self._caller_reads = False  # a caller reads for its answer: a second caller queues
+        self._busy_at = float("-inf")  # when a lock last registered
+        self._dozing = False  # the link's thread sleeps IDLE_DRAIN: a registering lock wakes it
         self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
-        threading.Thread(target=self._read, name="zklock-agent-link", daemon=True).start()
+        threading.Thread(target=self._poll, name="zklock-agent-link", daemon=True).start()
 
     @property
     def alive(self) -> bool:
@@ -74,10 +81,7 @@ class AgentLink:
             self._replies[key] = replies
         with self._turn:
             reads = not self._caller_reads  # another thread of this process reads already: queue
-            wake = reads and self._selecting
-            self._caller_reads = True if reads else self._caller_reads
-        if wake:
-            os.write(self._aside_w, b"\0")
+            self._caller_reads = True
         try:
             if not self.conn.send(message):
                 return None
@@ -93,8 +97,6 @@ class AgentLink:
             if reads:
                 with self._turn:
                     self._caller_reads = False
-                    if self._locks:
-                        self._turn.notify_all()
 
     def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool) -> dict | None:
         """The next answer put in ``replies``, reading the socket here when ``reads``; None at
@@ -123,38 +125,22 @@ class AgentLink:
                     self._take(self.conn.receive(block=False))
 
     def reading_needed(self) -> None:
-        """A lock was registered: the reader reads from now on (unless a caller does)."""
+        """A lock was registered: the link's thread reads every :data:`POLL` from now on
+        (woken only if it dozes)."""
         with self._turn:
-            self._turn.notify_all()
+            self._busy_at = time.monotonic()
+            if self._dozing:
+                self._dozing = False
+                self._turn.notify_all()
 
-    def _read(self) -> None:
-        sock = self.conn.sock
+    def _poll(self) -> None:
         while not self.conn.closed:
             with self._turn:
-                needed = not self._caller_reads and bool(self._locks)
-                if not needed:
-                    self._turn.wait(IDLE_DRAIN)
-                    needed = not self._caller_reads and bool(self._locks)
-                idle = not needed and not self._caller_reads
-                self._selecting = needed
-            if not needed:
-                if idle:
-                    self._drain()
-                continue
-            try:
-                ready, _, _ = select.select([sock, self._aside_r], [], [])
-            except (OSError, ValueError):
-                ready = [sock]
-            with self._turn:
-                self._selecting = False
-            if self._aside_r in ready:
-                os.read(self._aside_r, 4096)
-            if sock not in ready:
-                continue
-            with self._receiving:
-                if self._caller_reads or self.conn.closed:
-                    continue  # the caller reads what came
-                self._take(self.conn.receive(block=False))
+                busy = bool(self._locks) or time.monotonic() - self._busy_at < IDLE_DRAIN
+                self._dozing = not busy
+                self._turn.wait(POLL if busy else IDLE_DRAIN)
+                self._dozing = False
+            self._drain()
 
     def _drain(self) -> None:
         """Take what came while nobody read (heartbeats, a late answer): never blocks."""

@@ -153,3 +153,66 @@ def test_with_no_lock_held_the_link_is_still_drained_so_the_agents_sends_never_b
         assert link.silent_for() < 5
     finally:
         agent.close()
+
+
+def _voluntary_switches(thread: threading.Thread) -> int:
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        return int(status.read().split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def _link_with_thread(path: str) -> tuple[agent_lock.AgentLink, threading.Thread]:
+    before = set(threading.enumerate())
+    link = agent_lock.AgentLink(path)
+    [thread] = [t for t in set(threading.enumerate()) - before if t.name == "zklock-agent-link"]
+    return link, thread
+
+
+def test_the_links_thread_reads_on_a_clock_not_once_per_lock():
+    """A task registers its lock and releases it; neither may wake the link's thread (each
+    wake took the GIL from the body: half of a pool process's context switches on a hot key,
+    issue 39).  It reads every POLL while locks are held, whatever their number."""
+    agent = _FakeAgent()
+    link, thread = _link_with_thread(agent.path)
+    agent.ready.wait(5)
+
+    def answer_releases() -> None:
+        while True:
+            messages = agent.peer.receive()
+            if messages is None:
+                return
+            for m in messages:
+                if m.get("op") == "release":
+                    agent.peer.send({"op": "released", "id": m["id"], "proven": True})
+
+    threading.Thread(target=answer_releases, daemon=True).start()
+    cycles = 300
+    try:
+        time.sleep(0.1)
+        before, started = _voluntary_switches(thread), time.monotonic()
+        for i in range(cycles):
+            lock = agent_lock.AgentLock(link, f"r{i}", {"/k": i + 1}, grace=5.0, release_bound=5.0)
+            assert lock.release()
+        wakes, elapsed = _voluntary_switches(thread) - before, time.monotonic() - started
+        # The clock's wakes, and as many again for the GIL; the old reader woke twice per lock.
+        assert wakes <= 2 * (elapsed / agent_lock.POLL) + 10 and wakes < cycles, (wakes, elapsed)
+    finally:
+        agent.close()
+
+
+def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypatch):
+    """With no lock held the link's thread sleeps IDLE_DRAIN; a lock registering wakes it,
+    so a state push reaches the lock within POLL, not after the idle sleep."""
+    monkeypatch.setattr(agent_lock, "IDLE_DRAIN", 60.0)
+    agent = _FakeAgent()
+    link = agent_lock.AgentLink(agent.path)
+    agent.ready.wait(5)
+    try:
+        time.sleep(0.2)  # the link's thread dozes now
+        lock = agent_lock.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
+        agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "node deleted"})
+        deadline = time.monotonic() + 5
+        while lock.lost_reason is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert lock.lost_reason == "node deleted" and not lock.is_held()
+    finally:
+        agent.close()
