@@ -193,8 +193,9 @@ def test_the_links_thread_reads_on_a_clock_not_once_per_lock():
             lock = agent_lock.AgentLock(link, f"r{i}", {"/k": i + 1}, grace=5.0, release_bound=5.0)
             assert lock.release()
         wakes, elapsed = _voluntary_switches(thread) - before, time.monotonic() - started
-        # The clock's wakes, and as many again for the GIL; the old reader woke twice per lock.
-        assert wakes <= 2 * (elapsed / agent_lock.POLL) + 10 and wakes < cycles, (wakes, elapsed)
+        # The clock's wakes, and as many again for the GIL; the old reader woke twice per lock
+        # (631 for 300 locks), so under any load that stretches the loop this still tells.
+        assert wakes <= 2 * (elapsed / agent_lock.POLL) + 10 and wakes < 1.5 * cycles, (wakes, elapsed)
     finally:
         agent.close()
 
