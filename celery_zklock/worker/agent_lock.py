@@ -42,9 +42,9 @@ class AgentLink:
     Why a clock and not a thread that waits on the socket: such a thread was woken twice
     per task (a lock registered, its release called) and took the GIL from the body each
     time; on five hot keys that was half of a pool process's context switches and about a
-    tenth of the workers' CPU per task (issue 39).  What it costs: a state push (suspended,
-    lost) reaches ``is_held()`` and an interrupt up to :data:`POLL` later, against a loss the
-    agent itself learns of from ZooKeeper's session events."""
+    tenth of its CPU per task (issue 39).  What it costs: a state push (suspended, lost)
+    reaches ``is_held()`` and an interrupt up to :data:`POLL` later, on top of the time the
+    agent takes to learn of the loss from ZooKeeper (docs/design.md)."""
 
     def __init__(self, path: str) -> None:
         self.pid = os.getpid()
