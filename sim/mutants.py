@@ -175,6 +175,19 @@ MUTANTS = [
            "                self._dozing = False\n                self._turn.notify_all()\n",
            "                pass\n",
            killer="tests/worker/test_handoff_gap.py::test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll"),
+    Mutant("dropped-keeps-grant", "26. a request Celery drops as expired after its grant (it waited for a pool "
+           "process) does not let go of it: nobody claims the grant, the key stays held until the worker stops",
+           "worker/worker_queue.py",
+           "        _step.request_finished(request.id)\n",
+           "        pass\n",
+           killer="tests/worker/test_expired_grant.py::"
+                  "test_a_granted_request_that_expires_before_a_process_frees_lets_go_of_its_key"),
+    Mutant("expired-waits-on", "27. a request whose expires passes while it waits for its lock keeps waiting: "
+           "granted after the holder, then dropped",
+           "worker/worker_queue.py",
+           "                req.maybe_expire()  # past it: revoked, as Celery marks an expired request\n",
+           "                pass\n",
+           killer="tests/worker/test_expired_grant.py::test_a_request_that_expires_while_it_waits_stops_waiting"),
 ]
 
 
@@ -193,7 +206,8 @@ def hunt(mutant: Mutant, seeds: int) -> tuple[Mutant, int | None, float, str]:
         shutil.copytree(ROOT / "celery_zklock", Path(tmp) / "celery_zklock",
                         ignore=shutil.ignore_patterns("__pycache__"))
         apply(mutant, Path(tmp) / "celery_zklock")
-        env = {**os.environ, "PYTHONPATH": f"{tmp}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0"}
+        env = {**os.environ, "PYTHONPATH": f"{tmp}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0",
+               "ZKLOCK_PACKAGE_COPY": tmp}  # a killer test's workers run the copy too (support.workers)
         started = time.monotonic()
         if mutant.killer:
             return (mutant, *_killed(mutant, tmp, env, started))

@@ -31,6 +31,16 @@ from support.console import check_stop
 __all__ = ["ROOT", "Proc", "Worker", "Procs", "wait_ready", "worker_argv", "children_of"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: A mutated copy of the package (``make sim-mutants`` sets it for a killer test,
+#: :mod:`sim.mutants`): the processes start there and import it before the repository's,
+#: so the test's workers and their agents run the mutant, not the checkout.
+COPY = os.environ.get("ZKLOCK_PACKAGE_COPY") or None
+HOME = COPY or ROOT  # where every process starts (``python -m`` puts it first on sys.path)
+
+
+def python_path(*more: str | None) -> str:
+    """``PYTHONPATH`` for a process of ours: the copy under test if any, the repository, then ``more``."""
+    return os.pathsep.join(p for p in (COPY, ROOT, *more) if p)
 
 
 def worker_argv(app: str, name: str, pool: str = "prefork", concurrency: int = 2, loglevel: str = "info",
@@ -78,7 +88,7 @@ class Proc:
 
     def start(self) -> "Proc":
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=HOME, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
@@ -169,7 +179,7 @@ class Worker(Proc):
     def __init__(self, env: dict, name: str, pool: str = "prefork", concurrency: int = 2, app: str = "tests.apps.locked",
                  extra: list[str] | None = None) -> None:
         super().__init__(name, worker_argv(app, name, pool, concurrency, "info", extra),
-                         {**os.environ, **env, "PYTHONPATH": ROOT}, f"/tmp/zklock-worker-{name}-{os.getpid()}.log")
+                         {**os.environ, **env, "PYTHONPATH": python_path()}, f"/tmp/zklock-worker-{name}-{os.getpid()}.log")
 
     def start(self, app=None, timeout: float = 30.0) -> "Worker":
         """Start; with ``app`` (a Celery app on the same broker), also wait until it is ready."""
@@ -191,7 +201,7 @@ class Procs:
     def __init__(self, env: dict[str, str], logdir: str | None = None, tag: str | None = None) -> None:
         self.tag = tag or uuid.uuid4().hex[:6]  # node names are unique per run: name-tag@host
         self.env = {**os.environ, **env}
-        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        self.env["PYTHONPATH"] = python_path(os.environ.get("PYTHONPATH"))
         self._own_logdir = logdir is None
         self.logdir = logdir or tempfile.mkdtemp(prefix="zklock-demo-logs-")
         self.items: list[Proc] = []

@@ -16,7 +16,7 @@ import socket
 import time
 from collections import Counter
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
@@ -68,6 +68,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
         self.on_path: Counter = Counter()  # lock path -> held ids waiting for it (aside or early)
         self.finished: list[str] = []  # done in the pool, to tell the agent at the next loop turn
+        self.pid = os.getpid()  # a pool process forked later inherits this step: it must not send
         agent = agent_supervisor.running()
         self.active = agent is not None and getattr(c, "hub", None) is not None
         self.handoff_slots = handoff_slots(c, agent.settings) if self.active else 0
@@ -255,7 +256,11 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             logger.warning("could not record that task %s waits for lock %s: %r", req.id, label, exc)
 
     def _check_revoked(self) -> None:
-        """A revoked waiting request: its node goes at once and it never reaches the pool."""
+        """A revoked waiting request, or one whose ``expires`` passed while it waited: its node
+        goes at once and it never reaches the pool."""
+        for req in [*self.aside.values(), *self.early.values()]:
+            if req.expires:
+                req.maybe_expire()  # past it: revoked, as Celery marks an expired request
         for request_id in [i for i in self.aside if i in worker_state.revoked]:
             req = self.aside.pop(request_id)
             self.next_up.pop(request_id, None)
@@ -347,6 +352,16 @@ def zklock_waiting(state, **kwargs) -> dict:
 def request_finished(request_id: str) -> None:
     if _step is not None:
         _step.request_finished(request_id)
+
+
+@signals.task_revoked.connect
+def _dropped(sender=None, request=None, **kwargs) -> None:
+    """Celery drops a request it finds revoked or expired as it hands it to a pool process,
+    also one we hand over granted (or next in line) after it waited for its lock: no process
+    will claim that grant, so the agent lets go of it now.  Without this the key stayed
+    held by nobody until the worker stopped, and every later task on it waited in vain."""
+    if _step is not None and _step.pid == os.getpid() and request is not None and is_locked_task(sender):
+        _step.request_finished(request.id)
 
 
 def waits_in_agent(task) -> bool:
