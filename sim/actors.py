@@ -21,7 +21,7 @@ from celery_zklock.engine.kazoo_compat import on_ready
 from celery_zklock.worker.agent import Agent
 from celery_zklock.worker.agent_link import HEARTBEAT
 from celery_zklock.worker.agent_lock import starts_on_carried
-from celery_zklock.worker.pool_handoff import hand_over_early
+from celery_zklock.worker.pool_handoff import Early, hand_over_early
 
 from .world import Proc, Thread, World
 from .zk import SimClient
@@ -246,9 +246,9 @@ class MainProcess:
         if req["dispatched"] or req.get("verdict") is not None:
             return
         when = hand_over_early(hold, len(self.early), self.slots(), self.may_park(ours))
-        if when == "later":
+        if when is Early.LATER:
             self.next_up[req["id"]] = (hold, ours)
-        elif when == "now":
+        elif when is Early.NOW:
             self.early.add(req["id"])
             self._dispatch(req, first=True)
 

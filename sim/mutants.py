@@ -185,8 +185,8 @@ MUTANTS = [
     Mutant("expired-waits-on", "27. a request whose expires passes while it waits for its lock keeps waiting: "
            "granted after the holder, then dropped",
            "worker/worker_queue.py",
-           "                req.maybe_expire()  # past it: revoked, as Celery marks an expired request\n",
-           "                pass\n",
+           "            elif req.maybe_expire():  # past it: revoked, as Celery marks an expired request\n",
+           "            elif False:\n",
            killer="tests/worker/test_expired_grant.py::test_a_request_that_expires_while_it_waits_stops_waiting"),
 ]
 

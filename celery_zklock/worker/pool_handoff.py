@@ -9,14 +9,24 @@ may idle next in line (:func:`handoff_slots`, never all of them), whether one re
 
 from __future__ import annotations
 
+import enum
+
 from ..config import ZkSettings
 from .agent_link import HANDOFF_MAX_WAIT
 
 
+class Early(enum.Enum):
+    """When a next-in-line request goes to the pool before its grant."""
+
+    NOW = "now"
+    LATER = "later"  # when a handoff slot or a process frees, if still undecided
+    NO = "no"  # it waits in the main process for its grant, like any other
+
+
 def hand_over_early(expected_wait: float | None, early: int, slots: int, idle: bool,
-                    max_wait: float = HANDOFF_MAX_WAIT) -> str:
-    """Hand a next-in-line request to the pool ``"now"``, ``"later"`` (when a handoff slot
-    or a process frees), or ``"no"`` (it waits here for its grant, like any other).
+                    max_wait: float = HANDOFF_MAX_WAIT) -> Early:
+    """Hand a next-in-line request to the pool now, later (when a handoff slot or a process
+    frees), or not at all (it waits here for its grant, like any other).
 
     Why these rules: a pool process given a next-in-line request idles until the holder
     releases, so it is worth it only when that wait is known to be short (a hot chain of
@@ -28,10 +38,10 @@ def hand_over_early(expected_wait: float | None, early: int, slots: int, idle: b
     ideal with parking regardless, 0.9-1.1x without, the chain as efficient).
     """
     if slots <= 0 or expected_wait is None or expected_wait > max_wait:
-        return "no"
+        return Early.NO
     if not idle:
-        return "later"
-    return "now" if early < slots else "later"
+        return Early.LATER
+    return Early.NOW if early < slots else Early.LATER
 
 
 def may_park(c, ours: bool) -> bool:

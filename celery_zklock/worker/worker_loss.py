@@ -70,13 +70,12 @@ def _reap_async(request: Request) -> None:
 
 
 class LockAwareRequest(Request):
-    """Celery ``Request`` that frees a dead child's lock nodes from the parent at once."""
+    """Celery ``Request`` that frees a dead child's lock nodes from the parent at once.
 
-    def on_success(self, failed__retval__runtime, **kwargs):
-        try:
-            super().on_success(failed__retval__runtime, **kwargs)
-        finally:
-            worker_queue.request_finished(self.id)
+    No ``on_success``: Celery's dispatch subclasses this per task and overrides it without
+    calling ours (``create_request_cls``), and a task that succeeded claimed and released its
+    lock itself.  A request dropped before it ran is told by ``task_revoked``
+    (:mod:`celery_zklock.worker.worker_queue`)."""
 
     def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
         try:

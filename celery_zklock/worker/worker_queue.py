@@ -30,7 +30,7 @@ from . import agent_supervisor
 from .agent_link import CARRIED, HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
-from .pool_handoff import hand_over_early, handoff_slots, may_park, pool_size, run_next
+from .pool_handoff import Early, hand_over_early, handoff_slots, may_park, pool_size, run_next
 
 logger = get_logger("celery_zklock.worker")
 
@@ -58,6 +58,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.early: dict[str, object] = {}  # handed to the pool while next in line
         self.next_up: dict[str, tuple] = {}  # held ids next in line awaiting a slot -> (expected wait, ours)
         self.revoking: set[str] = set()  # early ids whose revocation was sent to the agent
+        self.expiring: set[str] = set()  # held ids with an ``expires`` (checked every 0.1 s)
         self.counted_waiting: set[str] = set()  # held ids in the zklock_waiting gauge
         self.sock: socket.socket | None = None
         self.reader = LineReader()
@@ -95,6 +96,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if self.sock is None or task.acks_late or not req.id or req.id in self.aside or not is_locked_task(task):
             return self.inner(req)
         self.aside[req.id] = req
+        if req.expires:
+            self.expiring.add(req.id)
         if not self._submit(req):
             self._hand_over(req.id)  # bad key values and the like: the pool reports them
 
@@ -172,9 +175,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if req is None:
             return
         when = hand_over_early(hold, len(self.early), self._slots(), may_park(self.c, ours))
-        if when == "later":
+        if when is Early.LATER:
             self.next_up[request_id] = (hold, ours)  # a slot (or a process) may free up before its grant
-        elif when == "now":
+        elif when is Early.NOW:
             self.early[request_id] = req
             self._hand_over(request_id, first=True)
 
@@ -258,9 +261,12 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
     def _check_revoked(self) -> None:
         """A revoked waiting request, or one whose ``expires`` passed while it waited: its node
         goes at once and it never reaches the pool."""
-        for req in [*self.aside.values(), *self.early.values()]:
-            if req.expires:
-                req.maybe_expire()  # past it: revoked, as Celery marks an expired request
+        for request_id in list(self.expiring):
+            req = self.aside.get(request_id) or self.early.get(request_id)
+            if req is None:
+                self.expiring.discard(request_id)  # handed over, or gone: Celery checks it there
+            elif req.maybe_expire():  # past it: revoked, as Celery marks an expired request
+                self.expiring.discard(request_id)
         for request_id in [i for i in self.aside if i in worker_state.revoked]:
             req = self.aside.pop(request_id)
             self.next_up.pop(request_id, None)
@@ -272,10 +278,12 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED, "in_pool": True})
 
     def request_finished(self, request_id: str) -> None:
-        """The pool is done with a request: free a grant it never claimed (no-op otherwise).
+        """The pool is done with a request, or Celery dropped it before it ran: free a grant
+        it never claimed (no-op otherwise).
 
-        Told in one message per turn of the event loop, not one per request: every locked
-        task ends here, and nearly all of them claimed and released already."""
+        Told in one message per turn of the event loop, not one per request.  A task that
+        succeeded does not come here (Celery's dispatch overrides ``on_success``): it
+        claimed and released its lock itself."""
         if self.sock is not None:
             if not self.finished:
                 self.c.hub.call_soon(self._send_finished)

@@ -6,6 +6,7 @@ import pytest
 
 from celery_zklock.engine.driver import Decision, gets_the_lock
 from celery_zklock.engine.identity import Identity
+from celery_zklock.worker.pool_handoff import Early, hand_over_early
 
 
 def n(seq: int, kind: str = "ours") -> str:
@@ -91,21 +92,19 @@ def test_identity_round_trip_and_delivery():
 @pytest.mark.parametrize(
     "expected_wait, early, slots, idle, expected, why",
     [
-        (0.03, 0, 1, True, "now", "a short hold, a free handoff slot, nothing else waits for a process"),
-        (0.03, 0, 1, False, "later", "other requests wait for a process: they run first (issue 39: beside a "
+        (0.03, 0, 1, True, Early.NOW, "a short hold, a free handoff slot, nothing else waits for a process"),
+        (0.03, 0, 1, False, Early.LATER, "other requests wait for a process: they run first (issue 39: beside a "
                                      "hot chain, the parked process was one the other keys lacked)"),
-        (0.03, 1, 1, True, "later", "the slot is taken: when it frees, if still undecided"),
-        (0.03, 0, 0, True, "no", "no handoff slots (zklock_handoff_slots=0, solo, -c 1)"),
-        (None, 0, 2, True, "no", "holds not known yet: never park a process on a guess"),
-        (0.5, 0, 1, True, "now", "the bound itself is short enough"),
-        (0.51, 0, 1, True, "no", "a long hold: its process would idle that long"),
-        (5.0, 3, 4, True, "no", "a long hold, whatever the slots"),
+        (0.03, 1, 1, True, Early.LATER, "the slot is taken: when it frees, if still undecided"),
+        (0.03, 0, 0, True, Early.NO, "no handoff slots (zklock_handoff_slots=0, solo, -c 1)"),
+        (None, 0, 2, True, Early.NO, "holds not known yet: never park a process on a guess"),
+        (0.5, 0, 1, True, Early.NOW, "the bound itself is short enough"),
+        (0.51, 0, 1, True, Early.NO, "a long hold: its process would idle that long"),
+        (5.0, 3, 4, True, Early.NO, "a long hold, whatever the slots"),
     ],
 )
 def test_hand_over_early(expected_wait, early, slots, idle, expected, why):
-    from celery_zklock.worker.pool_handoff import hand_over_early
-
-    assert hand_over_early(expected_wait, early, slots, idle) == expected, why
+    assert hand_over_early(expected_wait, early, slots, idle) is expected, why
 
 
 class _Semaphore:
