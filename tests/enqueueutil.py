@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.engine import guards
+from tests.polling import wait_until
 
 
 def new_key() -> str:
@@ -32,11 +32,4 @@ def runs(mod, key=None) -> list[dict]:
     return [r for r in rows if key is None or r["key"] == key]
 
 
-def until(cond, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+until = wait_until  # the enqueue tests' name for it

@@ -15,6 +15,7 @@ from celery_zklock import FairLock
 from celery_zklock.keys import key_path
 from support.workers import ROOT, Worker
 from tests.lockutil import locked_app
+from tests.polling import wait_until
 
 
 def run_cli(zk_server, root, *args, redis_url=None, input=None):
@@ -65,13 +66,6 @@ def cli_env(redis_server, zk_server):
         w.stop()
 
 
-def _wait(predicate, timeout=10.0):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_status_shows_every_holder_of_a_semaphore_with_task_worker_and_pid(cli_env, zk_server):
     values, mod, w = cli_env
     key = f"sem-{uuid.uuid4().hex[:6]}"
@@ -95,7 +89,7 @@ def _check_semaphore_status(values, zk_server, key, running):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout).get(key_path(root, f"k:{key}"), [])
 
-    _wait(lambda: len(report()) == 3)
+    wait_until(lambda: len(report()) == 3)
     text = run_cli(zk_server, root, "status", f"k:{key}").stdout
     assert text.count("HOLDS") == 2 and text.count("waits") == 1 and "task_id=" in text
     rows = report()
@@ -115,7 +109,7 @@ def test_release_deletes_exactly_the_named_node_and_logs_who(cli_env, zk_server,
     dead = FairLock(zk_client, path, identifier='{"host":"gone-01","pid":4242,"task":"t","task_id":"x"}')
     assert dead.acquire(timeout=5)
     waiter = mod.hold.delay("dead-machine", 10, "after")
-    _wait(lambda: len(zk_client.get_children(path)) == 2)
+    wait_until(lambda: len(zk_client.get_children(path)) == 2)
     node = dead.node.rsplit("/", 1)[-1]
     refused = run_cli(zk_server, root, "release", "k:dead-machine", "--node", node[:-1], "--yes")
     assert refused.returncode != 0 and "nothing deleted" in refused.stderr

@@ -19,6 +19,7 @@ import pytest
 
 from support.workers import ROOT, Worker
 from tests.lockutil import worker_env
+from tests.polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,6 @@ def _dead_hosts() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _wait(predicate, timeout=20.0, what="condition"):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_worker_says_at_start_what_it_locks_and_at_warm_shutdown_what_went_back(env, mod):
     # A queue of its own, emptied at the end: the waiting tasks it returns to the broker must
     # not be run by a later module's workers (the Redis server is the session's).
@@ -60,7 +54,7 @@ def test_worker_says_at_start_what_it_locks_and_at_warm_shutdown_what_went_back(
         holder = mod.hold.apply_async((key, 4000, 0), queue=queue)
         time.sleep(0.5)  # the holder first, then the waiters behind it
         waiters = [mod.hold.apply_async((key, 10, i), queue=queue) for i in range(1, 4)]
-        _wait(lambda: _held(w) >= 1, 15, "a waiting task held by the worker")
+        wait_until(lambda: _held(w) >= 1, 15, "a waiting task held by the worker")
     finally:
         w.stop()
     found = re.findall(r"INFO.*celery-zklock: stopping: (\d+) waiting task\(s\) went back to the broker", w.log())

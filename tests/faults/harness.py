@@ -31,20 +31,9 @@ from support.redis_server import RedisServer
 from support.workers import Worker
 from tests.faults import app as faults_app
 from tests.faults.checker import FINAL_STATES, Report, check
+from tests.polling import wait_until  # noqa: F401  (the fault tests import it from here)
 
 SESSION = 3.0  # zklock_session_timeout of the workers (the servers' tickTime of 200 ms allows 0.4 .. 4 s)
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    """Poll ``predicate`` until truthy; raise AssertionError naming ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Cluster:

@@ -12,7 +12,7 @@ import pytest
 
 from support.workers import Worker
 from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
-from tests.worker.test_wait_outside_pool import _wait_for
+from tests.polling import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +30,7 @@ def test_a_request_that_expires_while_it_waits_stops_waiting(mod, env):
         time.sleep(0.3)
         expiring = mod.hold_tracked.apply_async((key, 10, "expiring"), expires=0.8)
         after = mod.hold.delay(key, 10, "after")
-        _wait_for(lambda: expiring.state == "REVOKED", 5, "the expired request is REVOKED")
+        wait_until(lambda: expiring.state == "REVOKED", 5, "the expired request is REVOKED")
         assert not holder.ready()
         holder.get(timeout=30)
         after.get(timeout=30)
@@ -50,7 +50,7 @@ def test_a_granted_request_that_expires_before_a_process_frees_lets_go_of_its_ke
         time.sleep(0.3)
         expiring = mod.hold_tracked.apply_async((key, 10, "expiring"), expires=0.5)
         busy.get(timeout=30)
-        _wait_for(lambda: expiring.state == "REVOKED", 5, "the expired request is dropped")
+        wait_until(lambda: expiring.state == "REVOKED", 5, "the expired request is dropped")
         mod.hold.delay(key, 10, "after").get(timeout=30)
         assert [r["tag"] for r in history(mod, "hold")] == ["after"]
     finally:

@@ -22,7 +22,8 @@ from kazoo.client import KazooClient
 from celery_zklock.engine.lock import FairLock
 from support.workers import Worker
 from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
-from tests.worker.test_wait_outside_pool import _active_ids, _learn_short_holds, _wait_for
+from tests.polling import wait_until
+from tests.worker.test_wait_outside_pool import _active_ids, _learn_short_holds
 
 
 def _queued_in_broker(mod, queue: str) -> int:
@@ -107,7 +108,7 @@ def test_next_in_line_behind_another_contender_parks_only_in_an_idle_pool(mod, e
         _learn_short_holds(mod, idle_key)
         assert lock.acquire(timeout=10)
         busy = mod.plain_hold.delay(f"busy-{tag}", 2000, "busy")  # takes one of the two processes
-        _wait_for(lambda: busy.id in _active_ids(mod, name), 5, "the busy task runs")
+        wait_until(lambda: busy.id in _active_ids(mod, name), 5, "the busy task runs")
         nxt = mod.hold.delay(busy_key, 10, "next")
         time.sleep(0.5)  # the agent has queued it behind the client's node and said "next"
         assert nxt.id not in _active_ids(mod, name), "parked next in line behind another contender's hold"
@@ -115,14 +116,14 @@ def test_next_in_line_behind_another_contender_parks_only_in_an_idle_pool(mod, e
         other.get(timeout=2)  # the free process runs it while the busy task still runs
         assert not busy.ready() and nxt.id not in _active_ids(mod, name)
         busy.get(timeout=30)  # a process frees and nothing else waits for one: now it may park
-        _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line waits in the now idle pool")
+        wait_until(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line waits in the now idle pool")
         lock.release()
         nxt.get(timeout=30)
 
         # The pool idle: behind the same kind of holder, the next in line waits in a process.
         assert lock2.acquire(timeout=10)
         parked = mod.hold.delay(idle_key, 10, "parked")
-        _wait_for(lambda: parked.id in _active_ids(mod, name), 5, "the next in line waits in an idle pool")
+        wait_until(lambda: parked.id in _active_ids(mod, name), 5, "the next in line waits in an idle pool")
         lock2.release()
         parked.get(timeout=30)
         rows = {r["tag"]: r for r in history(mod, "hold") if tag in str(r["key"])}

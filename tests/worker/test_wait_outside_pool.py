@@ -16,6 +16,7 @@ from celery_zklock import LockLost
 from celery_zklock.testing import four_letter_word
 from support.workers import Worker
 from tests.lockutil import children, overlapping
+from tests.polling import wait_until
 from tests.tcpproxy import TcpProxy
 from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
 
@@ -93,11 +94,11 @@ def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
         time.sleep(0.3)
         waiting = mod.hold_tracked.delay(key, 10, "revoked")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        _wait_for(lambda: waiting.state == "LOCK_WAITING", 5, "the second task waits")
+        wait_until(lambda: waiting.state == "LOCK_WAITING", 5, "the second task waits")
         # Lock cohorting: it waits in the agent's memory behind the holder, not in ZooKeeper.
         assert len(children(zk_client, path)) == 1
         waiting.revoke()
-        _wait_for(lambda: waiting.state == "REVOKED", 2, "the revoked task is REVOKED while the holder runs")
+        wait_until(lambda: waiting.state == "REVOKED", 2, "the revoked task is REVOKED while the holder runs")
         assert not holder.ready() and len(children(zk_client, path)) == 1
         holder.get(timeout=30)
         time.sleep(0.3)
@@ -114,11 +115,11 @@ def test_lock_waiting_is_stored_only_for_tasks_that_track_their_start(mod, env):
     try:
         key = f"trk-{uuid.uuid4().hex[:6]}"
         holder = mod.hold.delay(key, 1500, "holder")
-        _wait_for(lambda: any(json.loads(a)["tag"] == "holder" for a in mod._r.lrange("arrivals", 0, -1)), 10,
+        wait_until(lambda: any(json.loads(a)["tag"] == "holder" for a in mod._r.lrange("arrivals", 0, -1)), 10,
                   "the holder runs")
         quiet = mod.hold.delay(key, 10, "quiet")
         tracked = mod.hold_tracked.delay(key, 10, "tracked")
-        _wait_for(lambda: tracked.state == "LOCK_WAITING", 5, "the tracked task waits")
+        wait_until(lambda: tracked.state == "LOCK_WAITING", 5, "the tracked task waits")
         # Queued before the tracked one, so its wait was decided first: nothing was stored.
         assert quiet.state == "PENDING" and not holder.ready()
         assert tracked.get(timeout=30) and quiet.get(timeout=30)
@@ -163,7 +164,7 @@ def test_a_grant_claimed_while_zookeeper_is_unreachable_waits_for_it(mod, env, z
         time.sleep(0.5)  # it reaches the pool process
         later = mod.hold.delay(f"later-{tag}", 10, "later")  # uncontended: granted at once
         path = f"{env['TEST_ZK_ROOT']}/k:later-{tag}"
-        _wait_for(lambda: children(zk_client, path), 10, "the agent to take the later task's lock")
+        wait_until(lambda: children(zk_client, path), 10, "the agent to take the later task's lock")
         proxy.hold()  # the agent's connection drops; reconnections are parked
         time.sleep(2.5)  # the busy task ends meanwhile: the later one is claimed while suspended
         healed = time.time()
@@ -222,14 +223,6 @@ def _active_ids(mod, worker_name: str) -> set[str]:
     return {t["id"] for t in replies.get(node, [])}
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.05)
-
-
 def _learn_short_holds(mod, key: str, n: int = 3) -> None:
     """Run a few short tasks on ``key`` one after another: the agent learns its holds are
     short, so the next in line on it may wait in a pool process."""
@@ -247,20 +240,20 @@ def test_next_in_line_waits_in_one_pool_process_and_revoke_still_stops_it(mod, e
         key = f"nx-{uuid.uuid4().hex[:6]}"
         _learn_short_holds(mod, key)
         holder = mod.hold.delay(key, 2500, "holder")
-        _wait_for(lambda: any(r["tag"] == "holder" for r in map(json.loads, mod._r.lrange("arrivals", 0, -1))), 10,
+        wait_until(lambda: any(r["tag"] == "holder" for r in map(json.loads, mod._r.lrange("arrivals", 0, -1))), 10,
                   "the holder runs")
         nxt = mod.hold.delay(key, 10, "next")
         third = mod.hold.delay(key, 10, "third")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
+        wait_until(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
         assert third.id not in _active_ids(mod, name)  # only one handoff slot: it waits in the worker
         assert len(children(zk_client, path)) == 1  # one node of this worker's for all three
         nxt.revoke()
-        _wait_for(lambda: nxt.state == "REVOKED", 2, "the revoked next in line is REVOKED at once")
+        wait_until(lambda: nxt.state == "REVOKED", 2, "the revoked next in line is REVOKED at once")
         assert not holder.ready()
         assert holder.get(timeout=30) is not None
         assert third.get(timeout=30) is not None
-        _wait_for(lambda: nxt.state == "REVOKED", 5, "the revoked task is REVOKED")
+        wait_until(lambda: nxt.state == "REVOKED", 5, "the revoked task is REVOKED")
         tags = [r["tag"] for r in sorted(history(mod, "hold"), key=lambda r: r["start"])]
         assert tags[-2:] == ["holder", "third"] and "next" not in tags  # its body never ran
     finally:
@@ -277,8 +270,8 @@ def test_long_holds_never_park_a_pool_process(mod, env, zk_client):
         mod.hold.delay(key, 800, "warm0").get(timeout=30)  # the agent learns: long holds here
         holder = mod.hold.delay(key, 1500, "holder")
         nxt = mod.hold_tracked.delay(key, 10, "next")
-        _wait_for(lambda: nxt.state == "LOCK_WAITING", 5, "the next task waits")
-        _wait_for(lambda: holder.id in _active_ids(mod, name), 5, "the holder runs")
+        wait_until(lambda: nxt.state == "LOCK_WAITING", 5, "the next task waits")
+        wait_until(lambda: holder.id in _active_ids(mod, name), 5, "the holder runs")
         time.sleep(0.3)
         assert nxt.id not in _active_ids(mod, name)
         others = [mod.hold.delay(f"o-{uuid.uuid4().hex[:6]}", 10, f"o{i}") for i in range(4)]
@@ -299,7 +292,7 @@ def test_warm_shutdown_sends_the_next_in_line_back_from_the_pool(mod, env, zk_cl
     _learn_short_holds(mod, key)
     holder = mod.hold.delay(key, 1500, "holder")
     nxt = mod.hold.delay(key, 10, "next")
-    _wait_for(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
+    wait_until(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
     first_pids = set(w.child_pids())
     w.stop()
     assert holder.get(timeout=5) is not None
