@@ -9,7 +9,6 @@ import uuid
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.engine import guards
-from tests.polling import wait_until
 
 
 def new_key() -> str:
@@ -31,5 +30,3 @@ def runs(mod, key=None) -> list[dict]:
     rows = [json.loads(x) for x in mod._r.lrange("enq:runs", 0, -1)]
     return [r for r in rows if key is None or r["key"] == key]
 
-
-until = wait_until  # the enqueue tests' name for it

@@ -89,7 +89,7 @@ def _check_semaphore_status(values, zk_server, key, running):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout).get(key_path(root, f"k:{key}"), [])
 
-    wait_until(lambda: len(report()) == 3)
+    wait_until(lambda: len(report()) == 3, 10)
     text = run_cli(zk_server, root, "status", f"k:{key}").stdout
     assert text.count("HOLDS") == 2 and text.count("waits") == 1 and "task_id=" in text
     rows = report()
@@ -109,7 +109,7 @@ def test_release_deletes_exactly_the_named_node_and_logs_who(cli_env, zk_server,
     dead = FairLock(zk_client, path, identifier='{"host":"gone-01","pid":4242,"task":"t","task_id":"x"}')
     assert dead.acquire(timeout=5)
     waiter = mod.hold.delay("dead-machine", 10, "after")
-    wait_until(lambda: len(zk_client.get_children(path)) == 2)
+    wait_until(lambda: len(zk_client.get_children(path)) == 2, 10)
     node = dead.node.rsplit("/", 1)[-1]
     refused = run_cli(zk_server, root, "release", "k:dead-machine", "--node", node[:-1], "--yes")
     assert refused.returncode != 0 and "nothing deleted" in refused.stderr

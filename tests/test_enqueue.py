@@ -19,7 +19,8 @@ from kazoo.client import KazooClient
 from celery_zklock import AlreadyQueued
 from celery_zklock.engine import guards
 from support.workers import Worker
-from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs, until as _until
+from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs
+from tests.polling import wait_until as _until
 from tests.lockutil import worker_env
 
 

@@ -21,7 +21,8 @@ from kazoo.security import make_acl
 from celery_zklock import LockUnavailable, config, enqueue
 from celery_zklock.engine import guards
 from support.workers import Worker
-from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs, until as _until
+from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs
+from tests.polling import wait_until as _until
 from tests.lockutil import worker_env
 from tests.tcpproxy import TcpProxy
 

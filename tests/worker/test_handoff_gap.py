@@ -23,6 +23,7 @@ from celery_zklock.worker import agent_lock
 from celery_zklock.worker.agent_link import Connection, Verdict
 from celery_zklock.worker.agent_requests import Requests, Wait
 from celery_zklock.worker.cohort import Cohort
+from tests.polling import wait_until
 from tests.worker.test_cohort_replies import Host, _wait
 
 
@@ -61,15 +62,6 @@ def test_a_grant_is_told_to_the_waiting_pool_process_before_the_main_process():
 
     requests._tell_verdict(wait, {"verdict": Verdict.GRANTED})
     assert order == ["pool process", "main process"]
-
-
-def _lost_reason_within(lock: agent_lock.AgentLock, seconds: float) -> str | None:
-    """The lock's lost reason once the link's thread has taken the agent's push (None if it
-    did not within ``seconds``): no caller reads meanwhile, so only that thread can."""
-    deadline = time.monotonic() + seconds
-    while lock.lost_reason is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return lock.lost_reason
 
 
 class _FakeAgent:
@@ -126,7 +118,7 @@ def test_a_callers_answer_is_read_by_the_caller_and_the_reader_thread_resumes_af
         # Nobody calls now: the reader thread takes a state push for a lock held through the link.
         lock = agent_lock.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
         agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "session expired"})
-        assert _lost_reason_within(lock, 5.0) == "session expired"
+        assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "session expired"
         assert readers[-1][0] == "state" and readers[-1][1] != threading.get_ident()
     finally:
         agent.close()
@@ -217,6 +209,7 @@ def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypat
         time.sleep(0.2)  # the link's thread dozes now
         lock = agent_lock.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
         agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "node deleted"})
-        assert _lost_reason_within(lock, 5.0) == "node deleted" and not lock.is_held()
+        assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "node deleted"
+        assert not lock.is_held()
     finally:
         agent.close()
