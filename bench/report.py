@@ -232,7 +232,9 @@ def issue_39(sc: dict) -> list[dict]:
             out.append(_target(fs_name, who, "flash sale: orders/s >= 0.7x the same body with no lock",
                                w["orders_per_s"] >= 0.7 * u["orders_per_s"], f"{sc[fs_name]['worker_vs_plain']}x"
                                + (f" (five hot keys in scenario 14: ours {_skeleton(sc, 'hot', 'zklock')}x, the "
-                                  f"design's floor {floor_hot}x)" if floor_hot else "")))
+                                  f"design's floor {floor_hot}x"
+                                  + (f", with ours' six messages {six}x" if (six := _skeleton(sc, 'hot', SIX)) else "")
+                                  + ")" if floor_hot else "")))
     for b_name in ("burst", "burst_rabbitmq"):
         if b_name in sc:
             b = sc[b_name]
@@ -249,7 +251,11 @@ def _skeleton(sc: dict, workload: str, contender: str | None = None):
     if not rows:
         return None
     name = contender or next(c for c in rows if c.startswith("skeleton"))
-    return rows[name]["throughput_vs_plain"]
+    return rows[name]["throughput_vs_plain"] if name in rows else None
+
+
+#: Scenario 14's skeleton with ours' whole message chain on a hot key (claim and next too).
+SIX = "skeleton_local_full"
 
 
 def _past_bound(w: dict) -> str:
@@ -336,7 +342,9 @@ NOTES = {
                     "to the pool, whose process runs the body, sends `release` and waits for `released` (the delete's "
                     "reply, or the next holder's grant). Four messages per task, three processes, no queue order, "
                     "lease, claim, cohort bound, event, signal, timeout or fault handling: not a lock, the cost floor of "
-                    "its chain. All three contenders run in the same two workers (prefork -c 2), in turn, order "
+                    "its chain. On hot keys, \"the design's six messages\" adds the two ours sends beyond those four: "
+                    "the pool process's one-way `claim` as the body starts, and the `next` notice for the first "
+                    "request behind the holder. All contenders run in the same two workers (prefork -c 2), in turn, order "
                     "alternating pass by pass.",
     "overhead": "Throughput: bursts of trivial tasks on distinct keys, alternating contender order per pass; "
                 "latency: one task in flight, publish to `task_postrun` (after the contender's unlock), "

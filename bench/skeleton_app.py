@@ -21,7 +21,10 @@ broker, ZooKeeper and the publisher.  This builds the design with nothing else i
 
 Four messages per task between three processes, and two ZooKeeper requests (distinct keys)
 or none (hot keys); no queue order, lease, claim, cohort bound, event, signal, metric,
-guard, timeout, loss or fault handling.  It is not a
+guard, timeout, loss or fault handling.  ``bench.skeleton_local_full.*`` adds the two
+messages ours sends on a hot key beyond those four: the pool process's one-way ``claim``
+as its body starts, and the ``next`` notice to the main process for the first request
+behind the holder (six messages: ours' whole chain on a carried grant, with no logic).  It is not a
 lock (nothing checks an order, nothing survives a fault): only the cost floor of the
 design's chain, with real Celery around it.
 
@@ -48,7 +51,8 @@ from . import app as bench_app
 #: Where the workers' main and pool processes find the skeleton agent.
 SOCK_ENV = "BENCH_SKELETON_SOCK"
 PREFIX = "bench.skeleton"  # bench.skeleton.* joins ZooKeeper, bench.skeleton_local.* only queues here
-LOCAL = "bench.skeleton_local."
+LOCAL = "bench.skeleton_local"  # bench.skeleton_local.* and bench.skeleton_local_full.*
+FULL = "bench.skeleton_local_full."  # also ours' claim and next-in-line notice: six messages
 
 
 def _line(message: dict) -> bytes:
@@ -82,13 +86,19 @@ def agent_main(path: str, hosts: str, root: str) -> int:
     holders: dict[str, str] = {}  # local key -> the request holding it
     queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
     local: dict[str, str] = {}  # local request -> its key
+    full: set[str] = set()  # requests of the full chain (claim and next-in-line notice too)
 
     def on_wait(conn: socket.socket, msg: dict) -> None:
         key = f"{root}/{msg['key']}"
         if msg.get("local"):
             local[msg["id"]] = key
+            if msg.get("full"):
+                full.add(msg["id"])
             if key in holders:
-                return queues[key].append((conn, msg["id"]))
+                queues[key].append((conn, msg["id"]))
+                if msg.get("full") and len(queues[key]) == 1:
+                    send(conn, {"op": "next", "id": msg["id"]})  # ours: the next in line's notice
+                return
             holders[key] = msg["id"]
             return send(conn, {"op": "granted", "id": msg["id"]})
 
@@ -99,12 +109,18 @@ def agent_main(path: str, hosts: str, root: str) -> int:
 
         kazoo_compat.create_in_new_containers_async(client, [(key, f"{key}/_c_x-lock-", b"", None, None)]).rawlink(joined)
 
+    def on_claim(conn: socket.socket, msg: dict) -> None:
+        """The six-message chain's claim: one-way, as ours on a carried grant."""
+
     def on_release(conn: socket.socket, msg: dict) -> None:
+        full.discard(msg["id"])
         key = local.pop(msg["id"], None)
         if key is not None:
             if queues[key]:
                 owner, holders[key] = queues[key].popleft()
                 send(owner, {"op": "granted", "id": holders[key]})
+                if queues[key] and holders[key] in full:
+                    send(queues[key][0][0], {"op": "next", "id": queues[key][0][1]})
             else:
                 del holders[key], queues[key]
             return send(conn, {"op": "released", "id": msg["id"], "proven": True})
@@ -144,7 +160,7 @@ def agent_main(path: str, hosts: str, root: str) -> int:
                 *lines, buffers[sock] = (buffers[sock] + data).split(b"\n")
                 for line in lines:
                     msg = json.loads(line)
-                    (on_wait if msg["op"] == "wait" else on_release)(sock, msg)
+                    {"wait": on_wait, "claim": on_claim}.get(msg["op"], on_release)(sock, msg)
     finally:
         client.stop()
         client.close()
@@ -186,12 +202,14 @@ class Gate(bootsteps.StartStopStep):
             return self.inner(req)
         self.aside[req.id] = req
         self.sock.sendall(_line({"op": "wait", "id": req.id, "key": f"k:{(req.args or [None])[0]}",
-                                 "local": req.task.name.startswith(LOCAL)}))
+                                 "local": req.task.name.startswith(LOCAL), "full": req.task.name.startswith(FULL)}))
 
     def _readable(self) -> None:
         *lines, self.buffer = (self.buffer + self.sock.recv(65536)).split(b"\n")
         for line in lines:
-            self.inner(self.aside.pop(json.loads(line)["id"]))
+            msg = json.loads(line)
+            if msg["op"] == "granted":
+                self.inner(self.aside.pop(msg["id"]))
 
 
 bench_app.app.steps["consumer"].add(Gate)
@@ -201,12 +219,21 @@ bench_app.app.steps["consumer"].add(Gate)
 _link: dict[int, socket.socket] = {}
 
 
-def _release(task_id: str) -> bool:
+def _sock() -> socket.socket:
     sock = _link.get(os.getpid())
     if sock is None:
         _link.clear()
         sock = _link[os.getpid()] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(os.environ[SOCK_ENV])
+    return sock
+
+
+def _claim(task_id: str) -> None:
+    _sock().sendall(_line({"op": "claim", "id": task_id}))
+
+
+def _release(task_id: str) -> bool:
+    sock = _sock()
     sock.sendall(_line({"op": "release", "id": task_id}))
     buffer = b""
     while not buffer.endswith(b"\n"):
@@ -220,6 +247,8 @@ class SkeletonTask(Task):
     abstract = True
 
     def __call__(self, *args, **kwargs):
+        if self.name.startswith(FULL):
+            _claim(self.request.id)
         try:
             return self.run(*args, **kwargs)
         finally:
@@ -229,6 +258,7 @@ class SkeletonTask(Task):
 
 bench_app.add_contender("skeleton", "the design's chain (ZooKeeper)", SkeletonTask, {})
 bench_app.add_contender("skeleton_local", "the design's chain (agent's queue)", SkeletonTask, {})
+bench_app.add_contender("skeleton_local_full", "the design's six messages (agent's queue)", SkeletonTask, {})
 app = bench_app.app  # what ``celery -A bench.skeleton_app`` loads
 
 

@@ -89,7 +89,7 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
         assert is_number(enq["storm"][contender]["duplicates_queued"]), contender
         assert isinstance(enq["after_sigkill"][contender]["still_blocked"], bool), contender
     design = results["scenarios"]["design_floor"]
-    for workload, skeleton in (("distinct", "skeleton"), ("hot", "skeleton_local")):
+    for workload, skeleton in (("distinct", "skeleton"), ("hot", "skeleton_local"), ("hot", "skeleton_local_full")):
         for contender in ("plain", skeleton, "zklock"):
             for field in ("throughput_per_s", "throughput_vs_plain", "cpu_worker_main_ms_per_task",
                           "cpu_worker_pool_ms_per_task", "switches_worker_pool_per_task"):
@@ -99,6 +99,7 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
     # ZooKeeper (a multi and a delete), the hot keys only queued in its agent.
     assert design["distinct"]["skeleton"]["zk_requests_per_task"] >= 1.5
     assert design["hot"]["skeleton_local"]["zk_requests_per_task"] < 0.5
+    assert design["hot"]["skeleton_local_full"]["zk_requests_per_task"] < 0.5
     flash = results["scenarios"]["flash_sale"]["modes"]
     for mode in ("worker", "pool", "plain"):
         for field in ("orders_per_s", "enqueue_to_start_p50_s", "enqueue_s"):
