@@ -257,9 +257,9 @@ class MainProcess:
             return
         self.count += 1
         rid = f"{self.worker.name}-{self.count}"
-        self.requests[rid] = {"id": rid, "path": path, "verdict": None, "dispatched": False, "done": False,
+        self.requests[rid] = {"id": rid, "seq": self.count, "path": path, "verdict": None, "dispatched": False, "done": False,
                               "sent_at": self.world.now, "timeout": timeout}
-        self.to_agent.send({"op": "wait", "id": rid, "task": "t", "paths": [path], "max_holders": 1,
+        self.to_agent.send({"op": "wait", "id": rid, "seq": self.count, "task": "t", "paths": [path], "max_holders": 1,
                             "timeout": timeout, "identity": f"{rid}", "early": early and self.slots() > 0,
                             "watched": True})
 
@@ -307,7 +307,7 @@ class MainProcess:
 
     def finished(self, req: dict) -> None:
         req["done"] = True
-        self.to_agent.send({"op": "finished", "ids": [req["id"]]})
+        self.to_agent.send({"op": "finished", "ids": [req["id"]], "seqs": [req["seq"]]})
         self.early.discard(req["id"])
         for rid, (hold, ours) in list(self.next_up.items()):  # worker_queue._park_next_up
             if len(self.early) >= self.slots():

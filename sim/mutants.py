@@ -148,10 +148,10 @@ MUTANTS = [
            "    return fresh(proof, lease_clock(), session)\n",
            "    return send({\"op\": \"claim\", \"id\": request_id, \"carried\": True})\n"),
     Mutant("carry-abandoned", "21. the agent lets go of a carried grant nobody has claimed yet as soon as the "
-           "main process is gone (its pool process may be starting on it)",
+           "main process is gone, or Celery drops its request (its pool process may be starting on it)",
            "worker/agent.py",
-           "                left = self.requests.carry_left(wait)\n",
-           "                left = 0.0\n"),
+           "        left = self.requests.carry_left(wait)\n",
+           "        left = 0.0\n"),
     Mutant("create-proof-late", "22. a fresh node's first proof dated when it is taken, not when its create was "
            "sent (issue 39's carried first grant): a node that queued past its session still carries",
            "engine/attempt/machine.py",
@@ -177,9 +177,9 @@ MUTANTS = [
            killer="tests/worker/test_handoff_gap.py::test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll"),
     Mutant("dropped-keeps-grant", "26. a request Celery drops as expired after its grant (it waited for a pool "
            "process) does not let go of it: nobody claims the grant, the key stays held until the worker stops",
-           "worker/worker_queue.py",
-           "        _step.request_finished(request.id)\n",
-           "        pass\n",
+           "worker/worker_loss.py",
+           "        finally:\n            worker_queue.request_finished(self)\n\n    def on_timeout",
+           "        finally:\n            pass\n\n    def on_timeout",
            killer="tests/worker/test_expired_grant.py::"
                   "test_a_granted_request_that_expires_before_a_process_frees_lets_go_of_its_key"),
     Mutant("expired-waits-on", "27. a request whose expires passes while it waits for its lock keeps waiting: "
@@ -188,6 +188,24 @@ MUTANTS = [
            "            elif req.maybe_expire():  # past it: revoked, as Celery marks an expired request\n",
            "            elif False:\n",
            killer="tests/worker/test_expired_grant.py::test_a_request_that_expires_while_it_waits_stops_waiting"),
+    Mutant("reconnect-keeps-grant", "28. a grant Celery dropped unrun at a broker reconnection (the request waited for "
+           "a pool process) is kept: nobody claims it, the key stays held until the message comes back",
+           "worker/agent.py",
+           "                if wait is not None and wait.claimer is None:\n                    self._unless_claimed(wait)\n",
+           "                pass\n",
+           killer="tests/faults/test_broker_faults.py::test_a_broker_reconnect_lets_go_of_a_grant_celery_dropped_unrun"),
+    Mutant("reconnect-republishes-parked", "29. at a broker reconnection, requests parked next in line in pool processes "
+           "are told to publish themselves again, into the broker that has just gone: lost",
+           "worker/worker_queue.py",
+           "        if restarting:\n            return\n",
+           "",
+           killer="tests/faults/test_broker_faults.py::test_a_broker_outage_does_not_lose_requests_parked_next_in_line"),
+    Mutant("finished-by-id", "30. the end of a delivery is told by task id alone: a retry with no countdown that "
+           "waits already has its wait ended by its first delivery's end, and waits for good",
+           "worker/agent_requests.py",
+           "        if wait is None or wait.done or (seq is not None and wait.seq != seq):\n",
+           "        if wait is None or wait.done:\n",
+           killer="tests/worker/test_deliveries.py::test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id"),
 ]
 
 

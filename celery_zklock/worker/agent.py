@@ -220,8 +220,13 @@ class Agent:
         elif op == "cancel":
             self.requests.cancel(msg["id"], Cancel(msg["why"]), bool(msg.get("in_pool")))
         elif op == "finished":
-            for request_id in msg.get("ids") or ():
-                self.requests.cancel(request_id, Cancel.FINISHED)
+            for request_id, seq in _deliveries(msg):
+                self.requests.cancel(request_id, Cancel.FINISHED, seq=seq)
+        elif op == "dropped":
+            for request_id, seq in _deliveries(msg):
+                wait = self.requests.delivery(request_id, seq)
+                if wait is not None and wait.claimer is None:
+                    self._unless_claimed(wait)
         elif op == "claim":
             self.claims.claim(peer, msg["id"], bool(msg.get("carried")))
         elif op == "unclaim":
@@ -244,15 +249,21 @@ class Agent:
                 self.requests.abandon(wait)
                 logger.warning("zklock agent: released the lock of request %s: its pool process is gone", wait.id)
             elif wait.owner is peer and wait.claimer is None:
-                left = self.requests.carry_left(wait)
-                if left > 0:
-                    # Its grant went to the pool with the task: a pool process may have
-                    # started on it and claimed it, the claim still on its way here.
-                    self.kept.add(wait)
-                    self.monitor.timers.call_at(clock.monotonic() + left, self.post, self._carry_ended, wait)
-                else:
-                    self.requests.abandon(wait)
+                self._unless_claimed(wait)
         self._stop_if_orphaned()
+
+    def _unless_claimed(self, wait) -> None:
+        """Let go of a request the main process no longer holds and no pool process has
+        claimed (the main process is gone, or Celery dropped the request unrun): at once,
+        or, if its grant went to the pool with the task, once that grant can no longer be
+        started on (a pool process may have started on it, its claim still on its way
+        here).  A claim that comes after is answered "unknown": it locks in-process."""
+        left = self.requests.carry_left(wait)
+        if left > 0:
+            self.kept.add(wait)
+            self.monitor.timers.call_at(clock.monotonic() + left, self.post, self._carry_ended, wait)
+        else:
+            self.requests.abandon(wait)
 
     def _carry_ended(self, wait) -> None:
         """A carried grant the main process left behind: claimed by now, or let go."""
@@ -264,6 +275,12 @@ class Agent:
     def _stop_if_orphaned(self) -> None:
         if self.main_seen and self.main is None and not self.claims.claimed and not self.kept:
             self.stopped.set()
+
+
+def _deliveries(msg: dict):
+    """(id, seq) of each delivery a ``finished`` or ``dropped`` names (seq None: whichever waits)."""
+    ids = msg.get("ids") or []
+    return zip(ids, msg.get("seqs") or [None] * len(ids))
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ releases what that process held at once — no pid polling, no reaper process.
 
 Requests (``op``) and the agent's answers:
 
-* main -> agent ``wait`` {id, task, paths, max_holders, timeout, identity, early, watched}:
+* main -> agent ``wait`` {id, seq, task, paths, max_holders, timeout, identity, early, watched}:
   queue for the lock; answered later by ``granted`` {id, queued, carry}, ``timeout`` or
   ``unavailable`` {id, error}, after ``queued`` {id, position} if it has to wait and
   ``watched`` (the main process reads it: events, LOCK_WAITING, metrics, or its prefetch
@@ -26,8 +26,14 @@ Requests (``op``) and the agent's answers:
   (a request the main process already handed to the pool as next in line, ``in_pool``,
   gets that verdict instead if still undecided, and the main process hears ``revoked``
   {id} back);
-* main -> agent ``finished`` {ids}: the pool is done with these requests (one message per
-  turn of the main process's event loop): let go of any grant nobody claimed;
+* main -> agent ``finished`` {ids, seqs}: the pool is done with these requests (one message
+  per turn of the main process's event loop): let go of any grant nobody claimed.  ``seqs``
+  name the deliveries (the ``seq`` of their ``wait``): a task id can wait again (a retry
+  with no countdown) once its first delivery let go, and the first's end must not end it;
+* main -> agent ``dropped`` {ids, seqs}: Celery dropped these handed-over requests unrun
+  (its close at a broker reconnection or shutdown; their messages come back from the
+  broker): let go of each one no pool process claims (a carried grant once it can no
+  longer be started on);
 * agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
   agent (a retry published by a body still holding its lock, a redelivery): hand it to
   the pool as it is; it locks in-process there;

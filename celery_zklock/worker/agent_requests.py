@@ -63,6 +63,7 @@ class Wait:
     granted_at: float | None = None
     carry_until: float | None = None  # lease clock: a pool process may start on its carried grant until then
     started: float = field(default_factory=clock.monotonic)
+    seq: int | None = None  # the main process's number for this delivery (a task id can come again)
     done: bool = False  # released or cancelled
 
 
@@ -132,6 +133,7 @@ class Requests:
             early=bool(msg.get("early")),
             watched=bool(msg.get("watched", True)),
             guard=guards.guarded(msg.get("guard") and {guards.HEADER: msg.get("guard")}),
+            seq=msg.get("seq"),
         )
         old = self.waits.get(wait.id)
         if old is not None and not old.done:
@@ -308,15 +310,25 @@ class Requests:
         self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE,
                                   "error": f"could not end the enqueue guard at the start: {error!r}"})
 
-    def cancel(self, request_id: str, why: Cancel = Cancel.FINISHED, in_pool: bool = False) -> None:
+    def delivery(self, request_id: str, seq: int | None) -> Wait | None:
+        """The live wait of that delivery of ``request_id``: the same task id may come again
+        (a retry with no countdown, a redelivery) once the first let go, and what the main
+        process says of the first must not end the next (``seq`` None: whichever waits)."""
+        wait = self.waits.get(request_id)
+        if wait is None or wait.done or (seq is not None and wait.seq != seq):
+            return None
+        return wait
+
+    def cancel(self, request_id: str, why: Cancel = Cancel.FINISHED, in_pool: bool = False,
+               seq: int | None = None) -> None:
         """Stop waiting for a request: ``revoked`` or ``shutdown`` by the main process, or
         ``finished`` by the pool without claiming (a grant nobody claimed is let go).
 
         A request handed to the pool while next in line (``in_pool``) and still undecided
         gets the verdict ``why`` instead: its pool process must not run it.  Decided, it
         runs (or ran) as granted: its own release lets go."""
-        wait = self.waits.get(request_id)
-        if wait is None or wait.done or (wait.claimer is not None and wait.verdict is not None):
+        wait = self.delivery(request_id, seq)
+        if wait is None or (wait.claimer is not None and wait.verdict is not None):
             return
         if in_pool and wait.verdict is not None:
             return

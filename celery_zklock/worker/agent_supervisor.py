@@ -170,6 +170,8 @@ class AgentSupervisor:
         Without an agent, requests go to the pool as they are, where each locks in-process
         and, ZooKeeper being unreachable, follows ``on_lock_unavailable`` (retry or fail:
         never unprotected); the start is retried with backoff (1 s doubling to 30 s)."""
+        if self.sock is not None:
+            return  # connected meanwhile (a consumer restart started it): one agent only
         try:
             _agent.start()
         except SystemExit as exc:

@@ -74,8 +74,7 @@ class LockAwareRequest(Request):
 
     No ``on_success``: Celery's dispatch subclasses this per task and overrides it without
     calling ours (``create_request_cls``), and a task that succeeded claimed and released its
-    lock itself.  A request dropped before it ran is told by ``task_revoked``
-    (:mod:`celery_zklock.worker.worker_queue`)."""
+    lock itself."""
 
     def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
         try:
@@ -86,7 +85,18 @@ class LockAwareRequest(Request):
             try:
                 super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
             finally:
-                worker_queue.request_finished(self.id)
+                worker_queue.request_finished(self)
+
+    def _announce_revoked(self, reason, terminated, signum, expired):
+        """Celery drops this request unrun (revoked, or expired, as it reaches a pool process):
+        a grant it got after waiting for its lock must go with it, or no process ever claims
+        it and the key stays held by nobody until the worker stops.  Every drop passes here
+        (``task_revoked`` is sent from here too); the grant goes even if Celery's own
+        bookkeeping raises (a result backend that is down)."""
+        try:
+            super()._announce_revoked(reason, terminated, signum, expired)
+        finally:
+            worker_queue.request_finished(self)
 
     def on_timeout(self, soft, timeout):
         try:

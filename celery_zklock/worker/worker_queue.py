@@ -16,7 +16,8 @@ import socket
 import time
 from collections import Counter
 
-from celery import bootsteps, signals
+from celery import bootsteps
+from celery.bootsteps import RUN
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
@@ -68,13 +69,18 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.counted: set[str] = set()  # held ids that raised the prefetch window
         self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
         self.on_path: Counter = Counter()  # lock path -> held ids waiting for it (aside or early)
-        self.finished: list[str] = []  # done in the pool, to tell the agent at the next loop turn
+        self.finished: list[tuple[str, int]] = []  # (id, seq) done in the pool, told at the next loop turn
+        self.seq = 0  # numbers the deliveries sent to the agent (a task id can come again)
         self.pid = os.getpid()  # a pool process forked later inherits this step: it must not send
         agent = agent_supervisor.running()
         self.active = agent is not None and getattr(c, "hub", None) is not None
         self.handoff_slots = handoff_slots(c, agent.settings) if self.active else 0
         if self.active:
             c.on_task_request = self.on_request
+            # Celery's close drops requests no pool process took yet: at a broker reconnection
+            # (Consumer.start calls c.on_close) and at shutdown (the blueprint's own reference).
+            self.celery_close = c.on_close
+            c.on_close = c.blueprint.on_close = self.on_close
             _step = self
 
     # ------------------------------------------------------------------ Celery hooks
@@ -84,11 +90,45 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if not self.active:
             return
         if self.sock is None:
-            self._connect()
+            try:
+                self._connect()
+            except OSError as exc:
+                # No agent to connect to: it died and its restart waits for ZooKeeper.  Raising
+                # here would restart the consumer over and over, and the hub that retries the
+                # agent would never run: start it from here instead (or schedule the retry).
+                logger.error("celery-zklock: no lock agent to connect to (%r); starting it again", exc)
+                agent_supervisor.running().kill()
+                self._restart_agent()
         if not self.timers:
             self.timers = [c.hub.call_repeatedly(0.1, self._check_revoked),
                            c.hub.call_repeatedly(0.1, self._park_next_up),  # also after tasks not ours
                            c.hub.call_repeatedly(HEARTBEAT * 2, self._check_agent)]
+
+    def register_with_event_loop(self, c, hub) -> None:
+        """Read the agent through the hub again: a broker reconnection resets the hub, which
+        forgets every reader, and the event loop calls this each time it (re)starts.
+        Without it the agent's grants were read only by the 0.4 s liveness check."""
+        if self.active and self.sock is not None:
+            hub.add_reader(self.sock.fileno(), self._readable)
+
+    def on_close(self) -> None:
+        """Celery drops the requests no pool process has taken yet (its semaphore, the
+        pool's unsent jobs): their messages come back from the broker.  Those we handed
+        over, granted or next in line, no process may ever claim, and their grants would
+        hold their keys for nobody: the agent lets go of each one no pool process claims
+        (a job already written to a process runs there, and claims; a grant that travelled
+        with the task is kept for that claim while it could be started on)."""
+        active = worker_state.active_requests
+        dropped = [req for req in tuple(worker_state.reserved_requests)
+                   if req not in active and self.aside.get(req.id) is not req and _seq(req) is not None]
+        try:
+            self.celery_close()
+        finally:
+            if dropped:
+                self._send({"op": "dropped", "ids": [r.id for r in dropped], "seqs": [_seq(r) for r in dropped]})
+            for req in dropped:
+                if self.early.get(req.id) is req:
+                    self._forget_early(req.id)
 
     # ------------------------------------------------------------------ requests
     def on_request(self, req) -> None:
@@ -120,7 +160,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                                             holders=task.lock_max_holders if task.lock_max_holders > 1 else None)
         # Told "queued" if it waits (_queued): whatever reads it, and the window for one
         # not known to wait here.
-        self._send({"op": "wait", "id": req.id, "paths": paths, "max_holders": task.lock_max_holders,
+        self.seq += 1
+        req.zklock_seq = self.seq  # this delivery, as the agent knows it (finished, dropped)
+        self._send({"op": "wait", "id": req.id, "seq": self.seq, "paths": paths, "max_holders": task.lock_max_holders,
                     "timeout": opts.timeout, "identity": str(identity), "task": task.name,
                     "early": self._slots() > 0, "guard": guards.guarded(req), "watched": not behind or watched(req)})
         return True
@@ -189,10 +231,13 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         return max(0, min(self.handoff_slots, processes - 1))
 
     def _early_done(self, request_id: str) -> None:
+        self._forget_early(request_id)
+        self._park_next_up()
+
+    def _forget_early(self, request_id: str) -> None:
         self.early.pop(request_id, None)
         self._untrack(request_id)
         self.revoking.discard(request_id)
-        self._park_next_up()
 
     def _park_next_up(self) -> None:
         """A handoff slot or a pool process freed: next-in-line requests that waited for one
@@ -277,29 +322,35 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self.revoking.add(request_id)  # the agent answers "revoked" unless already granted
             self._send({"op": "cancel", "id": request_id, "why": Cancel.REVOKED, "in_pool": True})
 
-    def request_finished(self, request_id: str) -> None:
+    def request_finished(self, req) -> None:
         """The pool is done with a request, or Celery dropped it before it ran: free a grant
-        it never claimed (no-op otherwise).
+        it never claimed (no-op otherwise).  Only for a delivery the agent was told of, and
+        named as that delivery: the same task id may wait there again already.
 
         Told in one message per turn of the event loop, not one per request.  A task that
         succeeded does not come here (Celery's dispatch overrides ``on_success``): it
         claimed and released its lock itself."""
-        if self.sock is not None:
+        seq = _seq(req)
+        if self.sock is not None and seq is not None:
             if not self.finished:
                 self.c.hub.call_soon(self._send_finished)
-            self.finished.append(request_id)
-        if request_id in self.early:
-            self._early_done(request_id)  # finished undecided: it never claimed (or was bypassed)
+            self.finished.append((req.id, seq))
+        if self.early.get(req.id) is req:
+            self._early_done(req.id)  # finished undecided: it never claimed (or was bypassed)
         elif self.next_up:
             self._park_next_up()  # a process is free: the pool may be idle now
 
     def _send_finished(self) -> None:
-        ids, self.finished = self.finished, []
-        if ids:
-            self._send({"op": "finished", "ids": ids})
+        done, self.finished = self.finished, []
+        if done:
+            self._send({"op": "finished", "ids": [i for i, _ in done], "seqs": [n for _, n in done]})
 
     def stop(self, c):
-        """Warm shutdown: waiting requests go back to the broker; their nodes are deleted."""
+        """Warm shutdown, or a broker reconnection: waiting requests go back to the broker
+        (their nodes are deleted).  Requests next in line in a pool process go back from
+        there at shutdown; at a reconnection they wait on for their grants (the broker may
+        still be down: published again, they would be lost)."""
+        restarting = getattr(getattr(c, "blueprint", None), "state", None) == RUN
         self._send_finished()
         for tref in self.timers:
             tref.cancel()
@@ -314,16 +365,22 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             except Exception as exc:
                 failed += 1
                 logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
-        if returned or failed or self.early or not getattr(self, "_stop_logged", False):
+        if restarting:
+            logger.info("celery-zklock: the broker connection restarts: %d waiting task(s) went back to the broker%s%s",
+                        returned, f", {failed} could not (see above)" if failed else "",
+                        f"; {len(self.early)} next in line in the pool wait there for their locks" if self.early else "")
+        elif returned or failed or self.early or not getattr(self, "_stop_logged", False):
             self._stop_logged = True  # Celery calls stop, then shutdown: one line, not two
             logger.info("celery-zklock: stopping: %d waiting task(s) went back to the broker%s%s", returned,
                         f", {failed} could not (see above)" if failed else "",
                         f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
         self.aside.clear()
         self.counted.clear()
-        self.paths.clear()
-        self.on_path.clear()
         self.next_up.clear()
+        for path_of in [i for i in self.paths if i not in self.early]:
+            self._untrack(path_of)
+        if restarting:
+            return
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told
             # "shutdown" and publishes it back to the broker instead of running it.
@@ -357,19 +414,16 @@ def zklock_waiting(state, **kwargs) -> dict:
     return _step.waiting() if _step is not None and _step.active else {}
 
 
-def request_finished(request_id: str) -> None:
-    if _step is not None:
-        _step.request_finished(request_id)
+def request_finished(req) -> None:
+    """A request of a locked task ended in this worker's main process (failed, or dropped
+    unrun: see :class:`~celery_zklock.worker.worker_loss.LockAwareRequest`)."""
+    if _step is not None and _step.pid == os.getpid():
+        _step.request_finished(req)
 
 
-@signals.task_revoked.connect
-def _dropped(sender=None, request=None, **kwargs) -> None:
-    """Celery drops a request it finds revoked or expired as it hands it to a pool process,
-    also one we hand over granted (or next in line) after it waited for its lock: no process
-    will claim that grant, so the agent lets go of it now.  Without this the key stayed
-    held by nobody until the worker stopped, and every later task on it waited in vain."""
-    if _step is not None and _step.pid == os.getpid() and request is not None and is_locked_task(sender):
-        _step.request_finished(request.id)
+def _seq(req) -> int | None:
+    """The delivery number the agent knows ``req`` by; None if it was never sent there."""
+    return getattr(req, "zklock_seq", None)
 
 
 def waits_in_agent(task) -> bool:

@@ -111,6 +111,15 @@ def step_late(self, key, ms=50, tail_ms=0):
     return fenced_run(self, key, ms, tail_ms)
 
 
+@app.task(base=ZkLockedTask, bind=True, lock_key="{key}")
+def step_retry_now(self, key, ms=50, tail_ms=0):
+    """Retried once, at once (countdown 0), from inside its lock: the same task id comes back
+    to the worker while its first delivery lets go, or just after."""
+    if not self.request.retries:
+        raise self.retry(countdown=0)
+    return fenced_run(self, key, ms, tail_ms)
+
+
 # ----------------------------------------------------------------------- bad input
 class _NoText:
     """An object whose only text would be its memory address."""

@@ -123,10 +123,10 @@ class Cluster:
         modes = [m.mode() for m in self.ensemble.members]
         return modes.count("leader") == 1 and modes.count("follower") == 2
 
-    def redis_restart(self) -> float:
-        """Restart the broker the way an operator does (``SHUTDOWN SAVE``, then start): the
-        queued and unacknowledged messages survive in the RDB file.  Returns the seconds
-        the broker was down."""
+    def redis_restart(self, down_for: float = 0.0) -> float:
+        """Restart the broker the way an operator does (``SHUTDOWN SAVE``, then start, after
+        ``down_for`` seconds): the queued and unacknowledged messages survive in the RDB
+        file.  Returns the seconds the broker was down."""
         import redis
 
         down = time.monotonic()
@@ -136,6 +136,7 @@ class Cluster:
             pass  # the server closes the connection as it exits
         self.broker.proc.wait(20)
         self.broker.proc = None
+        time.sleep(down_for)
         self.broker.start()
         # The test process's pooled broker connections died with the server: drop them,
         # or the next control ping (a later scenario's worker start) gets one of them.

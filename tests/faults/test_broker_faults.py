@@ -72,6 +72,70 @@ def test_result_backend_down_while_tasks_wait_for_the_lock(scenario):
         backend.close()
 
 
+def test_a_broker_reconnect_lets_go_of_a_grant_celery_dropped_unrun(scenario):
+    """A request granted its lock while the pool's only process is busy waits in Celery's
+    semaphore; a broker reconnection clears that (``Consumer.on_close``: the message comes
+    back from the broker, here after the visibility timeout).  Promise: its grant goes with
+    it, so the next task on the key runs once the process frees, not after the dropped
+    request's redelivery; and the dropped request still runs, once, when it comes back.
+    Before the fix the key stayed held by nobody until then (with more workers, the
+    redelivery went elsewhere and the key stayed held for good)."""
+    conf = json.dumps({"result_backend_always_retry": True})
+    w = scenario.worker("a", concurrency=1, FAULTS_VISIBILITY="15", FAULTS_CONF=conf)
+    busy = scenario.send(A.step, "busy", 3000, queue=w.queue)
+    wait_until(lambda: scenario.events(busy.id, "begin"), 30, what="the busy task to take the only process")
+    dropped = scenario.send(A.step, "k", 50, queue=w.queue)
+    wait_until(lambda: scenario.contenders("k", need=1) >= 1, 30, what="the agent to take k for the waiting request")
+    time.sleep(0.3)  # granted, handed to Celery, waiting for the process
+    assert not scenario.events(busy.id, "return"), "the busy task ended before the reconnection"
+    scenario.cluster.redis_restart()
+    later = scenario.send(A.step, "k", 50, queue=w.queue)
+    wait_until(lambda: scenario.events(later.id, "return"), 60, what="the next task on k to run")
+    report = scenario.verify(timeout=60)
+    record("reconnect-drops-granted", **report.figures)
+    assert scenario.first([dropped.id, later.id])["task"] == later.id, (
+        "the key stayed held for the request Celery dropped until its message came back")
+    assert len(scenario.events(dropped.id, "return")) == 1
+
+
+def test_a_broker_outage_does_not_lose_requests_parked_next_in_line(scenario):
+    """A request next in line on a briefly held key waits in a pool process for its grant,
+    its message already acknowledged.  Promise: a broker outage and reconnection leave it
+    there, to run when granted; before the fix each was told "shutdown" and published itself
+    again into the broker that had just gone, and failed: the work was lost.
+
+    Two keys, each with a holder and one request parked behind it, fill the four processes,
+    so that no message is unacknowledged when the broker goes (kombu then fails the worker
+    outright while it restores them: noticed, upstream, not what this test is about)."""
+    conf = json.dumps({"result_backend_always_retry": True, "zklock_handoff_slots": 2})
+    w = scenario.worker("a", concurrency=4, FAULTS_CONF=conf)
+    warm = [scenario.send(A.step, key, 200, queue=w.queue) for key in ("ka", "kb")]  # a short hold on record
+    wait_until(lambda: all(scenario.events(t.id, "return") for t in warm), 30, what="the warm-up holds")
+    holders = [scenario.send(A.step, key, 2500, queue=w.queue) for key in ("ka", "kb")]
+    wait_until(lambda: all(scenario.events(t.id, "begin") for t in holders), 30, what="both holders")
+    parked = [scenario.send(A.step, key, 50, queue=w.queue) for key in ("ka", "kb")]
+    time.sleep(0.5)  # next in line: handed to the pool, its message acknowledged
+    assert not any(scenario.events(t.id, "return") for t in holders), "a holder ended before the outage"
+    scenario.cluster.redis_restart(down_for=3.0)
+    report = scenario.verify(timeout=60)
+    record("outage-parked-next-in-line", **report.figures)
+    assert all(t.state == "SUCCESS" for t in parked)
+    assert "next in line in the pool wait there" in w.log_tail(10**8), "no request was parked when the broker went"
+
+
+def test_a_task_retried_at_once_runs_again(scenario):
+    """A body that retries with no countdown publishes its own task id again, and the worker
+    reads it while, or just after, the first delivery lets go of its lock.  Promise: every
+    retry waits and runs, end to end through real workers.  The narrow case where the first
+    delivery's end used to end the retry's wait (a millisecond's window, not hit by this
+    run on the old code) is pinned agent-level in tests/worker/test_deliveries.py."""
+    w = scenario.worker("a", concurrency=2)
+    sent = [scenario.send(A.step_retry_now, f"again-{i}", 1, queue=w.queue) for i in range(150)]
+    report = scenario.verify(timeout=60)
+    record("retried-at-once", **report.figures)
+    assert report.figures["succeeded"] == len(sent)
+
+
 def _racers(scenario, **env):
     """Two single-slot workers sharing one queue: each delivery of a task lands on one."""
     queue = f"{scenario.name}-race"

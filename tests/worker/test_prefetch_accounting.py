@@ -57,3 +57,28 @@ def test_beyond_max_held_waiting_requests_take_places_in_the_window():
     step.counted = {f"held{i}" for i in range(MAX_HELD)}
     step._outside_window("one more")
     assert qos.value == 4 and "one more" not in step.counted
+
+
+def test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop():
+    """A broker reconnection resets the hub, which forgets every reader; Celery then calls
+    each consumer step's ``register_with_event_loop`` as the loop starts again.  Without the
+    step's, the agent's grants were read only by the 0.4 s liveness check (a review found it)."""
+    import socket
+
+    from kombu.asynchronous import Hub
+
+    ours, theirs = socket.socketpair()
+    hub = Hub()
+    try:
+        step = _step(QoS(lambda **kw: None, 4))
+        step.active, step.sock = True, ours
+        step.register_with_event_loop(step.c, hub)
+        assert ours.fileno() in hub.readers
+        hub.reset()  # what asynloop does as the broker connection goes
+        assert ours.fileno() not in hub.readers
+        step.register_with_event_loop(step.c, hub)
+        assert hub.readers[ours.fileno()][0] == step._readable
+    finally:
+        hub.close()
+        ours.close()
+        theirs.close()

@@ -1,0 +1,91 @@
+"""A task id can reach the worker again while the agent still knows its first delivery.
+
+Why: a body that retries with no countdown publishes its own task id again, and the worker
+may read the new message just after the first delivery let go of its lock.  The main
+process then tells the agent that the first delivery ended (``finished``), and if that
+names only the task id, it ends the *second* delivery's wait: no verdict ever comes, and
+the retry stays held aside for good.  Found by a review of Celery's worker paths; with real
+workers the window is about a millisecond wide (a 150-task run did not hit it), so the
+rule is shown here, agent-level, against a real ZooKeeper: the agent runs in this process,
+the main and pool processes are sockets speaking its protocol.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import pytest
+
+from celery_zklock.config import ZkSettings
+from celery_zklock.worker.agent_link import Connection
+from tests.worker.test_late_claim import start_agent
+
+
+@pytest.fixture
+def agent(zk_server, tmp_path):
+    agent = start_agent(ZkSettings(hosts=zk_server.hosts), str(tmp_path / "agent.sock"))
+    yield agent
+    agent.stopped.set()
+
+
+def _answer(conn: Connection, op: str, request_id: str, timeout: float = 10.0) -> dict | None:
+    """The agent's next ``op`` for ``request_id``; None if none comes within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            data = conn.sock.recv(65536)
+        except socket.timeout:
+            return None
+        assert data, "the agent went away"
+        for msg in conn._reader.feed(data):
+            if msg.get("op") == op and msg.get("id") == request_id:
+                return msg
+    return None
+
+
+def _wait(main: Connection, request_id: str, seq: int, key: str) -> None:
+    main.send({"op": "wait", "id": request_id, "seq": seq, "paths": [key], "timeout": None, "identity": request_id})
+
+
+def _run(pool: Connection, request_id: str) -> None:
+    """The pool side of one delivery: claim its grant, release it with the proof."""
+    pool.send({"op": "claim", "id": request_id})
+    assert _answer(pool, "claimed", request_id)["verdict"] == "granted"
+    pool.send({"op": "release", "id": request_id})
+    assert _answer(pool, "released", request_id)["proven"]
+
+
+def test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id(agent, zk_client):
+    zk_client.ensure_path("/deliveries")
+    key = f"/deliveries/{uuid.uuid4().hex[:8]}"
+    main = Connection.open(agent.path)
+    main.send({"op": "hello", "role": "main"})
+    pool = Connection.open(agent.path)
+    pool.send({"op": "hello", "role": "pool", "pid": 1})
+
+    _wait(main, "retried", 1, key)  # the first delivery: granted, run, released
+    assert _answer(main, "granted", "retried")
+    _run(pool, "retried")
+    _wait(main, "holder", 2, key)
+    assert _answer(main, "granted", "holder")
+    _wait(main, "retried", 3, key)  # the retry: waits behind the holder
+    main.send({"op": "finished", "ids": ["retried"], "seqs": [1]})  # the first delivery's end
+
+    _run(pool, "holder")
+    assert _answer(main, "granted", "retried"), "the first delivery's end ended the retry's wait"
+
+
+def test_a_finished_delivery_still_lets_go_of_a_grant_nobody_claimed(agent, zk_client):
+    """The other half of the rule: ``finished`` naming the delivery the agent holds lets go."""
+    zk_client.ensure_path("/deliveries")
+    key = f"/deliveries/{uuid.uuid4().hex[:8]}"
+    main = Connection.open(agent.path)
+    main.send({"op": "hello", "role": "main"})
+    _wait(main, "dropped", 1, key)
+    assert _answer(main, "granted", "dropped")
+    main.send({"op": "finished", "ids": ["dropped"], "seqs": [1]})
+    _wait(main, "next", 2, key)
+    assert _answer(main, "granted", "next"), "the unclaimed grant was not let go"
