@@ -39,7 +39,7 @@ class Mutant:
     path: str  # relative to celery_zklock/
     old: str
     new: str
-    killer: str = ""  # pytest ids that must fail on it, where the simulator does not reach
+    killer: str = ""  # pytest ids that must fail on it, where the simulator does not reach ("-mslow" for slow ones)
 
 
 MUTANTS = [
@@ -206,6 +206,20 @@ MUTANTS = [
            "        if wait is None or wait.done or (seq is not None and wait.seq != seq):\n",
            "        if wait is None or wait.done:\n",
            killer="tests/worker/test_deliveries.py::test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id"),
+    Mutant("blind-consumer-start", "31. a consumer (re)start connects to its agent blindly: with the agent dead and its "
+           "restart waiting for ZooKeeper, a broker reconnection fails the start again and again, for good",
+           "worker/worker_queue.py",
+           "            except OSError as exc:\n",
+           "            except ZeroDivisionError as exc:\n",
+           killer="-mslow tests/faults/test_broker_faults.py::"
+                  "test_a_worker_whose_agent_died_while_zookeeper_was_down_consumes_after_a_broker_reconnection"),
+    Mutant("reader-forgotten", "32. the agent's reader is not registered again when the event loop restarts: after a "
+           "broker reconnection grants are read only by the 0.4 s liveness check",
+           "worker/worker_queue.py",
+           "            hub.add_reader(self.sock.fileno(), self._readable)\n\n    def on_close",
+           "            pass\n\n    def on_close",
+           killer="tests/worker/test_prefetch_accounting.py::"
+                  "test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop"),
 ]
 
 
@@ -250,7 +264,7 @@ def _killed(mutant: Mutant, tmp: str, env: dict, started: float) -> tuple[str | 
     if not where.startswith(tmp):
         return None, time.monotonic() - started, f"the tests would import {where or '?'}, not the mutated copy"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append",
-                           f"--rootdir={ROOT}", *(str(ROOT / t) for t in mutant.killer.split())],
+                           f"--rootdir={ROOT}", *(t if t.startswith("-") else str(ROOT / t) for t in mutant.killer.split())],
                           cwd=tmp, env=env, capture_output=True, text=True)
     elapsed = time.monotonic() - started
     failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)

@@ -10,6 +10,8 @@ queued behind its original must not run again once the original has succeeded.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -121,6 +123,29 @@ def test_a_broker_outage_does_not_lose_requests_parked_next_in_line(scenario):
     record("outage-parked-next-in-line", **report.figures)
     assert all(t.state == "SUCCESS" for t in parked)
     assert "next in line in the pool wait there" in w.log_tail(10**8), "no request was parked when the broker went"
+
+
+@pytest.mark.slow
+def test_a_worker_whose_agent_died_while_zookeeper_was_down_consumes_after_a_broker_reconnection(scenario):
+    """The lock agent dies while ZooKeeper is down, so its restart waits for ZooKeeper on the
+    event loop's timer; then the broker connection drops.  Promise: once both are back, the
+    worker consumes again and its locked tasks run.  Before the fix, the consumer's restart
+    tried to connect to the absent agent, failed, and restarted again, for good: the event
+    loop that would have restarted the agent never ran."""
+    w = scenario.worker("a", concurrency=2)
+    agent = w.agent_pid()
+    assert agent is not None, "no lock agent under the worker"
+    for member in scenario.cluster.ensemble.members:
+        member.kill()
+    os.kill(agent, signal.SIGKILL)
+    wait_until(lambda: "the lock agent did not start" in w.log_tail(10**8), 60,
+               what="the agent's restart to fail while ZooKeeper is down")
+    scenario.cluster.redis_restart()
+    scenario.cluster.heal()
+    after = scenario.send(A.step, "after-both", 50, queue=w.queue)
+    wait_until(lambda: scenario.events(after.id, "return"), 90, what="a locked task to run after both came back")
+    report = scenario.verify(timeout=30)
+    record("agent-dead-zookeeper-down-reconnect", **report.figures)
 
 
 def test_a_task_retried_at_once_runs_again(scenario):
