@@ -377,8 +377,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.aside.clear()
         self.counted.clear()
         self.next_up.clear()
-        for path_of in [i for i in self.paths if i not in self.early]:
-            self._untrack(path_of)
+        for request_id in [i for i in self.paths if i not in self.early]:
+            self._untrack(request_id)  # waits no more; one next in line in the pool still does
         if restarting:
             return
         for request_id in self.early:
