@@ -119,7 +119,7 @@ def agent_main(path: str, hosts: str, root: str) -> int:
             if queues[key]:
                 owner, holders[key] = queues[key].popleft()
                 send(owner, {"op": "granted", "id": holders[key]})
-                if queues[key] and holders[key] in full:
+                if queues[key] and queues[key][0][1] in full:
                     send(queues[key][0][0], {"op": "next", "id": queues[key][0][1]})
             else:
                 del holders[key], queues[key]

@@ -197,7 +197,7 @@ MUTANTS = [
     Mutant("reconnect-republishes-parked", "29. at a broker reconnection, requests parked next in line in pool processes "
            "are told to publish themselves again, into the broker that has just gone: lost",
            "worker/worker_queue.py",
-           "        if restarting:\n            return\n",
+           "        if restarting:\n            return  # next in line in the pool: still listed (paths), still waiting for grants\n",
            "",
            killer="tests/faults/test_broker_faults.py::test_a_broker_outage_does_not_lose_requests_parked_next_in_line"),
     Mutant("finished-by-id", "30. the end of a delivery is told by task id alone: a retry with no countdown that "

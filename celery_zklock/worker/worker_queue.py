@@ -377,10 +377,10 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.aside.clear()
         self.counted.clear()
         self.next_up.clear()
-        for request_id in [i for i in self.paths if i not in self.early]:
-            self._untrack(request_id)  # waits no more; one next in line in the pool still does
         if restarting:
-            return
+            return  # next in line in the pool: still listed (paths), still waiting for grants
+        self.paths.clear()
+        self.on_path.clear()
         for request_id in self.early:
             # In the pool, next in line: unless granted meanwhile, its process is told
             # "shutdown" and publishes it back to the broker instead of running it.

@@ -12,38 +12,14 @@ the main and pool processes are sockets speaking its protocol.
 
 from __future__ import annotations
 
-import socket
-import time
 import uuid
 
-import pytest
-
-from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent_link import Connection
-from tests.worker.test_late_claim import start_agent
+from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (agent: the fixture)
 
 
-@pytest.fixture
-def agent(zk_server, tmp_path):
-    agent = start_agent(ZkSettings(hosts=zk_server.hosts), str(tmp_path / "agent.sock"))
-    yield agent
-    agent.stopped.set()
-
-
-def _answer(conn: Connection, op: str, request_id: str, timeout: float = 10.0) -> dict | None:
-    """The agent's next ``op`` for ``request_id``; None if none comes within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
-        try:
-            data = conn.sock.recv(65536)
-        except socket.timeout:
-            return None
-        assert data, "the agent went away"
-        for msg in conn._reader.feed(data):
-            if msg.get("op") == op and msg.get("id") == request_id:
-                return msg
-    return None
+#: How long an answer the test waits for may take (s): a missing one fails the test.
+WITHIN = 10.0
 
 
 def _wait(main: Connection, request_id: str, seq: int, key: str) -> None:
@@ -53,9 +29,9 @@ def _wait(main: Connection, request_id: str, seq: int, key: str) -> None:
 def _run(pool: Connection, request_id: str) -> None:
     """The pool side of one delivery: claim its grant, release it with the proof."""
     pool.send({"op": "claim", "id": request_id})
-    assert _answer(pool, "claimed", request_id)["verdict"] == "granted"
+    assert _answer(pool, "claimed", request_id, WITHIN)["verdict"] == "granted"
     pool.send({"op": "release", "id": request_id})
-    assert _answer(pool, "released", request_id)["proven"]
+    assert _answer(pool, "released", request_id, WITHIN)["proven"]
 
 
 def test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id(agent, zk_client):
@@ -67,15 +43,15 @@ def test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id(age
     pool.send({"op": "hello", "role": "pool", "pid": 1})
 
     _wait(main, "retried", 1, key)  # the first delivery: granted, run, released
-    assert _answer(main, "granted", "retried")
+    assert _answer(main, "granted", "retried", WITHIN)
     _run(pool, "retried")
     _wait(main, "holder", 2, key)
-    assert _answer(main, "granted", "holder")
+    assert _answer(main, "granted", "holder", WITHIN)
     _wait(main, "retried", 3, key)  # the retry: waits behind the holder
     main.send({"op": "finished", "ids": ["retried"], "seqs": [1]})  # the first delivery's end
 
     _run(pool, "holder")
-    assert _answer(main, "granted", "retried"), "the first delivery's end ended the retry's wait"
+    assert _answer(main, "granted", "retried", WITHIN), "the first delivery's end ended the retry's wait"
 
 
 def test_a_finished_delivery_still_lets_go_of_a_grant_nobody_claimed(agent, zk_client):
@@ -85,7 +61,7 @@ def test_a_finished_delivery_still_lets_go_of_a_grant_nobody_claimed(agent, zk_c
     main = Connection.open(agent.path)
     main.send({"op": "hello", "role": "main"})
     _wait(main, "dropped", 1, key)
-    assert _answer(main, "granted", "dropped")
+    assert _answer(main, "granted", "dropped", WITHIN)
     main.send({"op": "finished", "ids": ["dropped"], "seqs": [1]})
     _wait(main, "next", 2, key)
-    assert _answer(main, "granted", "next"), "the unclaimed grant was not let go"
+    assert _answer(main, "granted", "next", WITHIN), "the unclaimed grant was not let go"

@@ -14,6 +14,7 @@ claim's timeout by an event that sleeps on its event thread.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -57,8 +58,14 @@ def agent(zk_server, tmp_path):
     agent.stopped.set()
 
 
-def _answer(conn: Connection, op: str, request_id: str) -> dict:
+def _answer(conn: Connection, op: str, request_id: str, timeout: float | None = None) -> dict | None:
+    """The agent's next ``op`` for ``request_id``; with ``timeout``, None if none comes by then."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([conn.sock], [], [], left)[0]:
+                return None
         messages = conn.receive()
         assert messages is not None, "the agent went away"
         for msg in messages:
