@@ -220,6 +220,37 @@ MUTANTS = [
            "            pass\n\n    def on_close",
            killer="tests/worker/test_prefetch_accounting.py::"
                   "test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop"),
+    Mutant("grace-by-epoch", "33. a suspension's grace judged by the connection's epoch: a reconnection whose "
+           "re-verification is cut off again leaves no grace running, and the partition goes unreported",
+           "engine/attempt/holding.py",
+           "            if at.state is State.HELD_SUSPENDED and self._suspension == suspension:\n",
+           "            if at.state is State.HELD_SUSPENDED and at.monitor.epoch == _epoch:\n",
+           killer="tests/engine/test_lock_faults.py::"
+                  "test_a_suspension_that_resumes_during_reverification_keeps_its_grace"),
+    Mutant("lost-node-kept-on-reacquire", "34. the owner acquiring again after a hold lost by its grace (session alive) "
+           "leaves the old node at the head of the queue: it waits behind itself, and everyone with it",
+           "engine/lock.py",
+           "                if self._attempt is not None:\n                    self._attempt.release()\n",
+           "",
+           killer="tests/engine/test_lock_faults.py::test_acquiring_again_after_a_lost_hold_removes_its_node_first"),
+    Mutant("granted-then-raised", "35. an exception that lands in acquire() after the grant leaves the node held by nobody",
+           "engine/lock.py",
+           "                attempt.release()\n            self._settle(attempt)\n",
+           "                pass\n            self._settle(attempt)\n",
+           killer="tests/engine/test_lock_basic.py::"
+                  "test_an_exception_as_the_lock_is_granted_leaves_no_node_held_by_nobody"),
+    Mutant("cancel-lost-at-start", "36. a cancel() that comes as acquire() starts its attempt reaches the previous one: lost",
+           "engine/lock.py",
+           "        if self._cancelled:  # cancel() came as the attempt started: it reached the previous one\n"
+           "            attempt.cancel()\n",
+           "",
+           killer="tests/engine/test_lock_basic.py::test_a_cancel_that_comes_as_the_acquire_starts_is_not_lost"),
+    Mutant("ghost-look-unpending", "37. the look for a ghost (a create whose reply was lost) clears the attempt's "
+           "pending work before it is answered: a cancel meanwhile seals the cleanup and the ghost stays",
+           "engine/attempt/ghosts.py",
+           "        at.pending = Pending.GHOST\n        look = at.next_look()\n",
+           "        at.pending = None\n        look = at.next_look()\n",
+           killer="tests/engine/test_lock_faults.py::test_a_cancel_while_a_ghost_is_looked_for_still_deletes_the_ghost"),
 ]
 
 

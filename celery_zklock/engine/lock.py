@@ -158,7 +158,12 @@ class FairLock:
         me = current_owner()  # held by reference and compared by identity: never recycled
         if self._owner is me:
             if self._entries == 0 and self.state in (State.IDLE, State.LOST):
-                self._let_go_of_ownership()  # its hold ended, lost, without a release: a new one
+                # Its hold ended, lost, without a release: a new one.  A hold lost by its
+                # grace (cut off too long) may still have its node, at the head of the queue,
+                # if the session survived: it goes first, or we would queue behind it.
+                if self._attempt is not None:
+                    self._attempt.release()
+                self._let_go_of_ownership()
             else:
                 return self._reenter()
         if not self._take_ownership(me, deadline):
@@ -212,6 +217,8 @@ class FairLock:
             wake.set()
 
         attempt = self._attempt = self._internals.attempt(deadline, on_wait=queued if self.on_wait else None)
+        if self._cancelled:  # cancel() came as the attempt started: it reached the previous one
+            attempt.cancel()
         try:
             if self.on_wait is not None:
                 kazoo_compat.on_ready(attempt.result, lambda _result: wake.set())
@@ -225,6 +232,10 @@ class FairLock:
             acquired = attempt.result.get()
         except BaseException:
             attempt.cancel()
+            if attempt.state in (State.HELD, State.HELD_SUSPENDED):
+                # Granted as the exception landed (an on_wait callback, a KeyboardInterrupt):
+                # nobody will own this hold, so its node goes now.
+                attempt.release()
             self._settle(attempt)
             raise
         finally:

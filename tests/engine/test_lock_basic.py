@@ -420,3 +420,55 @@ def test_a_change_to_the_watched_node_rearms_its_watch_without_a_children_read(z
     finally:
         other.stop()
         other.close()
+
+
+def test_a_cancel_that_comes_as_the_acquire_starts_is_not_lost(zk_client, path):
+    """cancel() between acquire's check of the flag and its new attempt used to reach only
+    the previous (finished) attempt, and the flag was then cleared unread: the acquire
+    waited for the holder however long it held (kazoo's own cancel is never lost)."""
+    holder = FairLock(zk_client, path)
+    holder.acquire()
+    waiter = FairLock(zk_client, path)
+    start = waiter._internals.attempt
+
+    def attempt_then_cancelled(*args, **kwargs):
+        made = start(*args, **kwargs)
+        waiter.cancel()  # as if from another thread, just before the attempt is assigned
+        return made
+
+    waiter._internals.attempt = attempt_then_cancelled
+    try:
+        t0 = time.monotonic()
+        assert waiter.acquire(timeout=3) is False
+        assert time.monotonic() - t0 < 2, "the cancel was lost: the acquire ran to its timeout"
+        assert len(zk_client.get_children(path)) == 1  # the holder's alone
+    finally:
+        holder.release()
+
+
+def test_an_exception_as_the_lock_is_granted_leaves_no_node_held_by_nobody(zk_client, path):
+    """An exception that lands in acquire() after the grant (here from the on_wait callback,
+    as a KeyboardInterrupt or a gevent Timeout could) used to leave the node held, with no
+    owner to release it: the same thread's next acquire queued behind it for good."""
+    holder = FairLock(zk_client, path)
+    holder.acquire()
+
+    def on_wait(lock, _index):
+        holder.release()
+        deadline = time.monotonic() + 5
+        while not lock.is_held() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise KeyboardInterrupt("landed after the grant")
+
+    waiter = FairLock(zk_client, path, on_wait=on_wait)
+    with pytest.raises(KeyboardInterrupt):
+        waiter.acquire(timeout=5)
+    deadline = time.monotonic() + 3
+    while zk_client.get_children(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert zk_client.get_children(path) == [], "the granted node stayed, held by nobody"
+    other = FairLock(zk_client, path)
+    assert other.acquire(timeout=3)
+    other.release()
+    assert waiter.acquire(timeout=3)
+    waiter.release()

@@ -19,7 +19,9 @@ from celery_zklock import FairLock, LockLost
 from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.testing import ZooKeeperServer
 from tests.lockutil import children
-from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_MULTI, TcpProxy, wait_for
+from tests.tcpproxy import (
+    OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_GET_CHILDREN2, OP_MULTI, TcpProxy, wait_for,
+)
 
 SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s
 
@@ -309,6 +311,33 @@ def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
             _stop(c)
 
 
+def test_acquiring_again_after_a_lost_hold_removes_its_node_first(zk_server, zk_client, path):
+    """A hold declared lost by its grace keeps its node if the session survives; the owner
+    acquiring again without a release (a kazoo user does, once is_acquired turns False) used
+    to queue behind that node for good, and everyone else with it."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lost = threading.Event()
+            lock = FairLock(c, path, on_lost=lambda lk: lost.set())
+            assert lock.acquire(timeout=5)
+            old, session = lock.node, c.client_id[0]
+            proxy.hold()
+            assert lost.wait(SESSION), "on_lost not called while cut off past the grace"
+            proxy.release_held()
+            assert wait_for(lambda: c.connected, 3)
+            assert c.client_id[0] == session  # the session, and so the old node, survived
+            assert lock.acquire(timeout=3), "queued behind its own lost node"
+            assert lock.node != old and zk_client.exists(old) is None
+            assert lock.release() is True
+            other = FairLock(zk_client, path)
+            assert other.acquire(timeout=3)
+            other.release()
+        finally:
+            proxy.release_held()
+            _stop(c)
+
+
 RACE_ROUNDS = 12  # the races below show in roughly half of the rounds when present
 
 
@@ -394,6 +423,68 @@ def test_reverification_racing_a_new_suspension_is_not_held(zk_server, zk_client
                 lock.release()
         finally:
             proxy.release_held()
+            _stop(c)
+
+
+def test_a_suspension_that_resumes_during_reverification_keeps_its_grace(zk_server, zk_client, path):
+    """Cut off, reconnected for a moment (the re-verification's exists() goes out, its reply
+    never comes back), then cut off again for good.  The suspension never ended, so its grace
+    still runs from the first cut: the holder is told its lock is lost within SESSION/3 of
+    it.  Until 2026-11-28 the second SUSPENDED armed no grace and the first one's timer,
+    of an older epoch, did nothing: a partition then went unreported for as long as it lasted."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lost = threading.Event()
+            lock = FairLock(c, path, on_lost=lambda lk: lost.set())
+            assert lock.acquire(timeout=5)
+            time.sleep(0.05)  # let the lock's own watch go out
+            proxy.hold()
+            t0 = time.monotonic()
+            assert wait_for(lambda: not lock.is_held(), 1)
+            cut = proxy.arm_cut((OP_EXISTS,), forward=True, then_hold=True)  # no reply: cut again
+            proxy.release_held()
+            assert cut.fired.wait(5), "the lock never re-verified its node"
+            assert lost.wait(SESSION / 3 + 1.5 - (time.monotonic() - t0)), (
+                "a partition that resumed during the re-verification was never reported as a lost lock")
+            assert not lock.is_held()
+            with pytest.raises(LockLost):
+                lock.ensure()
+        finally:
+            proxy.release_held()
+            _stop(c)
+
+
+def test_a_cancel_while_a_ghost_is_looked_for_still_deletes_the_ghost(zk_server, zk_client, path):
+    """A create whose reply was lost (a ghost), the reconnection's look for it cut off too, and
+    the acquire cancelled while that look is in flight: the ghost must still go once
+    reconnected.  Until 2026-11-28 the look cleared the attempt's pending work before its
+    answer came, so the cancel sealed the cleanup with nothing to delete and stopped
+    listening to the session: the ghost stayed at the head of the queue for the session's life."""
+    holder = FairLock(zk_client, path)
+    assert holder.acquire(timeout=5)
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        try:
+            lock = FairLock(c, path)
+            cut = proxy.arm_cut((OP_CREATE, OP_CREATE2), forward=True, then_hold=True)
+            result = {}
+            t = _acquire_in_thread(lock, result, timeout=None)
+            assert cut.fired.wait(5) and cut.reply_err == 0
+            assert len(_children_with(zk_client, path, lock._internals.prefix)) == 1  # the ghost
+            look = proxy.arm_cut((OP_GET_CHILDREN, OP_GET_CHILDREN2), forward=True, then_hold=True)
+            proxy.release_held()
+            assert look.request_seen.wait(5), "the reconnection never looked for the ghost"
+            lock.cancel()
+            assert look.fired.wait(5)
+            proxy.release_held()
+            t.join(10)
+            assert result.get("ok") is False, result
+            assert wait_for(lambda: _children_with(zk_client, path, lock._internals.prefix) == [], 5), (
+                "the ghost stayed after the cancel")
+        finally:
+            proxy.release_held()
+            holder.release()
             _stop(c)
 
 

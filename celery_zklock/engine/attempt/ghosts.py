@@ -24,9 +24,12 @@ class Ghosts:
         self.session: int | None = None  # the session of the last create sent
 
     def adopt(self) -> None:
-        """After a lost create reply: adopt our node if our session owns it, else delete it."""
+        """After a lost create reply: adopt our node if our session owns it, else delete it.
+        ``pending`` stays GHOST until the look is answered: a give-up meanwhile must still
+        clean up (and keep listening to the session for it), and a reconnection meanwhile
+        looks again rather than create a second node behind the ghost."""
         at = self.attempt
-        at.pending = None
+        at.pending = Pending.GHOST
         look = at.next_look()
         listed = at.client.get_children_async(at.lk.path)
         kazoo_compat.on_ready(listed, partial(self._on_children, look, False))
@@ -55,6 +58,7 @@ class Ghosts:
             except Exception as exc:
                 if delete_only:
                     return at.settle_cleanup()
+                at.pending = None  # nothing more can be learnt of the ghost: given up
                 return at.give_up(exc)
             mine = [c for c in children if c.startswith(at.prefix)]
             if not mine:
@@ -92,5 +96,6 @@ class Ghosts:
                 return
             if keep is None:
                 return at.send_create()
+            at.pending = None
             if at.adopt(keep[0], keep[1].czxid, session):
                 at.act_on_queue(children)

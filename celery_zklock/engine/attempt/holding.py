@@ -28,6 +28,7 @@ class HoldWatch:
     def __init__(self, attempt: AttemptPath) -> None:
         self.attempt = attempt
         self._grace_timer = None  # while HELD_SUSPENDED: when the suspension makes it LOST
+        self._suspension = 0  # counts suspensions of the hold: the grace timer names its own
         self._own_watcher = None  # (node, session, watcher): the holder's watch on its node
         self._running = False  # a task runs under the hold (watch_when_run: the watch may start)
         self._armed = None  # (node, session) whose watch is scheduled or set
@@ -68,10 +69,14 @@ class HoldWatch:
                 self._watch_own_node()
 
     def suspend(self) -> None:
+        """HELD -> HELD_SUSPENDED: the grace starts now, and runs until a re-verification
+        succeeds.  A disconnection while re-verifying does not restart it (nor come here):
+        the hold was never confirmed in between, so its grace counts from the first cut."""
         at = self.attempt
         at.state = State.HELD_SUSPENDED
         at.monitor.timers.cancel(self._grace_timer)
-        self._grace_timer = at.monitor.grace_timer(at.lk.grace(), self._on_grace_over)
+        self._suspension += 1
+        self._grace_timer = at.monitor.grace_timer(at.lk.grace(), partial(self._on_grace_over, self._suspension))
         if at.client.connected:
             self.verify(at.monitor.epoch)
 
@@ -141,8 +146,12 @@ class HoldWatch:
             else:
                 at.mark_lost("lock node gone after reconnection")
 
-    def _on_grace_over(self, epoch: int) -> None:
+    def _on_grace_over(self, suspension: int, _epoch: int) -> None:
+        """The suspension that armed this timer never ended in a re-verification: LOST.
+        Why by suspension and not by the connection's epoch: a reconnection whose
+        re-verification is cut off again bumps the epoch, yet is the same suspension
+        (until 2026-11-28 that left no timer running, and a partition went unreported)."""
         at = self.attempt
         with at.mutex:
-            if at.state is State.HELD_SUSPENDED and at.monitor.epoch == epoch:
+            if at.state is State.HELD_SUSPENDED and self._suspension == suspension:
                 at.mark_lost("disconnected from ZooKeeper past the session-expiry safety margin")
