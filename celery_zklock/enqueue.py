@@ -46,15 +46,24 @@ def _instant(value: Any, app, now: float) -> float | None:
     return now + float(value)
 
 
-def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> Any:
+#: The options by which Celery's canvas makes a publish part of more work: a chain's step (its
+#: rest; ``[]`` for the last step, whose result the chain's caller waits for), a chord's header,
+#: a group's member.  With ``link``/``link_error``, what a publish is never deduped for.
+CONTINUATIONS = ("chain", "chord", "group_id")
+
+
+def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=None, link_error=None) -> Any:
     """``task.apply_async`` under the task's enqueue guard (``opts.enqueue`` is set).
 
-    ``apply_async`` is the plain publish (Celery's).  Returns its AsyncResult, or with
-    ``dedupe`` the queued task's; raises :class:`AlreadyQueued` with ``reject``, and
-    :class:`LockUnavailable` when ZooKeeper cannot decide within ``zklock_connect_timeout``
-    (nothing is published then) — except for a retry, which is never dropped."""
+    ``apply_async`` is the plain publish (Celery's), which sends ``link``/``link_error``.
+    Returns its AsyncResult, or with ``dedupe`` the queued task's; raises :class:`AlreadyQueued`
+    with ``reject``, and :class:`LockUnavailable` when ZooKeeper cannot decide within
+    ``zklock_connect_timeout`` (nothing is published then) — except for a retry, which is
+    never dropped.  A publish that carries more work (callbacks, a chain's rest, a group or
+    chord membership) is never deduped: the queued task carries none of it."""
     from celery.utils import uuid
 
+    _check_arguments(task, args, kwargs)
     args_t, kwargs_d = tuple(args or ()), dict(kwargs or {})
     keys = task.lock_keys(args_t, kwargs_d)
     by_path = {guards.guard_path(opts.root, task.name, k): k for k in keys}
@@ -74,9 +83,12 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
     bound = guards.bound(now, _instant(eta, task.app, now), _instant(expires, task.app, now), opts.enqueue_expires)
     guard = guards.Guard(task_id, task.name, opts.enqueue_until, bound, retries, now)
     header = {"paths": paths, "until": opts.enqueue_until, "retries": retries}
+    carried = _carried(options, link, link_error)
+    # Sent even if another's guard is in the way: not a publish deduped into it.
+    sent_anyway = retrying or (bool(carried) and opts.enqueue == "dedupe")
     try:
         client = get_client(opts)
-        taken = guards.take(client, paths, guard, timeout=opts.connect_timeout)
+        taken = guards.take(client, paths, guard, timeout=opts.connect_timeout, count=not sent_anyway)
     except Exception as exc:
         if retrying:
             # Task.retry turns a failed publish into Reject(requeue=False): the task would be
@@ -94,11 +106,20 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
         if opts.enqueue == "reject":
             _event(task, "task-lock-rejected", key=key, queued=found_id)
             raise AlreadyQueued(key, found_id, task.name)
-        _event(task, "task-lock-deduped", key=key, queued=found_id)
-        return task.AsyncResult(found_id)
-    mine = taken.outcome is not guards.Outcome.HELD  # a retry in the way of another's guard goes unguarded
-    if mine:
-        options = _with_header(options, header)
+        if not carried:
+            _event(task, "task-lock-deduped", key=key, queued=found_id)
+            return task.AsyncResult(found_id)
+        # Deduped, its callbacks or its chain's, group's or chord's rest would never run (or
+        # would wait for good): sent unguarded instead, as a retry in the way is; a second run.
+        logger.info("%s[%s]: not deduped into %s (queued for %r): it carries %s", task.name, task_id, found_id, key,
+                    ", ".join(carried))
+    # A retry or a publish carrying more work in the way of another's guard goes unguarded: not
+    # with the header a retry copies from its request (the old try's, which may guard its run,
+    # "finish", or name other paths).  A retry's run still ends any older guard of its own ("start").
+    mine = taken.outcome is not guards.Outcome.HELD
+    if not mine:
+        header = {**header, "until": "start"} if retrying else None
+    options = _with_header(options, header)
     try:
         result = apply_async(args, kwargs, task_id=task_id, **options)
     except BaseException:
@@ -116,10 +137,29 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts) -> An
     return result
 
 
-def _with_header(options: dict, header: dict) -> dict:
+def _with_header(options: dict, header: dict | None) -> dict:
+    """``options`` with the guard header set to ``header``, or without one (None)."""
     headers = dict(options.get("headers") or {})
-    headers[guards.HEADER] = header
+    headers.pop(guards.HEADER, None)
+    if header is not None:
+        headers[guards.HEADER] = header
     return {**options, "headers": headers}
+
+
+def _carried(options: dict, link, link_error) -> list[str]:
+    """What a publish carries besides its own run (:data:`CONTINUATIONS`, callbacks): deduped,
+    the queued task would run without it, and a chain, group or chord would wait for good."""
+    carried = [name for name, value in (("link", link), ("link_error", link_error)) if value]
+    return carried + [name for name in CONTINUATIONS if options.get(name) is not None]
+
+
+def _check_arguments(task, args, kwargs) -> None:
+    """Celery's own check of the call's arguments (``Task.apply_async`` with ``task.typing``),
+    before the guard: a deduped publish never reaches Celery's, and a bad call must raise
+    TypeError all the same, not return the queued task's result."""
+    check = getattr(task, "__header__", None) if task.typing else None
+    if check is not None:
+        check(*(args or ()), **(kwargs or {}))
 
 
 def _event(task, type_: str, **fields: Any) -> None:
@@ -196,24 +236,30 @@ def started(task, request, opts) -> None:
 
 def finished(task, request, opts, ran: bool = True, why: str = "") -> None:
     """It finished (or ended unrun): its running guard, or a guard it never moved, goes.
-    A release ZooKeeper refuses now is tried again in the background (:func:`_later`)."""
+    A release ZooKeeper refuses now is tried again in the background (:func:`_later`), and
+    the unrun step follows it there: the count of the work deduped into it comes with it."""
     header = guards.guarded(request)
     if header is None:
         return
     retries = int(header.get("retries") or 0)
+
+    def ended(gone: list) -> None:
+        if not ran:
+            unrun(task, request, gone, why, opts)
+
     try:
         gone = guards.release(get_client(opts), header["paths"], request.id, retries, timeout=opts.connect_timeout)
     except Exception as exc:
         logger.warning("celery-zklock: enqueue guard of %s not ended (%r); trying again in the background", request.id, exc)
-        _later(opts, header["paths"], request.id, retries)
+        _later(task, request, opts, header["paths"], retries, ended)
         return
-    if not ran:
-        unrun(task, request, gone, why, opts)
+    ended(gone)
 
 
-def _later(opts, paths: list[str], task_id: str, retries: int, every: float = 1.0) -> None:
+def _later(task, request, opts, paths: list[str], retries: int, then, every: float = 1.0) -> None:
     """Keep trying a guard's release off the task's thread until it goes or its bound would
-    end it anyway; a guard left in place swallows every publish for its key."""
+    end it anyway (a guard left in place swallows every publish for its key); then ``then``
+    with the guards that went, under the task's request (it is per thread)."""
     import threading
 
     def loop() -> None:
@@ -221,10 +267,15 @@ def _later(opts, paths: list[str], task_id: str, retries: int, every: float = 1.
         while time.monotonic() < deadline:
             time.sleep(every)
             try:
-                guards.release(get_client(opts), paths, task_id, retries, timeout=opts.connect_timeout)
-                return
+                gone = guards.release(get_client(opts), paths, request.id, retries, timeout=opts.connect_timeout)
             except Exception:
                 continue
+            task.push_request(vars(request))
+            try:
+                then(gone)
+            finally:
+                task.pop_request()
+            return
 
     threading.Thread(target=loop, name="zklock-guard-release", daemon=True).start()
 
@@ -243,9 +294,16 @@ def _discarded(sender=None, request=None, **_kw) -> None:
 
     if worker_queue.unguard(job):
         return
-    task = getattr(request, "task", None)
-    app = getattr(task, "app", None)
+    # The sender is the task; the request's ``task`` is only its name (Celery's Context).
+    app = getattr(sender, "app", None)
     if app is None:
+        from celery import current_app
+
+        found = current_app.tasks.get(getattr(request, "task", None))
+        app = found.app if found is not None else None
+    if app is None:
+        logger.warning("celery-zklock: could not end the enqueue guard of %s (no app for %r); its expires bounds it",
+                       request.id, sender)
         return
     try:
         wire = config.to_wire(config.cached_settings(app))

@@ -108,7 +108,7 @@ class ZkLockedTask(Task):
         def plain(a, k, task_id=None, **o):
             return super(ZkLockedTask, self).apply_async(a, k, task_id, producer, link, link_error, shadow, **o)
 
-        return enqueue.publish(self, plain, args, kwargs, task_id, options, opts)
+        return enqueue.publish(self, plain, args, kwargs, task_id, options, opts, link=link, link_error=link_error)
 
     # -------------------------------------------------------------- the wrapper
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

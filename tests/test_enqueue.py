@@ -346,3 +346,85 @@ def test_deduped_and_rejected_publishes_send_events(mod, env):
     rejected = next(e for e in seen if e["type"] == "task-lock-rejected")
     assert deduped["queued"] == queued.id and deduped["key"] == f"user:{key}"
     assert rejected["queued"] == other.id and rejected["name"] == mod.rejecting.name
+
+
+def test_revoking_a_countdown_task_ends_its_guard_waiting_in_the_pool(mod, env, zk):
+    """zklock_wait_in="pool": no lock agent ends the guard of a task the worker's main process
+    discards (revoked, held for its countdown); a helper process does.  Before: the handler
+    read the task off the request (Celery's Context, where ``task`` is the task's name), found
+    no app and started no helper: the guard stayed for its bound (1 h), every publish of the
+    key deduped into a task that would never run."""
+    w = Worker({**env, "TEST_ZK_WAIT_IN": "pool"}, "enq-pool-revoke", app="tests.apps.enqueued", concurrency=1,
+               extra=["-Q", "enq-pool-revoke"])
+    w.start(mod.app)
+    try:
+        key = _key()
+        queued = mod.refresh.apply_async((key, 0), queue="enq-pool-revoke", countdown=2)
+        assert _guard(zk, mod, mod.refresh, key)[0].id == queued.id
+        mod.app.control.revoke(queued.id)
+        _until(lambda: _guard(zk, mod, mod.refresh, key) is None, 2 + 5, "the revoked task's guard to end")
+        fresh = mod.refresh.apply_async((key, 0), queue="enq-pool-revoke")
+        assert fresh.id != queued.id and fresh.get(timeout=20) == key
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("carrying", ["link", "chain", "group", "chord"])
+def test_a_publish_that_carries_more_work_is_never_deduped(worker, mod, carrying):
+    """A publish with callbacks, a chain's rest or a group or chord membership is queued even
+    while a task of its key is: the queued task carries none of it.  Before: it was deduped,
+    the callback or the chain's rest never ran, and ``get()`` waited for good."""
+    from celery import chain, chord, group
+
+    key = _key()
+    holder = mod.refresh.delay(key, 1500)
+    _until(lambda: _runs(mod, key), what="the holder to start")
+    queued = mod.refresh.delay(key, 0)
+    if carrying == "link":
+        callback = mod.echo.s()
+        callback.freeze()
+        first = mod.refresh.apply_async((key, 0), link=callback)
+        done, expected = mod.app.AsyncResult(callback.id), key
+    elif carrying == "chain":
+        done, expected = chain(mod.refresh.s(key, 0), mod.echo.s()).delay(), key
+        first = done.parent
+    elif carrying == "group":
+        done, expected = group(mod.refresh.s(key, 0), mod.refresh.s(key, 0)).delay(), [key, key]
+        first = done.results[0]
+    else:
+        done, expected = chord([mod.refresh.s(key, 0), mod.refresh.s(key, 0)], mod.echo.s()).delay(), [key, key]
+        first = done.parent.results[0]
+    assert first.id != queued.id
+    assert done.get(timeout=15) == expected
+    assert holder.get(timeout=20) == key and queued.get(timeout=20) == key
+
+
+def test_reject_refuses_a_publish_that_carries_more_work_too(mod):
+    """``reject`` is loud: the caller learns at once that nothing was queued, callbacks and
+    chain included (the decision documented in docs/enqueue.md)."""
+    from celery import chain
+
+    key = _key()
+    queue = f"nobody-{key}"
+    queued = mod.rejecting.apply_async((key, 0), queue=queue)
+    with pytest.raises(AlreadyQueued) as refused:
+        chain(mod.rejecting.s(key, 0).set(queue=queue), mod.echo.s()).delay()
+    assert refused.value.task_id == queued.id
+    with pytest.raises(AlreadyQueued):
+        mod.rejecting.apply_async((key, 0), queue=queue, link=mod.echo.s())
+
+
+@pytest.mark.parametrize("task_name", ["keyed_by_callable", "one_at_a_time"])
+def test_a_bad_call_raises_type_error_even_when_it_would_be_deduped(mod, task_name):
+    """Celery's ``apply_async`` checks the call's arguments (``task.typing``) before it sends.
+    Before: with a key that does not bind the arguments (a callable, or ``lock_key=None``), a
+    bad call behind a queued task was deduped and returned that task's result."""
+    task = getattr(mod, task_name)
+    key = _key()
+    queue = f"nobody-{key}"
+    queued = task.apply_async((key, 0), queue=queue)
+    assert task.apply_async((key, 0), queue=queue).id == queued.id
+    with pytest.raises(TypeError):
+        task.apply_async((key, 0, "one too many"), queue=queue)
+    with pytest.raises(TypeError):
+        task.apply_async((key,), {"nope": 1}, queue=queue)

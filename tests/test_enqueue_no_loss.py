@@ -308,3 +308,133 @@ def test_a_naive_datetime_is_read_as_the_worker_reads_it(tz):
     assert enqueue._instant(naive, app, 0.0) == maybe_make_aware(naive, app.conf.timezone).timestamp()
     assert enqueue._instant(naive.isoformat(), app, 0.0) == maybe_make_aware(naive, app.conf.timezone).timestamp()
     assert enqueue._instant(5, app, 100.0) == 105.0
+
+
+# ------------------------------------------------------------------ review 2: the enqueue dedupe path
+def test_work_deduped_before_a_retry_takes_the_guard_over_is_republished(worker, mod, zk):
+    """``timing_out`` (lock_timeout 1 s, one retry) times out twice behind a holder; a publish
+    was deduped into it before its retry took its guard over (a new node, a new czxid).
+    Before: the count named the old node, the retry's end read none, and the deduped work went
+    unreported and was never republished.  Now a takeover's guard keeps the count."""
+    key, flag = _key(), f"enq:flag:{_key()}"
+    holder = mod.holding.delay(key, flag)
+    try:
+        _until(lambda: _runs(mod, key), what="the holder to start")
+        timed = mod.timing_out.delay(key, 0)
+        assert mod.timing_out.delay(key, 0).id == timed.id  # deduped before the retry
+        timed.get(timeout=30, propagate=False)
+        assert timed.state == "FAILURE"  # timed out on both tries: ended unrun
+    finally:
+        mod._r.set(flag, 1, ex=600)
+    again = _until(lambda: [r for r in _runs(mod, key) if r["kind"] == "timing_out"], 15, "the republished run")
+    assert [r["id"] for r in again] != [timed.id]
+    assert holder.get(timeout=20) == key
+
+
+
+def test_a_takeover_keeps_the_deduped_count_and_another_guard_starts_over(env, zk):
+    """The same, publish by publish against ZooKeeper: a retry's takeover (a new node of the
+    same task id) keeps the count of the node it replaced; a guard of another task does not
+    inherit a counter left by an older guard of the key.  Before: 0 after the takeover."""
+    from celery_zklock.engine import guard_counts
+
+    path = guards.guard_path(env["TEST_ZK_ROOT"], "noloss.counts", f"user:{_key()}")
+
+    def publish(task_id: str, retries: int = 0) -> guards.Taken:
+        guard = guards.Guard(task_id, "noloss.counts", "start", time.time() + 60, retries, time.time())
+        taken = guards.take(zk, [path], guard)
+        if taken.outcome is not guards.Outcome.HELD:
+            guards.confirm(zk, taken, guard)
+        return taken
+
+    assert publish("T1").outcome is guards.Outcome.TAKEN
+    assert publish("D1").outcome is guards.Outcome.HELD
+    _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
+    before = zk.exists(path).czxid
+    assert publish("T1", retries=1).outcome is guards.Outcome.OWN  # the retry takes it over
+    assert zk.exists(path).czxid != before
+    assert guards.dedupes(zk, path) == 1
+    assert publish("D2").outcome is guards.Outcome.HELD
+    _until(lambda: guards.dedupes(zk, path) == 2, 5, "the second dedupe to be counted")
+    (gone,) = guards.release(zk, [path], "T1", 1)
+    assert gone.deduped == 2 and zk.exists(guard_counts.counter_path(path)) is None
+
+    zk.create(guard_counts.counter_path(path), b'{"guard":1,"id":"T0","n":5}')  # left by an older guard
+    assert publish("T2").outcome is guards.Outcome.TAKEN
+    assert guards.dedupes(zk, path) == 0
+    assert publish("D3").outcome is guards.Outcome.HELD
+    _until(lambda: guards.dedupes(zk, path) == 1, 5, "the count to start over")
+    assert [g.deduped for g in guards.release(zk, [path], "T2", 0)] == [1]
+
+def test_the_unrun_step_follows_a_release_tried_again_in_the_background(env, zk):
+    """A task ends unrun with a publish deduped into it while ZooKeeper is unreachable: the
+    release is tried again in the background.  Before: that release dropped the count, and
+    the deduped work was never reported or republished.  Now the unrun step runs once the
+    release went through (here: ``republish``, the default)."""
+    import redis
+    from celery import Celery
+
+    from celery_zklock import ZkLockedTask
+
+    r = redis.Redis.from_url(env["TEST_REDIS_URL"])
+    with TcpProxy.to(env["TEST_ZK_HOSTS"]) as proxy:
+        app = Celery("noloss-later", set_as_current=False)
+        app.conf.update(broker_url=env["TEST_REDIS_URL"], zklock_hosts=proxy.hosts, zklock_connect_timeout=1.0,
+                        zklock_root=env["TEST_ZK_ROOT"], zklock_session_timeout=20.0)
+
+        @app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", name=f"noloss.later.{_key()}")
+        def job(user):
+            return user
+
+        key = _key()
+        queue = f"nobody-{key}"
+        queued = job.apply_async((key,), queue=queue)
+        assert job.apply_async((key,), queue=queue).id == queued.id
+        path = guards.guard_path(env["TEST_ZK_ROOT"], job.name, f"user:{key}")
+        _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
+        header = {"paths": [path], "until": "start", "retries": 0}
+        job.push_request(id=queued.id, args=(key,), kwargs={}, retries=0, called_directly=False,
+                         delivery_info={"exchange": "", "routing_key": queue}, **{guards.HEADER: header})
+        proxy.hold()
+        try:
+            enqueue.finished(job, job.request, job.lock_options(), ran=False, why="skipped")
+        finally:
+            job.pop_request()
+        assert zk.exists(path) is not None  # not ended: ZooKeeper unreachable
+        proxy.release_held()
+        _until(lambda: len(r.lrange(queue, 0, -1)) == 2, 15, "the deduped work to be republished")
+        assert enqueue.REPUBLISHED.encode() in r.lrange(queue, 0, -1)[0]  # LPUSH: the newest first
+
+
+def test_a_retry_in_the_way_of_anothers_guard_carries_not_the_old_guard_header(mod, zk):
+    """``Task.retry`` copies the request's headers, the old guard header among them.  A retry
+    in the way of another's guard is published unguarded; before, it still carried that header,
+    naming paths its run then ended or guarded (``finish``) as if they were its own.  Now its
+    header only lets its run end an older guard of its own (``start``), on its own paths."""
+    from celery import signals
+    from celery.exceptions import Retry
+
+    key = _key()
+    queue = f"nobody-{key}"
+    mod.refresh.apply_async((key, 0), queue=queue)  # another task's guard on the key
+    task_id = str(uuid.uuid4())
+    old = {"paths": [guards.guard_path(mod.app.conf.zklock_root, mod.refresh.name, f"user:{_key()}")],
+           "until": "finish", "retries": 0}
+    sent = []
+
+    def capture(headers=None, **_kw):
+        if headers and headers.get("id") == task_id:
+            sent.append(headers)
+
+    signals.before_task_publish.connect(capture, weak=False)
+    mod.refresh.push_request(id=task_id, args=(key, 0), kwargs={}, retries=0, called_directly=False,
+                             delivery_info={"exchange": "", "routing_key": queue}, **{guards.HEADER: old})
+    try:
+        with pytest.raises(Retry):
+            mod.refresh.retry(countdown=0)
+    finally:
+        mod.refresh.pop_request()
+        signals.before_task_publish.disconnect(capture)
+    (headers,) = sent
+    own = guards.guard_path(mod.app.conf.zklock_root, mod.refresh.name, f"user:{key}")
+    assert headers[guards.HEADER] == {"paths": [own], "until": "start", "retries": 1}

@@ -80,11 +80,12 @@ class _Calls:
         return Guard.loads(raw), stat
 
 
-def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: float | None = None) -> Taken:
+def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: float | None = None,
+         count: bool = True) -> Taken:
     """Create the guard (unconfirmed: :func:`confirm` once published) at every path, all or
     none.  A stale guard in the way is deleted (only the version we read) and the create
     tried again; our own is taken over; an unconfirmed one is waited for; another's held
-    guard counts one more deduped publish."""
+    guard counts one more deduped publish (unless not ``count``: a publish sent all the same)."""
     calls = _Calls(client, timeout)
     guard = replace(guard, confirmed=False, publish_by=time.time() + PUBLISH_WINDOW, deduped=0)
     data = guard.dumps()
@@ -106,10 +107,10 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
         found = Guard.loads(raw)
         seen = _judge(found, guard.id, stat)
         if seen is HELD:
-            guard_counts.count_dedupe(client, path, stat)
+            _count(client, path, stat, found, count)
             return Taken(Outcome.HELD, path, found)
         if seen is UNCONFIRMED:
-            held = _settled(calls, path, guard.id)
+            held = _settled(calls, path, guard.id, count)
             if held is not None:
                 return held
     nodes: dict[str, int] = {}  # the czxid of each node we made (or took over)
@@ -146,16 +147,22 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
                 if not paths:
                     return Taken(Outcome.OWN, path, found, nodes)
         elif seen is UNCONFIRMED:
-            held = _settled(calls, path, guard.id)
+            held = _settled(calls, path, guard.id, count)
             if held is not None:
                 return held
         else:
-            guard_counts.count_dedupe(client, path, stat)
+            _count(client, path, stat, found, count)
             return Taken(Outcome.HELD, path, found)
     raise RuntimeError(f"could not take the enqueue guard {paths}: it kept changing under us")
 
 
-def _settled(calls: _Calls, path: str, task_id: str) -> Taken | None:
+def _count(client, path: str, stat, found: Guard | None, count: bool) -> None:
+    """One more publish deduped into the held guard ``found`` (a publish sent anyway is none)."""
+    if count:
+        guard_counts.count_dedupe(client, path, stat, found.id if found else "")
+
+
+def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> Taken | None:
     """Another's guard at ``path`` once its publish is settled: HELD (counted as deduped into),
     or None when there is none in our way (no node, stale, or our own)."""
     while True:
@@ -167,7 +174,7 @@ def _settled(calls: _Calls, path: str, task_id: str) -> Taken | None:
         now = time.time()
         seen = _judge(found, task_id, stat)
         if seen is HELD:
-            guard_counts.count_dedupe(calls.client, path, stat)
+            _count(calls.client, path, stat, found, count)
             return Taken(Outcome.HELD, path, found)
         if seen is not UNCONFIRMED:
             return None
@@ -209,7 +216,8 @@ def confirm(client, taken: Taken, guard: Guard, timeout: float | None = None) ->
 def _take_over(client, calls: _Calls, path: str, stat, guard: Guard, acl) -> int:
     """Our own guard (a retry of the same task id): name the new message in it, as a
     persistent node — the run that retried ends, or dies, without taking it along.
-    Returns the new node's czxid (0 when the guard changed meanwhile)."""
+    Returns the new node's czxid (0 when the guard changed meanwhile).  The new node keeps
+    the old one's deduped count: the counter names the task id too (:mod:`.guard_counts`)."""
     txn = client.transaction()
     txn.delete(path, version=stat.version)
     txn.create(path, guard.dumps(), acl=acl)
@@ -279,7 +287,7 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
             calls.delete(path, version=stat.version)  # BadVersion: its publisher confirmed it meanwhile
         except NoNodeError:
             return True
-        deduped = 0 if stat.ephemeralOwner else guard_counts.take(client, path, stat.czxid, calls.timeout)
+        deduped = 0 if stat.ephemeralOwner else guard_counts.take(client, path, stat.czxid, calls.timeout, found.id)
         gone.append(replace(found, deduped=deduped))
         return True
 
@@ -325,7 +333,7 @@ def start(client, paths: list[str], task_id: str, retries: int, until: str, time
         _running(txn, path, replace(found, confirmed=True, retries=retries, node=0).dumps(), acl)
         if any(isinstance(r, Exception) for r in calls.commit(txn)):
             return False  # the guard changed meanwhile (its publisher confirmed it): read again
-        guard_counts.take(client, path, stat.czxid, calls.timeout)  # the queued guard's count: its work runs now
+        guard_counts.take(client, path, stat.czxid, calls.timeout, found.id)  # the queued guard's: its work runs now
         return True
 
     for path in paths:

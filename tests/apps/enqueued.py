@@ -93,3 +93,43 @@ def _die_the_first_time(self, task_id, args, kwargs):
 def dying(user, ms=0):
     _record("dying", str(user), ms)
     return user
+
+
+@app.task
+def echo(value):
+    """A plain task: a chain's rest, a link, a chord's body."""
+    return value
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}")
+def holding(user, flag):
+    """Holds the execution lock of user:<user> until the test sets ``flag`` in Redis (30 s at most)."""
+    _record("holding", str(user), 0)
+    deadline = time.monotonic() + 30
+    while not _r.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return user
+
+
+@app.task(base=ZkLockedTask, lock_key="user:{user}", lock_enqueue="dedupe", lock_timeout=1.0, on_lock_timeout="retry",
+          lock_max_retries=1)
+def timing_out(user, ms=0):
+    _record("timing_out", str(user), ms)
+    return user
+
+
+def _first_argument(*args, **kwargs):
+    """A key callable that takes any call: Celery's argument check is the one that refuses."""
+    return f"user:{args[0] if args else kwargs.get('user')}"
+
+
+@app.task(base=ZkLockedTask, lock_key=_first_argument, lock_enqueue="dedupe")
+def keyed_by_callable(user, ms=0):
+    _record("keyed_by_callable", str(user), ms)
+    return user
+
+
+@app.task(base=ZkLockedTask, lock_key=None, lock_enqueue="dedupe")
+def one_at_a_time(user, ms=0):
+    _record("one_at_a_time", str(user), ms)
+    return user
