@@ -9,17 +9,18 @@ timeout of sending that write, or not at all.  See docs/beat.md.
 
 from __future__ import annotations
 
+import heapq
 import os
 import socket
 import uuid
 
-from celery.beat import Scheduler
+from celery.beat import Scheduler, event_t
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_logger
 
 from .. import metrics
 from ..config import cached_settings, retry_delay
-from ..engine import clock
+from ..engine import clock, kazoo_compat
 from ..engine.client import connect
 from ..engine.identity import Identity
 from ..errors import ConfigurationError, LockUnavailable
@@ -56,6 +57,12 @@ def inner_class(name_or_class) -> type:
     return cls
 
 
+def _unadvanced(entry):
+    """The inner scheduler's reserve while wrapped: Celery's tick pushes what it returns back
+    into the heap, and :meth:`ZkScheduler._reheap` replaces it with the entry as decided."""
+    return entry
+
+
 class ZkScheduler(Scheduler):
     """Beat's scheduler for a group of beats: the elected one sends each tick once."""
 
@@ -71,10 +78,11 @@ class ZkScheduler(Scheduler):
         self.ledger: Ledger | None = None
         self._adopted = None  # the election term whose records the inner scheduler holds
         self._unsure: dict[str, str] = {}  # entry: nonce of a recorded (or maybe recorded) tick not yet published
-        self._written: dict[str, str] = {}  # entry: nonce of the last tick this beat published, this term
+        self._requeued: dict = {}  # entry name: the entry to put in the inner heap after this tick (see _reheap)
         self._retry = False
         self._adopt_failures = 0
         self._send = self.inner.apply_async
+        self._advance = self.inner.reserve  # the inner scheduler's own reserve, called after a send
         if not lazy:
             self._start()
 
@@ -94,8 +102,10 @@ class ZkScheduler(Scheduler):
                          "(zklock_on_unavailable='retry')", exc)
         metrics.start_beat(s.beat_metrics_port, self.group)
         # Every tick of the inner scheduler is sent through here: Celery's Scheduler.tick calls
-        # self.apply_entry, and an instance attribute is found before the class's method.
+        # self.apply_entry, and an instance attribute is found before the class's method.  Its
+        # reserve (called just before) is held back until the send is decided: see _publish.
         self.inner.apply_entry = self._apply_entry
+        self.inner.reserve = _unadvanced
         self.election.start(client)
         logger.info("beat: zklock: joined the election of group %r at %s (%s)", self.group, self.path, self.me)
 
@@ -137,47 +147,97 @@ class ZkScheduler(Scheduler):
         if not election.held():
             return RETRY  # suspended: doubt, send nothing, keep every due tick due
         self._retry = False
-        interval = self.inner.tick(*args, **kwargs)
+        try:
+            interval = self.inner.tick(*args, **kwargs)
+        finally:
+            self._reheap()
         return RETRY if self._retry and not interval else interval
 
+    def _session_timeout(self) -> float:
+        """The session ZooKeeper keeps for this beat: the smaller of the one asked for and the one
+        the server granted (its maxSessionTimeout may cut the wish short), as the election's lock
+        and the worker's lease count it.  A proof trusted for a third of the wish could outlive
+        the session itself."""
+        return min(self.settings.session_timeout, kazoo_compat.session_timeout(self.election.client))
+
     def _adopt(self) -> bool:
-        """A new leader's first step: every entry continues from the group's records."""
-        self.ledger = Ledger(self.election.client, self.path, self.settings.session_timeout / 3)
+        """A new leader's first step: every entry continues from the group's records.
+
+        Except a tick this beat recorded (or maybe recorded: the reply was lost) and never
+        published, in an earlier term, when the record is still ours: nobody recorded, so nobody
+        sent, a tick since.  That entry is still kept due as it was before the send, and its
+        next tick writes the same record again and publishes it."""
+        self.ledger = Ledger(self.election.client, self.path, self._session_timeout() / 3)
         try:
             self.ledger.load()
         except Exception as exc:
             logger.warning("beat: zklock: cannot read the tick records at %s yet (sending nothing): %s",
                            self.ledger.path, exc)
             return False
-        self._unsure.clear()
-        self._written.clear()
+        unsure, self._unsure = self._unsure, {}
         now = self.app.now()
         for name, entry in list(self.inner.schedule.items()):
             record = self.ledger.read(name)
             if record is None:
                 continue
-            self._take_record(name, entry, record)
             found = handover(record, entry.schedule, now)
-            if found.unconfirmed:
-                logger.warning("beat: zklock: %s: tick %d (due %s) was recorded by %s but not confirmed sent: it was "
-                               "lost if that beat died before publishing it", name, record.seq, record.due, record.by)
+            if record.nonce == unsure.get(name):
+                self._unsure[name] = record.nonce
+                logger.warning("beat: zklock: %s: tick %d (due %s), recorded by this beat before its reply was lost, "
+                               "is published now", name, record.seq, record.due)
+            else:
+                self._take_record(name, entry, record)
+                if found.unconfirmed:
+                    logger.warning("beat: zklock: %s: tick %d (due %s) was recorded by %s but not confirmed sent: it "
+                                   "was lost if that beat died before publishing it", name, record.seq, record.due,
+                                   record.by)
             if found.skipped:
                 metrics.beat_tick(self.group, "skipped", found.skipped)
                 logger.warning("beat: zklock: %s: %d due times passed during the handover; sending one now, "
                                "skipping %d", name, found.missed, found.skipped)
-        self.inner._heap = None  # re-read the entries' due times
+        self.inner._heap = None  # re-read every entry's due time: the schedule holds each one's latest
+        self._requeued.clear()
         return True
 
     def _take_record(self, name: str, entry, record: TickRecord) -> None:
         entry.last_run_at = record.last_run_at
         entry.total_run_count = record.runs
-        self.inner.schedule[name] = entry
-        self.inner._heap = None
+        self._requeue(entry)
+
+    def _requeue(self, entry) -> None:
+        """Make ``entry`` the inner scheduler's view of its name: in its schedule now, in its heap
+        once this tick is over (:meth:`_reheap`).  The schedule too, because django-celery-beat's
+        reserve does not write its advanced entry back: a heap it rebuilds must not find an old one."""
+        self.inner.schedule[entry.name] = entry
+        self._requeued[entry.name] = entry
+
+    def _reheap(self) -> None:
+        """Put each entry this tick decided on (sent and advanced, kept due, or taken from another
+        beat's record) in the inner heap, in place of the event Celery pushed for it.
+
+        Why not drop the heap and let the inner scheduler rebuild it: it rebuilds from its
+        schedule, where a database scheduler keeps stale copies of the other entries (its
+        reserve advances the shared row, not the dict), so ticks already sent came due again."""
+        requeued, self._requeued = self._requeued, {}
+        heap = self.inner._heap
+        if not requeued or heap is None:  # None: rebuilt from the schedule, which holds them
+            return
+        events = [event for event in heap if event[2].name not in requeued]
+        for entry in requeued.values():
+            try:
+                due, delay = self.inner.is_due(entry)
+            except Exception as exc:
+                logger.error("beat: zklock: %s: cannot compute its next run (%s); trying again in %ss", entry.name,
+                             exc, self.inner.max_interval)
+                due, delay = False, self.inner.max_interval
+            events.append(event_t(self.inner._when(entry, 0 if due else delay), 5, entry))
+        heapq.heapify(events)
+        heap[:] = events
 
     # ------------------------------------------------------------------ one send
     def _apply_entry(self, entry, producer=None) -> None:
         """Record the tick (proving leadership), then publish it; or keep it due and send nothing."""
-        name, advanced = entry.name, self.inner.schedule.get(entry.name)
+        name = entry.name
         try:
             tick, written, sent_at = self._record(entry)
         except Exception as exc:  # a read timed out, an ACL refused: nothing recorded, nothing sent
@@ -185,13 +245,13 @@ class ZkScheduler(Scheduler):
             return self._keep_due(entry)
         if tick is None:  # another leader sent it: continue from its record
             self._unsure.pop(name, None)
-            return self._take_record(name, advanced or entry, self.ledger.read(name))
+            return self._take_record(name, entry, self.ledger.read(name))
         if written is Written.DEPOSED:
             self.election.step_down("the election node was gone at a tick's write")
             return self._keep_due(entry)
         if written is not Written.RECORDED:  # UNKNOWN, or CONFLICT twice: the next tick looks again
             return self._keep_due(entry)
-        why = verdict(clock.boottime() - sent_at, self.settings.session_timeout, self.election.held())
+        why = verdict(clock.boottime() - sent_at, self._session_timeout(), self.election.held())
         if why is not Verdict.PUBLISH:
             metrics.beat_tick(self.group, "withheld")
             logger.warning("beat: zklock: %s: tick %d not sent (%s); kept due", name, tick.seq, why.value)
@@ -206,10 +266,12 @@ class ZkScheduler(Scheduler):
         record = self.ledger.refresh(name) if unsure else self.ledger.read(name)
         written, sent_at, tick = Written.CONFLICT, 0.0, None
         for _ in range(2):  # a conflict is read again once: it may be our own unanswered write
-            mine = record is not None and record.nonce in (unsure, self._written.get(name))
-            if not mine and already_sent(record, entry.last_run_at):
+            pending = record is not None and record.nonce == unsure  # ours, never published: publish it now
+            # Else the ledger decides, for our own records too: an entry whose last_run_at is older
+            # than the record's came back stale (its send advanced it only after the record).
+            if not pending and already_sent(record, entry.last_run_at):
                 return None, written, sent_at
-            tick = record if record is not None and record.nonce == unsure else self._new_tick(entry, record)
+            tick = record if pending else self._new_tick(entry, record)
             if not self.election.held():
                 return tick, Written.UNKNOWN, sent_at
             sent_at = clock.boottime()
@@ -223,8 +285,8 @@ class ZkScheduler(Scheduler):
 
     def _new_tick(self, entry, record: TickRecord | None) -> TickRecord:
         """The tick for ``entry`` (as it was before this send), sent now: the base of its next
-        due time is now, as Celery's ``next(entry)`` makes it (read from the clock, not from the
-        inner scheduler, whose advanced entry a database scheduler does not keep)."""
+        due time is now, as Celery's ``next(entry)`` makes it (read from the clock: the inner
+        scheduler advances the entry only after the publish, a little later)."""
         now = self.app.now()
         try:
             due = min(now, now + entry.schedule.remaining_estimate(entry.last_run_at))
@@ -235,6 +297,11 @@ class ZkScheduler(Scheduler):
                           token=self.election.token, nonce=uuid.uuid4().hex)
 
     def _publish(self, entry, tick: TickRecord, producer) -> None:
+        """Send the recorded tick, then advance the entry (the inner scheduler's reserve, held
+        back until now): its last_run_at is then later than the record's, so the ledger tells
+        its next tick from a stale copy of this one.  A database scheduler's reserve also
+        advances the stored row (run count, last run; a one-off is disabled by it), which must
+        not happen to a tick kept due."""
         options = entry.options  # the header rides on the entry for this one send (entries of a
         headers = dict(options.get("headers") or {})  # database scheduler do not copy)
         headers["zklock_beat"] = {"entry": entry.name, "seq": tick.seq, "due": tick.due.isoformat(), "token": tick.token}
@@ -243,14 +310,13 @@ class ZkScheduler(Scheduler):
         try:
             result = self._send(entry, producer=producer, advance=False)
         except Exception as exc:  # as Celery's own apply_entry: said, not retried (a retry could send it twice)
-            self._unsure.pop(entry.name, None)
             logger.error("Message Error: %s (tick %d of %s not sent; its record stays unconfirmed)", exc, tick.seq,
                          entry.name, exc_info=True)
             return
         finally:
             entry.options = options
-        self._unsure.pop(entry.name, None)
-        self._written[entry.name] = tick.nonce
+            self._unsure.pop(entry.name, None)
+            self._requeue(self._advance(entry))
         metrics.beat_tick(self.group, "sent")
         logger.debug("%s sent. id->%s", entry.task, getattr(result, "id", None))
         try:
@@ -259,9 +325,9 @@ class ZkScheduler(Scheduler):
             pass
 
     def _keep_due(self, entry) -> None:
-        """Put the entry back as it was before this send, so it is still due next tick."""
-        self.inner.schedule[entry.name] = entry
-        self.inner._heap = None
+        """Put the entry back as it was before this send (not advanced: see _publish), so it is
+        still due next tick; only this entry, the others stay as the heap has them."""
+        self._requeue(entry)
         self._retry = True
 
     # ------------------------------------------------------------------ the rest is the inner scheduler's

@@ -18,6 +18,7 @@ from celery_zklock.beat.ledger import Ledger
 from celery_zklock.beat.status import beat_report
 from celery_zklock.beat.rules import TickRecord, TickState, Written
 from celery_zklock.errors import LockUnavailable
+from tests.worker.test_negotiated_timeout import short_session_server  # noqa: F401 (fixture: grants 400 ms)
 
 TASK = "tests.beat.job"
 
@@ -255,3 +256,61 @@ def test_a_failed_publish_is_said_and_never_sent_twice(zk_server, root, sends, c
     assert 2 not in seqs and seqs[:2] == [1, 3], seqs  # tick 2 lost and said, never sent late
     assert len(seqs) == len(set(seqs))
     assert "tick 2 of job not sent" in caplog.text
+
+
+def test_a_tick_whose_reply_was_lost_is_published_when_the_same_beat_leads_again(zk_server, root, sends,
+                                                                                   monkeypatch):
+    """Tick 3's write reaches ZooKeeper but its reply is lost, and the connection stays down
+    past a third of the session: the election node is given up and this beat, alone in its
+    group, leads again in a new term.  Its own record of tick 3 is still the last: the tick is
+    written again and published, neither lost nor sent twice."""
+    from tests.tcpproxy import OP_MULTI, TcpProxy
+
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        cuts = []
+        write = Ledger.write
+
+        def cut_at_tick_3(self, name, record, leader_node):  # the real write, on a real connection cut
+            if record.seq == 3 and record.state is TickState.SENDING and not cuts:
+                cuts.append(proxy.arm_cut(opcodes=(OP_MULTI,), forward=True, then_hold=True))
+            return write(self, name, record, leader_node)
+
+        monkeypatch.setattr(Ledger, "write", cut_at_tick_3)
+        a = Running(make_app(proxy.hosts, root))
+        try:
+            assert wait_for(lambda: cuts and cuts[0].fired.is_set())
+            assert cuts[0].reply_err == 0  # applied: the record of tick 3 is there, its reply is not
+            term = a.scheduler.election.term()
+            time.sleep(1.0)  # 2 s session: past its third (the lock lets go), short of its end
+            proxy.release_held()
+            assert wait_for(lambda: len(sends) >= 5, 15.0), sends
+            assert a.scheduler.election.term() != term
+        finally:
+            a.close()
+    seqs = [seq for _, seq, _ in sends]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+
+
+def test_the_publish_window_follows_the_session_timeout_the_server_granted(short_session_server, root, sends,
+                                                                            caplog, monkeypatch):
+    """Asked for 2 s, granted 0.4 s (the server's maxSessionTimeout): a write's proof is good
+    for a third of 0.4 s, and each ledger request is bounded by that too.  A reply that comes
+    0.3 s after its request (a slow network) withholds the tick: a third of the request
+    (0.67 s) would publish it after the session may have expired."""
+    write = Ledger.write
+
+    def slow_reply(self, *args):
+        written = write(self, *args)
+        time.sleep(0.3)
+        return written
+
+    monkeypatch.setattr(Ledger, "write", slow_reply)
+    with caplog.at_level(logging.WARNING, logger="celery.beat.zklock"):
+        a = Running(make_app(short_session_server.hosts, root))
+        try:
+            assert wait_for(lambda: sends or "not sent (stale)" in caplog.text)
+            timeout = a.scheduler.ledger.timeout
+        finally:
+            a.close()
+    assert sends == []
+    assert timeout == pytest.approx(0.4 / 3)

@@ -23,4 +23,5 @@ def ping() -> int:
 def _count(sender=None, headers=None, **_):
     if sender == TASK:
         tick = (headers or {}).get("zklock_beat") or {}
-        sent.rpush(os.environ["DJANGO_BEAT_SENT"], json.dumps({"pid": os.getpid(), "seq": tick.get("seq"), "at": time.time()}))
+        sent.rpush(os.environ["DJANGO_BEAT_SENT"], json.dumps({"pid": os.getpid(), "entry": tick.get("entry"),
+                                                            "seq": tick.get("seq"), "at": time.time()}))
