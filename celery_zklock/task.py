@@ -192,7 +192,8 @@ class ZkLockedTask(Task):
         req, direct, opts = call.req, call.direct, call.opts
         started = time.monotonic()
         carried = agent_lock.carried_grant(req)  # off the request whether used or not: never republished
-        claimed = (None if direct or nested is not None or self.acks_late or not req.id
+        bypassed = agent_lock.bypassed(req)  # another delivery of its id waits in the agent: not ours to claim
+        claimed = (None if direct or nested is not None or self.acks_late or not req.id or bypassed
                    else agent_lock.claim(req.id, _CLAIM_TIMEOUT, carried))
         if claimed is not None:
             return acquisition.claimed_lock(self, claimed, opts, call.label, on_lost), False

@@ -118,8 +118,8 @@ MUTANTS = [
     Mutant("lost-node-kept", "15. a handoff whose write succeeds after its node was marked lost keeps the node "
            "first in the queue with nobody to grant",
            "worker/cohort.py",
-           "        if slot in self.slots and (not written or not slot.held):\n",
-           "        if slot in self.slots and not written:\n"),
+           "        if slot in self.slots and (not written or not slot.held or bounded):\n",
+           "        if slot in self.slots and (not written or bounded):\n"),
     Mutant("stale-reply-grant", "16. a handoff granted on a write reply that waited past a third of the session "
            "(the agent stopped meanwhile)",
            "worker/cohort.py",
@@ -251,6 +251,84 @@ MUTANTS = [
            "        at.pending = Pending.GHOST\n        look = at.next_look()\n",
            "        at.pending = None\n        look = at.next_look()\n",
            killer="tests/engine/test_lock_faults.py::test_a_cancel_while_a_ghost_is_looked_for_still_deletes_the_ghost"),
+    Mutant("busy-partition-unseen", "38. no watch on unanswered requests: kazoo pings only when idle, so a client "
+           "that keeps sending (an agent renewing leases) never notices a silent partition, and its holders run "
+           "on past their session's expiry",
+           "engine/session.py",
+           "        elif now - since >= limit:\n",
+           "        elif False:\n"),
+    Mutant("revoked-by-name", "39. a revoked or expired guarded task waiting in the pool: the guard's end looks for "
+           "the app on the request's task, which is only its name, and never starts: the key's publishes are deduped "
+           "into a task that will never run",
+           "enqueue.py",
+           '    app = getattr(sender, "app", None)\n    if app is None:\n',
+           '    app = getattr(getattr(request, "task", None), "app", None)\n    if False:\n',
+           killer="tests/test_enqueue.py::test_revoking_a_countdown_task_ends_its_guard_waiting_in_the_pool"),
+    Mutant("dedupe-drops-callbacks", "40. a publish carrying callbacks, a chain's rest or a group's membership is "
+           "deduped: the queued task runs without them, and the chain waits for good",
+           "enqueue.py",
+           "        if not carried:\n",
+           "        if True:\n",
+           killer="tests/test_enqueue.py::test_a_publish_that_carries_more_work_is_never_deduped"),
+    Mutant("later-forgets-unrun", "41. a guard released in the background (ZooKeeper was away when its task ended "
+           "unrun) drops the count of the work deduped into it: nothing republished, nothing said",
+           "enqueue.py",
+           "                then(gone)\n",
+           "                pass\n",
+           killer="tests/test_enqueue_no_loss.py::test_the_unrun_step_follows_a_release_tried_again_in_the_background"),
+    Mutant("takeover-loses-count", "42. a retry's takeover of its guard starts the deduped count over: the work "
+           "deduped before the retry goes unreported and unrepublished when the retry ends unrun",
+           "engine/guard_counts.py",
+           "        return self.zxid == guard_zxid or (bool(task_id) and self.task_id == task_id)\n",
+           "        return self.zxid == guard_zxid\n",
+           killer="tests/test_enqueue_no_loss.py::test_work_deduped_before_a_retry_takes_the_guard_over_is_republished"),
+    Mutant("reserve-before-send", "43. the wrapped scheduler advances an entry before its tick is recorded and sent, "
+           "as Celery does: a database scheduler's row then says sent for a tick kept due (a one-off is disabled "
+           "unsent), and a rebuilt heap finds stale copies of entries already sent",
+           "beat/scheduler.py",
+           "        self.inner.reserve = _unadvanced\n",
+           "",
+           killer="tests/beat/test_django_beat.py::"
+                  "test_a_failing_tick_write_resends_no_other_tick_and_sends_a_one_off_once"),
+    Mutant("adopt-forgets-unsure", "44. a beat leading again forgets the tick it recorded before its reply was lost, "
+           "and never publishes it",
+           "beat/scheduler.py",
+           "            if record.nonce == unsure.get(name):\n",
+           "            if False:\n",
+           killer="tests/beat/test_scheduler.py::"
+                  "test_a_tick_whose_reply_was_lost_is_published_when_the_same_beat_leads_again"),
+    Mutant("beat-asked-session", "45. the beat trusts a tick's proof for a third of the session it asked for, not "
+           "the one the server granted: a deposed leader may publish after another was elected",
+           "beat/scheduler.py",
+           "        return min(self.settings.session_timeout, kazoo_compat.session_timeout(self.election.client))\n",
+           "        return self.settings.session_timeout\n",
+           killer="tests/beat/test_scheduler.py::"
+                  "test_the_publish_window_follows_the_session_timeout_the_server_granted"),
+    Mutant("duplicate-claims-by-id", "46. a second delivery of a task id whose first waits in the agent claims the "
+           "agent's request by that id: it runs on the first's grant while the first starts on the same grant, carried",
+           "task.py",
+           "        claimed = (None if direct or nested is not None or self.acks_late or not req.id or bypassed\n",
+           "        claimed = (None if direct or nested is not None or self.acks_late or not req.id\n",
+           killer="tests/worker/test_duplicate_delivery.py::test_two_deliveries_of_one_task_id_never_run_at_once"),
+    Mutant("bound-judged-at-release", "47. a streak's bound judged only when a handoff is decided, not again when its "
+           "write answers: handoffs decided before another contender was seen (their replies held back by a "
+           "partition) all go through, past the bound",
+           "worker/cohort.py",
+           "            if passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,\n",
+           "            if True or passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,\n"),
+    Mutant("free-node-unpumped", "48. a node granted while disconnected, whose waiter left meanwhile, is verified "
+           "again and kept: held by nobody, it blocks the key for every worker until another request comes",
+           "worker/agent_requests.py",
+           "            if cohort.wants_pump:\n",
+           "            if cohort.queue and not cohort.busy:\n",
+           killer="tests/worker/test_free_node_after_suspension.py::test_a_node_verified_after_its_waiter_left_is_let_go"),
+    Mutant("overdue-joins-on", "49. a multi-key request granted its first key after its deadline waits on its next "
+           "key with no deadline, holding the first",
+           "worker/agent_requests.py",
+           "        if wait.expired and wait.current is cohort:\n",
+           "        if False:\n",
+           killer="tests/worker/test_overdue_wait.py::"
+                  "test_a_multi_key_wait_past_its_deadline_does_not_wait_on_its_next_key"),
 ]
 
 

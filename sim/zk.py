@@ -349,6 +349,24 @@ class SimClocks:
 
 
 # --------------------------------------------------------------------------- the client
+class _SimSocket:
+    """The connection's socket as :func:`celery_zklock.engine.kazoo_compat.drop_connection`
+    reaches it: shutting it down drops the connection, on the client's connection thread."""
+
+    def __init__(self, client: "SimClient") -> None:
+        self.client = client
+
+    def shutdown(self, _how) -> None:
+        c = self.client
+        c.world.log(f"{c.name}: connection dropped by the client (a request unanswered too long)")
+        c.world.at(c.world.now, f"{c.name}.drop", c.conn_thread.put, c._dropped, proc=c.proc)
+
+
+class _SimConnection:
+    def __init__(self, client: "SimClient") -> None:
+        self._socket = _SimSocket(client)
+
+
 class SimClient(KazooClient):
     """A kazoo client whose connection is a :class:`Link` to the simulated :class:`Server`."""
 
@@ -378,6 +396,8 @@ class SimClient(KazooClient):
         self._pending: list[Request] = []  # sent, not answered
         self._queued: list[Request] = []  # asked while reconnecting: sent once connected
         self._last_recv = world.now
+        self._last_send = world.now  # kazoo's ping deadline counts from the last request sent
+        self._connection = _SimConnection(self)  # what kazoo_compat.drop_connection reaches
         self.closed = False
         self.on_send = None  # an observer of every request sent (the checks' "place kept")
         self.in_listener = False  # requests sent now are the resumption of a reconnection
@@ -449,7 +469,10 @@ class SimClient(KazooClient):
                 if now - max(link.closed_at, self.proc.thaw_time()) >= link.notice:
                     self._teardown()
             elif self.partitioned or not self.server.up:
-                if now - self._last_recv >= kazoo_compat.session_timeout(self) * 2 / 3:
+                # kazoo 2.11 drops a connection only for a ping left unanswered, and pings only
+                # once nothing was sent for half its read timeout (2/3 of the session): each
+                # request sent puts that off, so a client that keeps sending never notices.
+                if now - max(self._last_recv, self._last_send) >= kazoo_compat.session_timeout(self) * 2 / 3:
                     self._teardown()
             else:
                 self._last_recv = now
@@ -545,6 +568,7 @@ class SimClient(KazooClient):
         if self.world.full_trace is not None:
             self.world.log(f"{self.name} -> {_show(request.op)}")
         self._pending.append(request)
+        self._last_send = self.world.now
         self.link.to_server(request)
         if (request.op[0], request.op[-1]) in self.drop_on_send:
             self.drop_on_send = ()

@@ -13,6 +13,8 @@ demand, the network failures a lock must survive:
   new ones waiting (accepted, not yet connected upstream) until released: the client is
   SUSPENDED for exactly as long as the test wants, then reconnects on the same session.
 * :meth:`TcpProxy.drop_all` — close every proxied connection at once.
+* :meth:`TcpProxy.blackhole` — keep every connection open and pass nothing either way: a
+  silent partition (a dropping firewall, a dead switch), which no socket error reveals.
 
 Every frame on a ZooKeeper connection is length-prefixed (4-byte big-endian).  The first
 frame in each direction is the session handshake (ConnectRequest / ConnectResponse); every
@@ -109,8 +111,8 @@ class _Conn:
                 data = self.client.recv(65536)
                 if not data:
                     break
-                if self.cut_xid is not None:
-                    continue  # after a cut nothing more reaches the server
+                if self.cut_xid is not None or self.proxy._silent:
+                    continue  # after a cut (or in a black hole) nothing more reaches the server
                 buf += data
                 out = bytearray()
                 for frame in _frames(buf):
@@ -156,6 +158,8 @@ class _Conn:
                 data = self.server.recv(65536)
                 if not data:
                     break
+                if self.proxy._silent:
+                    continue  # a black hole: the reply is lost, and the socket stays open
                 buf += data
                 out = bytearray()
                 for frame in _frames(buf):
@@ -220,6 +224,7 @@ class TcpProxy:
         self._conns: set[_Conn] = set()
         self._pending: list[socket.socket] = []
         self._holding = False
+        self._silent = False  # a black hole: connections stay open, nothing passes
         self._guard = threading.Lock()
         self._cut: _Cut | None = None
         self._fired_cut: _Cut | None = None
@@ -284,6 +289,10 @@ class TcpProxy:
         with self._guard:
             self._holding = True
         self.drop_all()
+
+    def blackhole(self, on: bool = True) -> None:
+        """Pass nothing either way, and close nothing: a silent partition."""
+        self._silent = on
 
     def release_held(self) -> None:
         """Stop holding: parked and future connections are forwarded to the server."""

@@ -43,7 +43,7 @@ def test_the_first_seeds_pass_on_this_code():
 def test_every_planted_bug_still_applies(mutant, tmp_path):
     """A mutant whose target text moved would silently test nothing: each applies once."""
     target = tmp_path / mutant.path
-    target.parent.mkdir(parents=True)
+    target.parent.mkdir(parents=True, exist_ok=True)  # a module at the package top
     target.write_text((ROOT / "celery_zklock" / mutant.path).read_text())
     apply(mutant, tmp_path)
     assert target.read_text() != (ROOT / "celery_zklock" / mutant.path).read_text()

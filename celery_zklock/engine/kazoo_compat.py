@@ -11,6 +11,7 @@ quirk the lock would otherwise trip on (:func:`on_ready`).
 from __future__ import annotations
 
 import itertools
+import socket
 from typing import Callable
 
 from kazoo.client import KazooClient
@@ -104,6 +105,32 @@ def _record_negotiated_timeout() -> None:
 
 
 _record_negotiated_timeout()
+
+
+def oldest_unanswered(client: KazooClient):
+    """The request ``client`` sent longest ago and still awaits the reply of (None: none).
+    kazoo keeps sent requests in order in ``_pending``, and ZooKeeper answers a session's
+    requests in order: while this one is unanswered, nothing later has been either."""
+    pending = getattr(client, "_pending", None)
+    try:
+        return pending[0] if pending else None
+    except IndexError:  # answered meanwhile, on kazoo's thread
+        return None
+
+
+def drop_connection(client: KazooClient) -> None:
+    """Make kazoo see its connection broken now: it goes SUSPENDED and reconnects, on the
+    same session if it can.  Why: kazoo learns of a silent partition only from a ping left
+    unanswered, and it pings only after a spell with nothing to send (its connection loop
+    resets the ping's deadline at every request): a client that keeps sending never sees
+    one (:class:`celery_zklock.engine.session.SessionMonitor`)."""
+    sock = getattr(getattr(client, "_connection", None), "_socket", None)
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # its select wakes, its read finds the end: ConnectionDropped
+    except OSError:
+        pass
 
 
 def is_stopped(client: KazooClient) -> bool:

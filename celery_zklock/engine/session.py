@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import logging
 import threading
 import weakref
 from typing import Any, Callable
@@ -34,6 +35,14 @@ from . import clock, group_commit, kazoo_compat
 
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)
+
+#: A request unanswered for this fraction of the negotiated session timeout drops the
+#: connection (:meth:`SessionMonitor._watch_replies`).  Why a third: the holder's grace
+#: (another third) then runs out before ZooKeeper can expire the session, with room left
+#: for the check's own period (a quarter of this): lost by 3/4 of the session timeout.
+UNANSWERED_FOR = 1 / 3
+
+logger = logging.getLogger("celery_zklock.engine.session")
 
 class Outcome(str, enum.Enum):
     """What a release (a guaranteed delete, or a local handoff's write) says about the hold.
@@ -159,11 +168,15 @@ class SessionMonitor:
         # A dict, not a set: subscribers resume in the order they subscribed, on every run.
         self._subscribers: dict = {}
         self._when_connected: list[Callable[[], None]] = []
+        self._watching_replies = False  # the reply watch's timer is set (connected, locks subscribed)
         client.add_listener(self._on_state)
 
     def subscribe(self, subscriber) -> None:
         with self._guard:
             self._subscribers[subscriber] = None
+            watching = self._watching_replies
+        if not watching and self.client.connected:
+            self._start_reply_watch()
 
     def unsubscribe(self, subscriber) -> None:
         with self._guard:
@@ -190,11 +203,50 @@ class SessionMonitor:
             pending = []
             if state != KazooState.SUSPENDED:
                 pending, self._when_connected = self._when_connected, []
+        if state == KazooState.CONNECTED and subscribers:
+            self._start_reply_watch()
         for subscriber in subscribers:
             subscriber.on_connection(state, epoch)
         for fn in pending:
             fn()
         return False  # keep listening
+
+    # ------------------------------------------------------------------ silent partitions
+    def _start_reply_watch(self) -> None:
+        with self._guard:
+            if self._watching_replies:
+                return
+            self._watching_replies = True
+        self._watch_replies(None, 0.0)
+
+    def _watch_replies(self, seen, since: float) -> None:
+        """Drop the connection once the oldest request has gone unanswered for
+        :data:`UNANSWERED_FOR` of the session timeout, so that a silent partition is seen.
+
+        Why: kazoo drops a connection only for a ping left unanswered, and sends a ping only
+        after a spell with nothing to send; a client that keeps sending (a lock agent renews
+        its leases every 0.1 s) never pings, so a partition that drops packets without a
+        socket error went unseen: no SUSPENDED, no grace, and a holder running on past the
+        expiry of its session.  Reads kazoo's queue of sent requests on the timers' thread
+        every quarter of that time: no request of its own.  Runs while connected and some
+        lock waits or holds (is subscribed): kazoo's own reconnection takes over from there,
+        and CONNECTED or the next subscriber starts it again."""
+        client = self.client
+        with self._guard:
+            if kazoo_compat.is_stopped(client) or not client.connected or not self._subscribers:
+                self._watching_replies = False
+                return
+        now = clock.monotonic()
+        limit = kazoo_compat.session_timeout(client) * UNANSWERED_FOR
+        head = kazoo_compat.oldest_unanswered(client)
+        if head is None or head is not seen:
+            seen, since = head, now
+        elif now - since >= limit:
+            logger.warning("celery-zklock: ZooKeeper has not answered a request for %.1f s (a silent partition?): "
+                           "dropping the connection, so that its locks count as suspended", now - since)
+            kazoo_compat.drop_connection(client)
+            seen, since = None, now
+        self.timers.call_at(now + limit / 4, self._watch_replies, seen, since)
 
 
 _monitors: "weakref.WeakKeyDictionary[KazooClient, SessionMonitor]" = weakref.WeakKeyDictionary()

@@ -36,7 +36,7 @@ Requests (``op``) and the agent's answers:
   longer be started on);
 * agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
   agent (a retry published by a body still holding its lock, a redelivery): hand it to
-  the pool as it is; it locks in-process there;
+  the pool marked :data:`BYPASSED`; it locks in-process there, never claiming by its id;
 * pool -> agent ``claim`` {id}: "I run this request"; answered by ``claimed`` {id,
   verdict: granted/timeout/unavailable/revoked/shutdown/unknown, tokens, nodes, holders,
   error, and for a grant held, lost, reason and the agent's negotiated session_timeout}, or first by ``claimed`` {verdict: pending} for a request next in line, whose
@@ -72,6 +72,12 @@ ENV = "CELERY_ZKLOCK_AGENT"
 #: The ``delivery_info`` field in which a grant travels with its task from the main process
 #: to the pool process (``granted``'s ``carry``).
 CARRIED = "zklock_grant"
+
+#: The ``delivery_info`` field that marks a delivery whose task id the agent knows by another
+#: delivery (one held aside already, or told ``bypass``): its pool process must not claim the
+#: agent's request for that id, which is the other delivery's (both would run on its grant),
+#: and locks in-process instead.
+BYPASSED = "zklock_bypassed"
 
 #: Seconds between the agent's heartbeats.
 HEARTBEAT = 0.2

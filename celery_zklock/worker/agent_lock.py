@@ -16,7 +16,7 @@ import select
 import threading
 import time
 
-from .agent_link import CARRIED, ENV, ClaimAnswer, Connection, Verdict
+from .agent_link import BYPASSED, CARRIED, ENV, ClaimAnswer, Connection, Verdict
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
 
@@ -306,6 +306,15 @@ def carried_grant(request) -> dict | None:
     info = getattr(request, "delivery_info", None)
     carry = info.pop(CARRIED, None) if isinstance(info, dict) else None
     return carry if isinstance(carry, dict) else None
+
+
+def bypassed(request) -> bool:
+    """Is this delivery one the agent knows its task id by another delivery of
+    (:data:`~celery_zklock.worker.agent_link.BYPASSED`)?  Then it must not claim by that id: it
+    would take the other delivery's grant, and both would run on it.  Taken off the request,
+    as the carried grant is."""
+    info = getattr(request, "delivery_info", None)
+    return bool(info.pop(BYPASSED, False)) if isinstance(info, dict) else False
 
 
 def starts_on_carried(send, request_id: str, carry: dict) -> bool:

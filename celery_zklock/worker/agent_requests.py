@@ -53,7 +53,7 @@ class Wait:
     claimer: Connection | None = None
     holds: dict[str, "Hold"] = field(default_factory=dict)  # path -> its hold, in the order taken
     current: Cohort | None = None  # the cohort whose local queue it waits in
-    expired: bool = False  # its deadline passed; a fresh node's first answer decides
+    expired: bool = False  # its deadline passed: a fresh node's first answer decides, on each key left
     verdict: dict | None = None  # what a claim is told once decided
     shown_held: bool | None = None  # the last state pushed to the claimer
     next_sent: bool = False  # told the main process it is next in line (claimable undecided)
@@ -162,6 +162,11 @@ class Requests:
             cohort = self.cohorts[(path, wait.max_holders)] = Cohort(self, path, wait.max_holders)
         wait.current = cohort
         cohort.join(wait)
+        if wait.expired and wait.current is cohort:
+            # Its deadline passed on an earlier key (its grant was the answer it waited for):
+            # one try here, as a timeout of 0 is, never a wait with no deadline while it
+            # holds the keys before this one.
+            self._deadline(wait)
 
     # The cohort's callbacks (on the event thread).
     def on_granted(self, wait: Wait, cohort: Cohort, slot, token: int) -> None:
@@ -367,8 +372,8 @@ class Requests:
     def tidy_all(self) -> None:
         """On the heartbeat: pump keys whose node was suspended while free, forget idle ones."""
         for cohort in list(self.cohorts.values()):
-            if cohort.queue and not cohort.busy:
-                cohort.pump()  # a node suspended while free: granted once verified again
+            if cohort.wants_pump:
+                cohort.pump()  # a node suspended while free: granted, or let go, once verified again
             self._tidy(cohort)
 
     def abandon(self, wait: Wait) -> None:

@@ -134,7 +134,7 @@ class AgentSupervisor:
                 # Only a grant that had to queue jumps the pool's queue: its key is
                 # contended, and tasks behind it wait for its release.
                 self._hand_over(msg["id"], first=op == Verdict.GRANTED and bool(msg.get("queued")),
-                                carry=msg.get("carry"))
+                                carry=msg.get("carry"), bypassed=op == "bypass")
                 if msg["id"] in self.early:
                     self._early_done(msg["id"])  # decided: it no longer waits in its slot
             elif op == "next":

@@ -108,11 +108,13 @@ class Cohort:
     def expire(self, wait) -> bool:
         """The request's deadline passed.  True if it gives up now; False if it still holds
         here, or if a node that would serve it has not had its first answer yet (a timeout
-        of 0 means "try once": that answer decides)."""
+        of 0 means "try once": that answer decides).  From now on ``wait.expired``: it never
+        waits here again without its deadline applying (a reserved one whose handoff fails
+        times out then, :meth:`_passed`)."""
+        wait.expired = True
         if wait not in self.queue:
             return False
         if self.queue.within(wait, self._fresh()):
-            wait.expired = True
             self.overdue.append(wait)
             return False
         return self.leave(wait)
@@ -165,22 +167,33 @@ class Cohort:
         except Exception:
             written = False
         left = wait.current is not self  # cancelled, revoked or its worker gone meanwhile
+        bounded = False  # the streak reached its bound while the write was out: the node goes
         if written and slot in self.slots and slot.held and not left:
             now = self.clock()
             if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
                 return self._on_passed(self._write(slot, wait.identity), slot, wait, now)
-            slot.handing_on, slot.holder = False, None
-            return self._grant(slot, wait, reserved=True)
+            settings = self.host.settings
+            if passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
+                              settings.cohort_hold):
+                slot.handing_on, slot.holder = False, None
+                return self._grant(slot, wait, reserved=True)
+            # Another contender was seen while the write was out (a partition held its reply
+            # back, say), and the streak is at its bound: judged again here, at the grant, or
+            # the handoffs decided before it was seen would all go through.
+            bounded = True
         slot.handing_on, slot.holder = False, None
-        if not left:
+        overdue = not left and wait.expired  # its deadline passed while it was reserved
+        if not left and not overdue:
             self.queue.appendleft(wait)  # first in line still: for the next node
         if not written:
             slot.lost = True
-        if slot in self.slots and (not written or not slot.held):
+        if slot in self.slots and (not written or not slot.held or bounded):
             # Lost meanwhile (a suspension past its grace, then the write went through): a node
             # not held must go, or it stays first in the key's queue with nobody to grant.
             self._drop_slot(slot, replace=True)
         self.pump()
+        if overdue:
+            self.host.on_timed_out(wait, self.path)  # not queued again with no deadline
 
     # ------------------------------------------------------------------ the cohort's engine
     def pump(self) -> None:
@@ -390,3 +403,14 @@ class Cohort:
     @property
     def idle(self) -> bool:
         return not self.queue and not self.slots
+
+    @property
+    def wants_pump(self) -> bool:
+        """A node of ours held with no holder, or waiters and no holder: the tick pumps it.
+        Why: a node taken suspended (or suspended while free) is kept for a waiter, and
+        nothing tells the cohort when its re-verification succeeds; whether a waiter still
+        wants it or not, held again it must be granted or let go (it holds the key for every
+        worker meanwhile)."""
+        if self.queue and not self.busy:
+            return True
+        return any(s.holder is None and s.held for s in self.slots)

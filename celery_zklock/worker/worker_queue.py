@@ -28,7 +28,7 @@ from ..engine.identity import Identity
 from ..options import is_locked_task
 from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
-from .agent_link import CARRIED, HEARTBEAT, Cancel, LineReader
+from .agent_link import BYPASSED, CARRIED, HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
 from .pool_handoff import Early, hand_over_early, handoff_slots, may_park, pool_size, run_next
@@ -133,7 +133,10 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
     # ------------------------------------------------------------------ requests
     def on_request(self, req) -> None:
         task = req.task
-        if self.sock is None or task.acks_late or not req.id or req.id in self.aside or not is_locked_task(task):
+        if self.sock is None or task.acks_late or not req.id or not is_locked_task(task):
+            return self.inner(req)
+        if req.id in self.aside:  # another delivery of this task id waits here: it locks in process
+            _mark(req, BYPASSED, True)
             return self.inner(req)
         self.aside[req.id] = req
         if req.expires:
@@ -192,17 +195,20 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                 if self.on_path[path] <= 0:
                     del self.on_path[path]
 
-    def _hand_over(self, request_id: str, first: bool = False, carry: dict | None = None) -> None:
+    def _hand_over(self, request_id: str, first: bool = False, carry: dict | None = None,
+                   bypassed: bool = False) -> None:
         self.next_up.pop(request_id, None)
         req = self.aside.pop(request_id, None)
         if req is None:
             return
         self._not_waiting(request_id, req)
-        if carry is not None and isinstance(req.delivery_info, dict):
-            # The grant travels with the task (agent_lock.claim), in the delivery's own fields:
-            # the worker builds them anew for every delivery, and they are not headers, which
-            # a retry publishes again.
-            req.delivery_info[CARRIED] = carry
+        # The grant travels with the task (agent_lock.claim), in the delivery's own fields:
+        # the worker builds them anew for every delivery, and they are not headers, which a
+        # retry publishes again.  So does the mark of a delivery the agent bypassed.
+        if carry is not None:
+            _mark(req, CARRIED, carry)
+        if bypassed:
+            _mark(req, BYPASSED, True)
         self.inner(req)
         if first:
             run_next(self.c, req)
@@ -419,6 +425,12 @@ def request_finished(req) -> None:
     unrun: see :class:`~celery_zklock.worker.worker_loss.LockAwareRequest`)."""
     if _step is not None and _step.pid == os.getpid():
         _step.request_finished(req)
+
+
+def _mark(req, field: str, value) -> None:
+    """Set a field of the request's ``delivery_info``, which its pool process reads."""
+    if isinstance(req.delivery_info, dict):
+        req.delivery_info[field] = value
 
 
 def _seq(req) -> int | None:

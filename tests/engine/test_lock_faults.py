@@ -338,6 +338,41 @@ def test_acquiring_again_after_a_lost_hold_removes_its_node_first(zk_server, zk_
             _stop(c)
 
 
+def test_a_silent_partition_of_a_busy_client_is_reported(zk_server, zk_client, path):
+    """A silent partition (nothing passes, no socket error) while the client keeps sending
+    requests, as a lock agent renewing leases does.  kazoo pings only after a quiet spell
+    with nothing to send, and drops the connection only for a ping unanswered: a busy client
+    never pings, so it never saw the cut, and the holder was never told while the server
+    expired its session and gave the lock to someone else.  The session monitor now drops
+    a connection whose oldest request has gone unanswered too long, and the lock follows its
+    SUSPENDED rules: told within the session timeout."""
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        c = _client(proxy.hosts)
+        busy = threading.Event()
+        try:
+            lost = threading.Event()
+            lock = FairLock(c, path, on_lost=lambda lk: lost.set())
+            assert lock.acquire(timeout=5)
+
+            def keep_sending():
+                while not busy.is_set():
+                    try:
+                        c.exists_async("/")
+                    except Exception:
+                        pass
+                    time.sleep(0.2)
+
+            threading.Thread(target=keep_sending, daemon=True).start()
+            time.sleep(0.5)
+            proxy.blackhole()
+            assert lost.wait(SESSION), "a busy client cut off silently never learnt its lock was lost"
+            assert not lock.is_held()
+        finally:
+            busy.set()
+            proxy.blackhole(False)
+            _stop(c)
+
+
 RACE_ROUNDS = 12  # the races below show in roughly half of the rounds when present
 
 

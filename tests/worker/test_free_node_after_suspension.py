@@ -1,0 +1,89 @@
+"""A node granted to us during a disconnection, whose waiter then left, is let go once verified.
+
+Why (review finding, bug 1): a request with ``lock_timeout=0`` joined a key the agent had no
+node for; the create's reply was read, then the connection dropped, so the node was taken
+suspended (HELD_SUSPENDED) and not granted.  The request then timed out ("try once": the
+first answer decided), and the cohort kept the suspended node for a waiter to come.  Verified
+again within the grace, the node became held and nobody was told: the agent's heartbeat
+pumped only keys with local waiters, so the node held the key for every worker until another
+request for it reached this agent.  Here, against a real ZooKeeper, the cut is the proxy's and
+the agent's event thread is the test (:class:`tests.worker.test_cohort_replies.Host`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from types import SimpleNamespace
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from celery_zklock.engine.internals import State
+from celery_zklock.worker.agent_requests import Requests
+from celery_zklock.worker.cohort import Cohort
+from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_MULTI, TcpProxy, wait_for
+from tests.worker.test_cohort_replies import Host, _wait
+
+
+class _TimesOut(Host):
+    """Host that records timeouts (the request's verdict) instead of failing on them."""
+
+    def __init__(self, client) -> None:
+        super().__init__(client)
+        self.timed_out: list = []
+
+    def on_timed_out(self, wait, path) -> None:
+        wait.current = None
+        self.timed_out.append(wait.id)
+
+
+def _children(zk_client, path: str) -> list:
+    try:
+        return zk_client.get_children(path)
+    except NoNodeError:
+        return []  # the key's node went with its last child
+
+
+def _tick(host: Host, cohort: Cohort) -> None:
+    """What the agent's heartbeat does to its keys (:meth:`Requests.tidy_all`)."""
+    loop = SimpleNamespace(client=host.client, monitor=None, settings=host.settings, post=host.post)
+    requests = Requests(loop, claims=None, guards=None)
+    requests.cohorts[(cohort.path, cohort.max_holders)] = cohort
+    requests.tidy_all()
+
+
+def test_a_node_verified_after_its_waiter_left_is_let_go(zk_server, zk_client):
+    zk_client.ensure_path("/free-node")
+    path = f"/free-node/{uuid.uuid4().hex[:8]}"
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        client = KazooClient(hosts=proxy.hosts, timeout=10.0,
+                             connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 0.2})
+        client.start(timeout=30)
+        try:
+            host = _TimesOut(client)
+            cohort = Cohort(host, path, 1)
+            wait = _wait(cohort, "w")
+            # The create's reply reaches kazoo, then the connection drops (and stays down).
+            cut = proxy.arm_cut(opcodes=(OP_CREATE, OP_CREATE2, OP_MULTI), deliver_reply=True, then_hold=True)
+            cohort.join(wait)
+            assert cut.fired.wait(5), "the create was not sent"
+            [slot] = cohort.slots
+            assert wait_for(lambda: slot.attempt.state is State.HELD_SUSPENDED, 5.0), slot.attempt.state
+
+            assert cohort.expire(wait) is False  # lock_timeout 0: the node's first answer decides
+            host.run(lambda: host.timed_out)  # it came suspended: no grant, the request times out
+            assert host.timed_out == ["w"] and not host.grants
+            assert not cohort.queue
+
+            proxy.release_held()
+            assert wait_for(lambda: slot.attempt.state is State.HELD, 5.0), "the node was not verified again"
+            host.run(lambda: True)
+            _tick(host, cohort)
+            host.run(lambda: True)
+
+            assert wait_for(lambda: _children(zk_client, path) == [], 5.0), (
+                f"our node {_children(zk_client, path)} holds the key with nobody to grant")
+            host.run(lambda: cohort.idle)
+        finally:
+            client.stop()
+            client.close()
