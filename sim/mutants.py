@@ -329,6 +329,13 @@ MUTANTS = [
            "        if False:\n",
            killer="tests/worker/test_overdue_wait.py::"
                   "test_a_multi_key_wait_past_its_deadline_does_not_wait_on_its_next_key"),
+    Mutant("stalled-create-decides", "50. a request on a new key while ZooKeeper is unreachable waits for its node's "
+           "first answer past its deadline, for as long as ZooKeeper stays away",
+           "worker/cohort.py",
+           "        return sum(1 for s in self.slots if s.holder is None and not s.answered and s.attempt.pending is None)\n",
+           "        return sum(1 for s in self.slots if s.holder is None and not s.answered)\n",
+           killer="tests/worker/test_overdue_wait.py::"
+                  "test_a_wait_on_a_new_key_while_zookeeper_is_unreachable_times_out"),
 ]
 
 

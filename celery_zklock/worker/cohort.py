@@ -221,8 +221,10 @@ class Cohort:
 
     def _fresh(self) -> int:
         """Nodes of ours whose first answer is still to come: the first that many waiters
-        may be granted by it without ever queueing."""
-        return sum(1 for s in self.slots if s.holder is None and not s.answered)
+        may be granted by it without ever queueing.  Not one whose create waits for the
+        connection (``pending``): no answer comes while ZooKeeper is away, and a deadline must
+        not wait for one (``FairLock`` gives up at its deadline when cut off, too)."""
+        return sum(1 for s in self.slots if s.holder is None and not s.answered and s.attempt.pending is None)
 
     def _next_waiter(self):
         """The first in line.  One whose deadline passed is still here only because a fresh

@@ -111,3 +111,26 @@ def test_a_reserved_wait_past_its_deadline_is_not_queued_again_when_the_handoff_
     finally:
         other.release()
     host.run(lambda: cohort.idle)
+
+
+def test_a_wait_on_a_new_key_while_zookeeper_is_unreachable_times_out(zk_server, tmp_path):
+    """Cut off from ZooKeeper, a request on a key the agent has no node for: its create
+    waits for the connection, so no first answer will come to decide it.  Its deadline must
+    apply (``on_lock_timeout`` decides then), as ``FairLock`` gives up at its deadline when cut
+    off; until 2026-11-28 the request waited for as long as ZooKeeper stayed away."""
+    from celery_zklock.config import ZkSettings
+    from tests.tcpproxy import TcpProxy
+    from tests.worker.test_late_claim import start_agent
+
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        agent = start_agent(ZkSettings(hosts=proxy.hosts), str(tmp_path / "agent.sock"))
+        try:
+            main = _main(agent)
+            proxy.hold()
+            assert wait_for(lambda: not agent.client.connected, 5)
+            key = f"/overdue/{uuid.uuid4().hex[:8]}-cut"
+            main.send({"op": "wait", "id": "w", "seq": 1, "paths": [key], "timeout": 0.5, "identity": "w"})
+            assert _answer(main, "timeout", "w", WITHIN) is not None, "no timeout while ZooKeeper is unreachable"
+        finally:
+            proxy.release_held()
+            agent.stopped.set()
