@@ -280,24 +280,31 @@ def test_suspended_connection_cut_then_same_session_reverified(zk_server, zk_cli
             _stop(c)
 
 
+def _lost_by_grace(proxy, c, path):
+    """Hold a lock through ``proxy``, cut off past the grace, reconnect on the same session:
+    the lock, declared lost, and its node (still there: the session survived)."""
+    lost = threading.Event()
+    lock = FairLock(c, path, on_lost=lambda lk: lost.set())
+    assert lock.acquire(timeout=5)
+    node, session = lock.node, c.client_id[0]
+    proxy.hold()
+    t0 = time.monotonic()
+    assert lost.wait(SESSION), "on_lost not called while cut off past the grace"
+    took = time.monotonic() - t0
+    assert SESSION / 3 - 0.2 <= took <= SESSION / 3 + 1.0, took
+    proxy.release_held()
+    assert wait_for(lambda: c.connected, 3)
+    assert c.client_id[0] == session  # the session itself survived
+    return lock, node
+
+
 def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
     """Cut off longer than the grace (SESSION/3): the lock is declared lost even though the
     session survives and reconnects; release() then still removes the node."""
     with TcpProxy.to(zk_server.hosts) as proxy:
         c = _client(proxy.hosts)
         try:
-            lost = threading.Event()
-            lock = FairLock(c, path, on_lost=lambda lk: lost.set())
-            assert lock.acquire(timeout=5)
-            node, session = lock.node, c.client_id[0]
-            proxy.hold()
-            t0 = time.monotonic()
-            assert lost.wait(SESSION), "on_lost not called while cut off past the grace"
-            took = time.monotonic() - t0
-            assert SESSION / 3 - 0.2 <= took <= SESSION / 3 + 1.0, took
-            proxy.release_held()
-            assert wait_for(lambda: c.connected, 3)
-            assert c.client_id[0] == session  # the session itself survived
+            lock, node = _lost_by_grace(proxy, c, path)
             time.sleep(0.3)
             assert not lock.is_held()
             with pytest.raises(LockLost):
@@ -318,15 +325,7 @@ def test_acquiring_again_after_a_lost_hold_removes_its_node_first(zk_server, zk_
     with TcpProxy.to(zk_server.hosts) as proxy:
         c = _client(proxy.hosts)
         try:
-            lost = threading.Event()
-            lock = FairLock(c, path, on_lost=lambda lk: lost.set())
-            assert lock.acquire(timeout=5)
-            old, session = lock.node, c.client_id[0]
-            proxy.hold()
-            assert lost.wait(SESSION), "on_lost not called while cut off past the grace"
-            proxy.release_held()
-            assert wait_for(lambda: c.connected, 3)
-            assert c.client_id[0] == session  # the session, and so the old node, survived
+            lock, old = _lost_by_grace(proxy, c, path)
             assert lock.acquire(timeout=3), "queued behind its own lost node"
             assert lock.node != old and zk_client.exists(old) is None
             assert lock.release() is True

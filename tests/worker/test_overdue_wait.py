@@ -21,8 +21,8 @@ from celery_zklock.engine.session import LEASED
 from celery_zklock.worker.agent_link import Connection
 from celery_zklock.worker.cohort import Cohort
 from tests.tcpproxy import wait_for
-from tests.worker.test_cohort_replies import Host, _wait
-from tests.worker.test_free_node_after_suspension import _children
+from tests.worker.test_cohort_replies import _wait
+from tests.worker.test_free_node_after_suspension import _children, _TimesOut
 from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (agent: the fixture)
 
 #: How long the verdict may take (s): a lock_timeout of 0 is one try, a round trip or two.
@@ -70,16 +70,6 @@ def test_a_multi_key_wait_with_no_time_to_wait_still_gets_free_keys(agent, zk_cl
     main.send({"op": "finished", "ids": ["free"], "seqs": [1]})  # nobody claims it: let go
     assert wait_for(lambda: _children(zk_client, a) == _children(zk_client, b) == [], WITHIN)
     main.close()
-
-
-class _TimesOut(Host):
-    def __init__(self, client) -> None:
-        super().__init__(client)
-        self.timed_out: list = []
-
-    def on_timed_out(self, wait, path) -> None:
-        wait.current = None
-        self.timed_out.append(wait.id)
 
 
 def test_a_reserved_wait_past_its_deadline_is_not_queued_again_when_the_handoff_fails(zk_client):
