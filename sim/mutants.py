@@ -256,7 +256,8 @@ MUTANTS = [
            "on past their session's expiry",
            "engine/session.py",
            "        elif now - since >= limit:\n",
-           "        elif False:\n"),
+           "        elif False:\n",
+           killer="tests/engine/test_lock_faults.py::test_a_silent_partition_of_a_busy_client_is_reported"),
     Mutant("revoked-by-name", "39. a revoked or expired guarded task waiting in the pool: the guard's end looks for "
            "the app on the request's task, which is only its name, and never starts: the key's publishes are deduped "
            "into a task that will never run",
