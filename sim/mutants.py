@@ -315,8 +315,8 @@ MUTANTS = [
            "write answers: handoffs decided before another contender was seen (their replies held back by a "
            "partition) all go through, past the bound",
            "worker/cohort.py",
-           "            if passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,\n",
-           "            if True or passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,\n"),
+           "            if self._passes_on(slot, now):\n",
+           "            if True:\n"),
     Mutant("free-node-unpumped", "48. a node granted while disconnected, whose waiter left meanwhile, is verified "
            "again and kept: held by nobody, it blocks the key for every worker until another request comes",
            "worker/agent_requests.py",

@@ -303,8 +303,7 @@ def carried_grant(request) -> dict | None:
     builds it anew for each delivery of a message, and a copy of the request's headers (a
     retry, a replacement) does not carry it into the next one.  Why taken off, before the
     body runs: a retry made from this request passes ``delivery_info`` on as publish options."""
-    info = getattr(request, "delivery_info", None)
-    carry = info.pop(CARRIED, None) if isinstance(info, dict) else None
+    carry = _taken(request, CARRIED)
     return carry if isinstance(carry, dict) else None
 
 
@@ -313,8 +312,13 @@ def bypassed(request) -> bool:
     (:data:`~celery_zklock.worker.agent_link.BYPASSED`)?  Then it must not claim by that id: it
     would take the other delivery's grant, and both would run on it.  Taken off the request,
     as the carried grant is."""
+    return bool(_taken(request, BYPASSED))
+
+
+def _taken(request, field: str):
+    """A field the main process set in the request's ``delivery_info``, taken off it."""
     info = getattr(request, "delivery_info", None)
-    return bool(info.pop(BYPASSED, False)) if isinstance(info, dict) else False
+    return info.pop(field, None) if isinstance(info, dict) else None
 
 
 def starts_on_carried(send, request_id: str, carry: dict) -> bool:

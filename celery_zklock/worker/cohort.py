@@ -131,9 +131,7 @@ class Cohort:
             self.pump()
             return Outcome.LOST
         nxt = self._next_waiter()
-        if (nxt is not None and slot.held and passes_locally(
-                slot.grants, slot.since or 0.0, self.clock(), slot.foreign,
-                self.host.settings.cohort_handoffs, self.host.settings.cohort_hold)):
+        if nxt is not None and slot.held and self._passes_on(slot, self.clock()):
             # Ours to pass on only if ZooKeeper confirms it: on a young proof (the lease) the
             # next holder starts now; otherwise it is reserved and granted on the write's reply.
             self.queue.remove(nxt)
@@ -152,6 +150,13 @@ class Cohort:
         proof = self._drop_slot(slot, replace=True)
         self.pump()
         return proof
+
+    def _passes_on(self, slot: Slot, now: float) -> bool:
+        """May ``slot`` pass to our next waiter now (the streak bound, :func:`passes_locally`)?
+        Judged when a handoff is decided and again when its write answers."""
+        settings = self.host.settings
+        return passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
+                              settings.cohort_hold)
 
     def _on_passed(self, proof, slot: Slot, wait, sent: float) -> None:
         on_ready(proof, lambda result: self.host.post(self._passed, slot, wait, sent, result))
@@ -172,9 +177,7 @@ class Cohort:
             now = self.clock()
             if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
                 return self._on_passed(self._write(slot, wait.identity), slot, wait, now)
-            settings = self.host.settings
-            if passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
-                              settings.cohort_hold):
+            if self._passes_on(slot, now):
                 slot.handing_on, slot.holder = False, None
                 return self._grant(slot, wait, reserved=True)
             # Another contender was seen while the write was out (a partition held its reply

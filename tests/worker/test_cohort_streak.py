@@ -80,14 +80,20 @@ def test_a_failed_read_of_the_queue_keeps_the_streak_bounded(zk_client):
     host.run(lambda: cohort.idle)
 
 
+def proxied_client(proxy: TcpProxy) -> KazooClient:
+    """A started client through ``proxy`` that reconnects at once when the proxy lets it."""
+    client = KazooClient(hosts=proxy.hosts, timeout=10.0,
+                         connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 0.2})
+    client.start(timeout=30)
+    return client
+
+
 def test_a_queue_change_seen_while_suspended_keeps_the_streak_bounded(zk_server, zk_client):
     """The key's queue changes (a contender queues) and the child watch fires; before the
     agent's thread reads the queue, the connection drops: the node is suspended, the read
     was skipped, and the used-up watch was never set again.  Here the cut is the proxy's."""
     with TcpProxy.to(zk_server.hosts) as proxy:
-        client = KazooClient(hosts=proxy.hosts, timeout=10.0,
-                             connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 0.2})
-        client.start(timeout=30)
+        client = proxied_client(proxy)
         try:
             host = Host(client)
             host.settings = dataclasses.replace(host.settings, cohort_handoffs=4, cohort_hold=60.0)

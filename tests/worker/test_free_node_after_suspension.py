@@ -15,7 +15,6 @@ from __future__ import annotations
 import uuid
 from types import SimpleNamespace
 
-from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.engine.internals import State
@@ -23,6 +22,7 @@ from celery_zklock.worker.agent_requests import Requests
 from celery_zklock.worker.cohort import Cohort
 from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_MULTI, TcpProxy, wait_for
 from tests.worker.test_cohort_replies import Host, _wait
+from tests.worker.test_cohort_streak import proxied_client
 
 
 class _TimesOut(Host):
@@ -56,9 +56,7 @@ def test_a_node_verified_after_its_waiter_left_is_let_go(zk_server, zk_client):
     zk_client.ensure_path("/free-node")
     path = f"/free-node/{uuid.uuid4().hex[:8]}"
     with TcpProxy.to(zk_server.hosts) as proxy:
-        client = KazooClient(hosts=proxy.hosts, timeout=10.0,
-                             connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 0.2})
-        client.start(timeout=30)
+        client = proxied_client(proxy)
         try:
             host = _TimesOut(client)
             cohort = Cohort(host, path, 1)
