@@ -135,8 +135,8 @@ class Checks:
         kazoo's rawlink, shows here first)."""
         for cohort in agent.requests.cohorts.values():
             for slot in cohort.slots:
-                if slot.writing < 0:
-                    self.fail(f"{cohort.path}: {slot.node_path} has {slot.writing} writes in flight "
+                if slot.proving < 0:
+                    self.fail(f"{cohort.path}: {slot.node_path} has {slot.proving} proofs in flight "
                               "(a write's reply was handled more often than the write was sent)")
                 if slot.holder is not None and slot.holder.done and not slot.handing_on:
                     self.fail(f"{cohort.path}: {slot.node_path} is held by {slot.holder.id}, a request already done")

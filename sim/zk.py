@@ -2,8 +2,8 @@
 
 It keeps what the lock relies on, and no more (docs/simulation.md lists it): the tree with
 ephemeral, sequential and container nodes; czxid/mzxid/zxid; one-shot data, exists and
-child watches; ``multi`` all or nothing in one zxid; replies and watch events in FIFO
-order per session; session expiry only after the *negotiated* timeout of silence, on the
+child watches; ``multi`` all or nothing in one zxid (a ``check`` in it fires no watch);
+replies and watch events in FIFO order per session; session expiry only after the *negotiated* timeout of silence, on the
 server's clock; a lost connection whose in-flight requests may have been applied with
 their replies lost; leader failover; a server-side delete by an operator.
 
@@ -26,7 +26,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.handlers.utils import AsyncResult
-from kazoo.protocol.serialization import Create, Create2, Delete, SetData, Transaction
+from kazoo.protocol.serialization import CheckVersion, Create, Create2, Delete, SetData, Transaction
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 
 from celery_zklock.engine import kazoo_compat, session as zk_session
@@ -711,6 +711,8 @@ def _op_of(request) -> tuple:
         return ("delete", request.path, request.version)
     if isinstance(request, SetData):
         return ("set", request.path, request.data, request.version)
+    if isinstance(request, CheckVersion):
+        return ("check", request.path, request.version)
     raise NotImplementedError(f"the simulated server does not know {type(request).__name__}")
 
 

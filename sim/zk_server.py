@@ -254,6 +254,8 @@ class Server:
             for fn in self.on_change:
                 fn("set", path, node)
             return node.stat()
+        if kind == "check":  # checked by _check: it changes nothing and fires no watch
+            return True
         raise ValueError(f"unknown op {op!r}")
 
     def _ensure(self, path: str):
@@ -281,8 +283,8 @@ class Server:
         return [self._write(sid, op, zxid) for op in ops]
 
     def _check(self, op: tuple, index: int, ops: list) -> None:
-        """Would ``op`` succeed after the ops before it?  (Enough for creates and deletes of
-        distinct paths, which is what the lock sends in one multi.)"""
+        """Would ``op`` succeed after the ops before it?  (Enough for creates, deletes and
+        checks of distinct paths, which is what the lock sends in one multi.)"""
         kind = op[0]
         earlier = ops[:index]
         made = {o[1] for o in earlier if o[0] == "create"}
@@ -294,12 +296,12 @@ class Server:
                 raise NoNodeError()
             if not op[4] and (path in self.nodes or path in made) and path not in gone:
                 raise NodeExistsError()
-        elif kind == "delete":
+        elif kind in ("delete", "check"):
             path, version = op[1], op[2]
             node = self.nodes.get(path)
             if node is None or path in gone:
                 raise NoNodeError()
             if version not in (-1, node.version):
                 raise BadVersionError()
-            if node.children:
+            if kind == "delete" and node.children:
                 raise NotEmptyError()

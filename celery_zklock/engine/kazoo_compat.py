@@ -17,7 +17,8 @@ from typing import Callable
 from kazoo.client import KazooClient
 from kazoo.exceptions import EXCEPTIONS
 from kazoo.protocol.connection import ConnectionHandler
-from kazoo.protocol.serialization import Create2, MultiHeader, Transaction, int_struct, read_string, stat_struct
+from kazoo.protocol.serialization import (CheckVersion, Create2, MultiHeader, Transaction, int_struct, read_string,
+                                         stat_struct)
 from kazoo.protocol.states import ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
 
@@ -218,6 +219,34 @@ def create_in_new_containers_async(client: KazooClient, pairs):
 
     on_ready(result, pair)
     return paired
+
+
+def check_async(client: KazooClient, path: str):
+    """A ``multi`` of one ``check`` of ``path`` (any version); resolves to True, or fails
+    with the check's error (``NoNodeError`` once the node is gone), as ``set_async`` would.
+
+    Why: it goes through the leader and is committed like a write, so its success proves
+    the node (and the session that owns it) alive as of the send, as a ``setData`` does;
+    but it changes nothing, so it fires no watch.  A ``setData`` woke every contender
+    watching the node and the holder's own watch, each of which then set its watch again:
+    two or three requests per renewal of a hot key's lease (issue 39).
+    """
+    full = client.chroot + path if client.chroot else path
+    result = client.handler.async_result()
+    client._call(Transaction([CheckVersion(full, -1)]), result)
+    checked = client.handler.async_result()
+
+    def unpack(r) -> None:
+        try:
+            [reply] = r.get()
+        except Exception as exc:
+            return checked.set_exception(exc)
+        if isinstance(reply, Exception):
+            return checked.set_exception(reply)
+        checked.set(True)
+
+    on_ready(result, unpack)
+    return checked
 
 
 def acl_for(client: KazooClient, path: str):

@@ -52,8 +52,8 @@ class Outcome(str, enum.Enum):
     DELETED = "deleted"  # our delete removed the node
     GONE = "gone"  # the node was not there at our first try: someone else deleted it
     EXPIRED = "expired"  # the owning session ended: the node went with it
-    WRITTEN = "written"  # our set reached the node: it was still ours (a proof, like DELETED)
-    #: A lease, not a reply: a set sent moments ago reached the node, and ZooKeeper cannot
+    WRITTEN = "written"  # our check (or set) of the node was committed: it was still ours (a proof, like DELETED)
+    #: A lease, not a reply: a check sent moments ago was committed, and ZooKeeper cannot
     #: have expired our session since (docs/waiting.md): a proof, like DELETED.
     LEASED = "leased"
     DEFERRED = "deferred"  # the release's delete still retries in the background
@@ -305,13 +305,16 @@ def guaranteed_delete(monitor: SessionMonitor, path: str, session: int | None, o
     return outcome
 
 
-def guaranteed_set(monitor: SessionMonitor, path: str, data: bytes, session: int | None):
-    """Write ``data`` to ``path`` (a node of ``session``) however often the connection drops.
+def guaranteed_proof(monitor: SessionMonitor, path: str, session: int | None, rename: bytes | None = None):
+    """Prove ``path`` (a node of ``session``) ours through the leader, however often the
+    connection drops: a ``check`` of it, or with ``rename``, a write of that data.
 
-    Why: a write goes through the leader, so its success proves the node (and so our
-    session) was alive at that moment, the way a release's delete does; the agent uses it
-    when it passes a held lock to its next task without letting go (lock cohorting), and
-    the new data names that task.  Resolves to :data:`WRITTEN`, :data:`GONE` or :data:`EXPIRED`.
+    Why: a request committed by the leader succeeds only while the node (and so our session)
+    lives, so its success proves it ours as of the send, the way a release's delete does; the
+    agent uses it when it passes a held lock to its next task without letting go (lock
+    cohorting).  A check changes nothing and wakes no watcher; a write renames the node's
+    owner (a node queued for a task that left before its grant).  Resolves to
+    :data:`WRITTEN`, :data:`GONE` or :data:`EXPIRED`.
     """
     client = monitor.client
     outcome = client.handler.async_result()
@@ -320,7 +323,8 @@ def guaranteed_set(monitor: SessionMonitor, path: str, data: bytes, session: int
         if kazoo_compat.session_id(client) != session:
             outcome.set(EXPIRED)
             return
-        kazoo_compat.on_ready(client.set_async(path, data), reply)
+        sent = kazoo_compat.check_async(client, path) if rename is None else client.set_async(path, rename)
+        kazoo_compat.on_ready(sent, reply)
 
     def reply(result) -> None:
         try:

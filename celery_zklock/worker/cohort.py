@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
-from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_set
+from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof
 from ..engine.znodes import fencing_token, sequence_key
 from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
@@ -58,7 +58,7 @@ class Slot:
     lost: bool = False
     answered: bool = False  # the create and first look at the queue have answered
     confirmed: float | None = None  # when the newest write to the node that succeeded was sent
-    writing: int = 0  # writes to the node in flight
+    proving: int = 0  # proofs of the node (checks, a rename) in flight
 
     @property
     def held(self) -> bool:
@@ -137,13 +137,13 @@ class Cohort:
             self.queue.remove(nxt)
             now = self.clock()
             if fresh(slot.confirmed, now, kazoo_compat.session_timeout(self.host.client)):
-                # The grant first, then any renewing write: the next holder is told before
-                # kazoo's thread is woken for the write.
+                # The grant first, then any renewing proof: the next holder is told before
+                # kazoo's thread is woken for it.
                 self._grant(slot, nxt, reserved=True)
-                if renews(slot.confirmed, now, slot.writing > 0):
-                    self._write(slot, nxt.identity)
+                if renews(slot.confirmed, now, slot.proving > 0):
+                    self._prove(slot)
                 return LEASED  # the young proof covers the leaving holder too: no wait for a write
-            proof = self._write(slot, nxt.identity)
+            proof = self._prove(slot)
             slot.holder, slot.handing_on = nxt, True
             self._on_passed(proof, slot, nxt, now)
             return proof
@@ -176,7 +176,7 @@ class Cohort:
         if written and slot in self.slots and slot.held and not left:
             now = self.clock()
             if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
-                return self._on_passed(self._write(slot, wait.identity), slot, wait, now)
+                return self._on_passed(self._prove(slot), slot, wait, now)
             if self._passes_on(slot, now):
                 slot.handing_on, slot.holder = False, None
                 return self._grant(slot, wait, reserved=True)
@@ -240,7 +240,7 @@ class Cohort:
         if slot.since is None:
             slot.since = self.clock()
             if slot.attempt.lk.identifier != wait.identity:  # created for a waiter that left
-                self._write(slot, wait.identity)
+                self._prove(slot, rename=wait.identity)
         token = fencing_token(slot.attempt.czxid, slot.grants)
         slot.grants += 1
         slot.holder = wait
@@ -259,8 +259,8 @@ class Cohort:
                 # holds, so that the release finds a lease and the next holder starts without
                 # waiting for a write (a streak's first handoff used to wait for one).  Later
                 # proofs are renewed at the handoffs (release).
-                if slot.held and not slot.handing_on and slot.confirmed is None and not slot.writing:
-                    self._write(slot, slot.holder.identity)
+                if slot.held and not slot.handing_on and slot.confirmed is None and not slot.proving:
+                    self._prove(slot)
             left = [streak_left(s.grants, s.since or now, now, s.foreign, settings.cohort_handoffs,
                                 settings.cohort_hold) for s in busy]
             self.host.on_next(self.queue.first(), True, None if None in left else max(left))
@@ -269,16 +269,20 @@ class Cohort:
                     slot.watching = True
                     self._watch_queue(slot)
 
-    def _write(self, slot: Slot, identity: bytes):
-        """Name ``identity`` in the node; its success is a proof of the node as of the send."""
+    def _prove(self, slot: Slot, rename: bytes | None = None):
+        """Check the node through the leader (or with ``rename``, write that owner into it);
+        its success is a proof of the node as of the send.  Why a check and not a write of
+        the next holder's name: a write woke every contender watching the node, and the
+        holder's own watch, each of which read the node again (issue 39); so the node names
+        the task it was first granted to, and its worker, for a whole streak."""
         sent = self.clock()
-        slot.writing += 1
-        written = guaranteed_set(slot.attempt.monitor, slot.node_path, identity, slot.attempt.session)
+        slot.proving += 1
+        written = guaranteed_proof(slot.attempt.monitor, slot.node_path, slot.attempt.session, rename)
         on_ready(written, lambda result: self.host.post(self._wrote, slot, sent, result))
         return written
 
     def _wrote(self, slot: Slot, sent: float, result) -> None:
-        slot.writing -= 1
+        slot.proving -= 1
         try:
             ok = result.get() == WRITTEN
         except Exception:

@@ -46,21 +46,20 @@ def lease_window(session_timeout: float) -> float:
     return min(FRESH_MAX, session_timeout / 10)
 
 
-#: A handoff on a young proof writes only when that proof is at least this old (s) and no
-#: write to the node is in flight: the write is what keeps the proof young, and one per
-#: handoff was a ZooKeeper write, and a data-change event for every contender watching
-#: the node (another worker's, a Curator peer's), per task of a hot key.
+#: A handoff on a young proof renews it (a check of the node through the leader) only when
+#: that proof is at least this old (s) and no proof is in flight: the renewal is what keeps
+#: the proof young, and one per handoff was a ZooKeeper request per task of a hot key.
 RENEW_AFTER = FRESH_MAX / 2
 
 
-def renews(confirmed: float | None, now: float, writing: bool) -> bool:
-    """Should a handoff granted on a young proof write to the node, to renew that proof?
+def renews(confirmed: float | None, now: float, proving: bool) -> bool:
+    """Should a handoff granted on a young proof check the node again, to renew that proof?
 
-    Not while a write is in flight (its reply renews it), nor while the proof is younger
-    than :data:`RENEW_AFTER`: a hot key's handoffs then write about once per
+    Not while a proof is in flight (its reply renews it), nor while the proof is younger
+    than :data:`RENEW_AFTER`: a hot key's handoffs then renew about once per
     ``RENEW_AFTER``, not once per task, and the proof never ages past :data:`FRESH_MAX`
     while they keep coming."""
-    if writing:
+    if proving:
         return False
     return confirmed is None or now - confirmed >= RENEW_AFTER
 

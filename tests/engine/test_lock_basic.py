@@ -381,8 +381,9 @@ def test_new_key_whose_parent_had_children_before_reads_them(zk_client, path, mo
 
 
 def test_a_change_to_the_watched_node_rearms_its_watch_without_a_children_read(zk_client, zk_server, path):
-    """A cohort holder renews its lease by writing its node; a waiter watching that node
-    watches it again (one read) and keeps waiting — no children read per change."""
+    """A peer writes its held node (a cohort's agent did, to renew its lease, until issue 39);
+    a waiter watching that node watches it again (one read) and keeps waiting — no children
+    read per change."""
     holder = FairLock(zk_client, path)
     assert holder.acquire()
     other = KazooClient(hosts=zk_server.hosts)

@@ -82,7 +82,7 @@ def test_a_handoff_whose_reply_beats_a_later_link_grants_once_and_keeps_the_node
     # Its reply is not run yet (the host runs posted callbacks only in run()): the handoff
     # must wait for that write.  (CI: running them here let a quick reply make it a lease.)
     [slot] = cohort.slots
-    assert slot.confirmed is None and slot.writing
+    assert slot.confirmed is None and slot.proving
 
     proof = cohort.release(first)  # passes the node to `second` once the write answers
     assert proof.get(timeout=10) == WRITTEN
@@ -94,7 +94,7 @@ def test_a_handoff_whose_reply_beats_a_later_link_grants_once_and_keeps_the_node
     assert [g[0] for g in host.grants] == ["first", "second"]
     assert host.grants[1][1] == host.grants[0][1] and host.grants[1][2] > host.grants[0][2]
     assert cohort.slots == [slot] and slot.holder is second and slot.held and not second.lost
-    assert slot.writing == 0 and slot.confirmed is not None  # the write counted once
+    assert slot.proving == 0 and slot.confirmed is not None  # the write counted once
     assert zk_client.exists(slot.node_path) is not None, "the node was deleted under its new holder"
 
     assert cohort.release(second).get(timeout=10) == DELETED

@@ -48,18 +48,18 @@ def test_fresh(confirmed, age, session_timeout, young, why):
 
 
 @pytest.mark.parametrize(
-    "confirmed, age, writing, writes, why",
+    "confirmed, age, proving, renewed, why",
     [
-        (None, 0.0, False, True, "no proof yet: write"),
-        (5.0, 0.0, False, False, "proof just renewed: this handoff needs no write"),
+        (None, 0.0, False, True, "no proof yet: prove"),
+        (5.0, 0.0, False, False, "proof just renewed: this handoff needs no request"),
         (5.0, RENEW_AFTER - 0.001, False, False, "still younger than RENEW_AFTER"),
         (5.0, RENEW_AFTER + 1e-6, False, True, "RENEW_AFTER old: renew it before it ages out"),
-        (5.0, RENEW_AFTER + 0.01, True, False, "a write is in flight: its reply renews it"),
-        (None, 0.0, True, False, "the first write is in flight"),
+        (5.0, RENEW_AFTER + 0.01, True, False, "a proof is in flight: its reply renews it"),
+        (None, 0.0, True, False, "the first proof is in flight"),
     ],
 )
-def test_renews(confirmed, age, writing, writes, why):
-    assert renews(confirmed, (confirmed or 0.0) + age, writing) is writes, why
+def test_renews(confirmed, age, proving, renewed, why):
+    assert renews(confirmed, (confirmed or 0.0) + age, proving) is renewed, why
 
 
 def test_a_renewing_write_comes_well_before_the_lease_ages_out():
