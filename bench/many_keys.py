@@ -97,9 +97,14 @@ def run(hosts: str, keys: int = 1000) -> dict:
             return a
 
         t0 = time.monotonic()
-        for i in range(keys):
+        first.append(start(0, 1))
+        queued.acquire(timeout=60)
+        # The baseline: one waiter.  A client's timer thread starts with its first lock (the
+        # session monitor's reply watch runs while locks are subscribed): one per client.
+        threads_one = threading.active_count()
+        for i in range(1, keys):
             first.append(start(i, 1))
-        for _ in range(keys):
+        for _ in range(keys - 1):
             queued.acquire(timeout=60)  # every W1 queued before any W2 is
         for i in range(keys):
             second.append(start(i, 2))
@@ -128,6 +133,7 @@ def run(hosts: str, keys: int = 1000) -> dict:
             "keys": keys,
             "waiters": 2 * keys,
             "threads_idle_client": threads_idle,
+            "threads_one_waiting": threads_one,
             "threads_with_all_waiting": threads_waiting,
             "threads_after_all_granted": threads_granted,
             "queue_all_waiters_s": round(queue_all_s, 3),
