@@ -27,7 +27,7 @@ from typing import Any, Callable
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
     ConnectionClosedError, ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, RolledBackError,
-    RuntimeInconsistency, SessionExpiredError,
+    RuntimeInconsistency, SessionExpiredError, SessionMovedError,
 )
 from kazoo.protocol.states import KazooState
 
@@ -335,6 +335,13 @@ def guaranteed_proof(monitor: SessionMonitor, path: str, session: int | None, re
         except (SessionExpiredError, ConnectionClosedError):
             outcome.set(EXPIRED)
         except RETRYABLE:
+            monitor.when_connected(send)
+        except SessionMovedError:
+            # A server the session moved away from (a reconnection elsewhere) answers a check
+            # inside a multi with this error and keeps the connection (ZooKeeper 3.5; it closes
+            # it for a plain request, which kazoo then reports as a lost connection): not a
+            # loss, so drop the connection as the server would, and prove again once connected.
+            kazoo_compat.drop_connection(client)
             monitor.when_connected(send)
         except Exception as exc:  # NoAuth and the like: not a proof
             outcome.set_exception(exc)

@@ -6,8 +6,8 @@ agent keeps at most ``max_holders`` nodes per key (the global lock, queued fairl
 workers, Curator and kazoo) and its own requests wait in memory, in arrival order (the local
 lock); a node passes to our next request without a release (a local handoff), within the
 streak bound of :func:`~celery_zklock.worker.cohort_rules.passes_locally` once someone else
-queues.  A handoff is granted only on a proof that the node is still ours: a write's reply,
-or a young one (the lease, :func:`~celery_zklock.worker.cohort_rules.fresh`, aged on the lease
+queues.  A handoff is granted only on a proof that the node is still ours: the reply to a
+check of it through the leader, or a young one (the lease, :func:`~celery_zklock.worker.cohort_rules.fresh`, aged on the lease
 clock, which counts a suspend).  The design, the fencing proof and the lease's argument are in
 docs/waiting.md.  Everything here runs on the agent's one event thread.
 """
@@ -50,14 +50,14 @@ class Slot:
 
     attempt: Attempt
     holder: Any = None  # the agent's Wait holding through this node, if any
-    handing_on: bool = False  # the holder is reserved: granted once the handoff's write answers
+    handing_on: bool = False  # the holder is reserved: granted once the handoff's proof answers
     grants: int = 0  # holders this node has had
     since: float | None = None  # when it was first granted
     foreign: bool = False  # another contender queues for the key (seen while held)
     watching: bool = False  # looking for such contenders (only once a local waiter exists)
     lost: bool = False
     answered: bool = False  # the create and first look at the queue have answered
-    confirmed: float | None = None  # when the newest write to the node that succeeded was sent
+    confirmed: float | None = None  # when the newest proof of the node that succeeded was sent
     proving: int = 0  # proofs of the node (checks, a rename) in flight
 
     @property
@@ -65,7 +65,7 @@ class Slot:
         return self.attempt.state is State.HELD and not self.lost
 
     def proof(self) -> float | None:
-        """When the youngest proof of the node was sent: its newest write that succeeded, or
+        """When the youngest proof of the node was sent: its newest check that succeeded, or
         the create that made it (held: that create succeeded); None before either."""
         sent = [t for t in (self.confirmed, self.attempt.create_sent) if t is not None]
         return max(sent) if sent else None
@@ -133,7 +133,7 @@ class Cohort:
         nxt = self._next_waiter()
         if nxt is not None and slot.held and self._passes_on(slot, self.clock()):
             # Ours to pass on only if ZooKeeper confirms it: on a young proof (the lease) the
-            # next holder starts now; otherwise it is reserved and granted on the write's reply.
+            # next holder starts now; otherwise it is reserved and granted on the proof's reply.
             self.queue.remove(nxt)
             now = self.clock()
             if fresh(slot.confirmed, now, kazoo_compat.session_timeout(self.host.client)):
@@ -142,8 +142,11 @@ class Cohort:
                 self._grant(slot, nxt, reserved=True)
                 if renews(slot.confirmed, now, slot.proving > 0):
                     self._prove(slot)
-                return LEASED  # the young proof covers the leaving holder too: no wait for a write
-            proof = self._prove(slot)
+                return LEASED  # the young proof covers the leaving holder too: no wait for a reply
+            # A handoff that waits for ZooKeeper anyway (a hold of 0.2 s or more) names its next
+            # holder in the node, for `celery zklock status`: the writes are as rare as the holds
+            # are long, and the watches they fire are set again (docs/waiting.md).
+            proof = self._prove(slot, rename=nxt.identity)
             slot.holder, slot.handing_on = nxt, True
             self._on_passed(proof, slot, nxt, now)
             return proof
@@ -153,7 +156,7 @@ class Cohort:
 
     def _passes_on(self, slot: Slot, now: float) -> bool:
         """May ``slot`` pass to our next waiter now (the streak bound, :func:`passes_locally`)?
-        Judged when a handoff is decided and again when its write answers."""
+        Judged when a handoff is decided and again when its proof answers."""
         settings = self.host.settings
         return passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
                               settings.cohort_hold)
@@ -162,25 +165,25 @@ class Cohort:
         on_ready(proof, lambda result: self.host.post(self._passed, slot, wait, sent, result))
 
     def _passed(self, slot: Slot, wait, sent: float, result) -> None:
-        """The handoff's write answered: grant the reserved waiter, or find the node gone.
+        """The handoff's proof answered: grant the reserved waiter, or find the node gone.
         A reply older than a third of the session timeout (the agent was stopped, or its host
-        suspended, meanwhile) proves nothing about now: the write goes again first."""
+        suspended, meanwhile) proves nothing about now: the proof goes again first."""
         if not slot.handing_on or slot.holder is not wait:
-            return  # this reservation was answered already: a node is granted once per write
+            return  # this reservation was answered already: a node is granted once per proof
         try:
             written = result.get() == WRITTEN
         except Exception:
             written = False
         left = wait.current is not self  # cancelled, revoked or its worker gone meanwhile
-        bounded = False  # the streak reached its bound while the write was out: the node goes
+        bounded = False  # the streak reached its bound while the proof was out: the node goes
         if written and slot in self.slots and slot.held and not left:
             now = self.clock()
             if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
-                return self._on_passed(self._prove(slot), slot, wait, now)
+                return self._on_passed(self._prove(slot, rename=wait.identity), slot, wait, now)
             if self._passes_on(slot, now):
                 slot.handing_on, slot.holder = False, None
                 return self._grant(slot, wait, reserved=True)
-            # Another contender was seen while the write was out (a partition held its reply
+            # Another contender was seen while the proof was out (a partition held its reply
             # back, say), and the streak is at its bound: judged again here, at the grant, or
             # the handoffs decided before it was seen would all go through.
             bounded = True
@@ -273,8 +276,8 @@ class Cohort:
         """Check the node through the leader (or with ``rename``, write that owner into it);
         its success is a proof of the node as of the send.  Why a check and not a write of
         the next holder's name: a write woke every contender watching the node, and the
-        holder's own watch, each of which read the node again (issue 39); so the node names
-        the task it was first granted to, and its worker, for a whole streak."""
+        holder's own watch, each of which read the node again (issue 39); so on a lease's
+        quick handoffs the node goes on naming an earlier task of the same worker."""
         sent = self.clock()
         slot.proving += 1
         written = guaranteed_proof(slot.attempt.monitor, slot.node_path, slot.attempt.session, rename)

@@ -16,7 +16,7 @@ from tests.worker.test_cohort_replies import Host, _wait
 
 from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
 from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.cohort_rules import RENEW_AFTER
+from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
 from celery_zklock.testing_probes import four_letter_word
 from celery_zklock.worker.cohort import Cohort
 
@@ -136,5 +136,27 @@ def test_a_proof_of_a_node_deleted_before_its_watch_is_set_reports_it_lost(zk_cl
     assert cohort.release(first) == "lost"
     host.run(lambda: len(host.grants) == 2)
     assert host.grants[1][1] != host.grants[0][1], "the deleted node was handed on"
+    cohort.release(second).get(timeout=10)
+    host.run(lambda: cohort.idle)
+
+
+def test_a_handoff_that_waits_for_zookeeper_names_its_next_holder(zk_client):
+    """A handoff whose proof has aged out (a hold longer than the lease) waits for ZooKeeper
+    anyway: it writes the next holder's name, so `celery zklock status` names a long hold
+    right (a lease's quick handoffs only check the node)."""
+    host = Host(zk_client)
+    zk_client.ensure_path("/cohort-own-node")
+    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
+    first, second = _wait(cohort, "first"), _wait(cohort, "second")
+    cohort.join(first)
+    host.run(lambda: host.grants)
+    [slot] = cohort.slots
+    cohort.join(second)
+    host.run(lambda: slot.confirmed is not None and not slot.proving)
+    time.sleep(FRESH_MAX * 1.5)  # the first holder held longer than the lease
+    proof = cohort.release(first)
+    assert proof is not LEASED
+    host.run(lambda: len(host.grants) == 2)
+    assert zk_client.get(slot.node_path)[0] == b"second"
     cohort.release(second).get(timeout=10)
     host.run(lambda: cohort.idle)
