@@ -66,7 +66,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.last_ping = time.monotonic()
         self.timers: list = []
         self.restart_delay = 0.0  # backoff of the agent's restart while ZooKeeper is unreachable
-        self.counted: set[str] = set()  # held ids that raised the prefetch window
+        self.counted: set[str] = set()  # held ids kept out of the prefetch window (it was raised for them)
+        self.raised = 0  # what this step added to the prefetch window, in all (window_change)
         self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
         self.on_path: Counter = Counter()  # lock path -> held ids waiting for it (aside or early)
         self.finished: list[tuple[str, int]] = []  # (id, seq) done in the pool, told at the next loop turn
@@ -181,10 +182,20 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         not taken past the window by whichever worker reads first, then to queue for a
         process there behind a hot key's streak (issue 39)."""
         if request_id not in self.counted and len(self.counted) < MAX_HELD:
-            qos = self.c.qos
-            before = qos.value
-            if qos.increment_eventually() > before:  # not at worker_eta_task_limit (nor 0: no window)
-                self.counted.add(request_id)  # taken back in _not_waiting: exactly what was added
+            self.counted.add(request_id)  # taken back in _not_waiting
+            self._fit_window()
+
+    def _fit_window(self) -> None:
+        """Raise or lower the prefetch window by what :func:`window_change` says, counting only
+        what took effect (kombu keeps it at ``worker_eta_task_limit``, and a window of 0 is
+        none), so that exactly what was added is taken back."""
+        change = window_change(len(self.counted), self.raised, pool_size(self.c))
+        if not change:
+            return
+        qos = self.c.qos
+        before = qos.value
+        after = qos.increment_eventually(change) if change > 0 else qos.decrement_eventually(-change)
+        self.raised += after - before
 
     def _untrack(self, request_id: str) -> None:
         """It no longer waits here, nor next in line in the pool: out of the listing."""
@@ -277,7 +288,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             self._untrack(request_id)
         if request_id in self.counted:
             self.counted.discard(request_id)
-            self.c.qos.decrement_eventually()
+            self._fit_window()
         if request_id in self.counted_waiting:
             self.counted_waiting.discard(request_id)
             metrics.record("waited", req.task)
@@ -382,6 +393,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                         f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
         self.aside.clear()
         self.counted.clear()
+        self.raised = 0  # the consumer's next start makes a new window
         self.next_up.clear()
         if restarting:
             return  # next in line in the pool: still listed (paths), still waiting for grants
@@ -402,6 +414,34 @@ def among(held, revoked) -> list:
     if len(revoked) < len(held):
         return [i for i in revoked if i in held]
     return [i for i in held if i in revoked]
+
+
+#: The most messages the band of :func:`window_change` adds to the prefetch window beyond the
+#: requests held aside (twice this, before it is lowered).
+WINDOW_BAND_MAX = 64
+
+
+def window_change(counted: int, raised: int, pool: int) -> int:
+    """How much to raise (> 0) or lower (< 0) the prefetch window that ``raised`` messages were
+    added to, for ``counted`` requests held aside outside it: raised to ``counted + step`` when
+    short, lowered back to that once more than ``2 * step`` over, all of it once none is held;
+    ``step`` is an eighth of ``counted``, at least the ``pool``'s size, at most
+    :data:`WINDOW_BAND_MAX`.
+
+    Why a band and not one message per request: kombu sends each change of the window to the
+    broker, and on RabbitMQ that is a ``basic.qos`` round trip in the worker's main process;
+    on a hot key every request is held and handed over in turn, so the window went up and
+    down about once per task (one RPC per order on the flash sale, 0.2 ms of the main
+    process's time each).  The price: while requests wait aside, the worker may take up to
+    twice the band more messages than its window."""
+    if counted <= 0:
+        return -raised
+    step = max(pool, min(counted // 8, WINDOW_BAND_MAX))
+    if counted > raised:
+        return counted + step - raised
+    if raised - counted > 2 * step:
+        return counted + step - raised
+    return 0
 
 
 def watched(req) -> bool:
