@@ -10,25 +10,17 @@ The agent's event thread is this test (see :mod:`tests.worker.test_cohort_replie
 from __future__ import annotations
 
 import time
-import uuid
 
-from tests.worker.test_cohort_replies import Host, _wait
+from tests.worker.test_cohort_replies import first_granted
 
 from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
 from celery_zklock.testing_probes import four_letter_word
-from celery_zklock.worker.cohort import Cohort
 
 
 def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_client):
-    host = Host(zk_client)
-    zk_client.ensure_path("/cohort-own-node")
-    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
-    first, second, third = (_wait(cohort, name) for name in ("first", "second", "third"))
-
-    cohort.join(first)
-    host.run(lambda: host.grants)
+    host, cohort, (first, second, third), _ = first_granted(zk_client, "/cohort-own-node", "first", "second", "third")
     cohort.slots[0].attempt.hold.running()  # claimed (Claims.send_verdict): the node is watched
     time.sleep(OWN_WATCH_WITHIN * 5)  # the holder's watch on its node is set by now
     cohort.join(second)  # one of ours queues behind the holder: the node's first proof (a check)
@@ -66,13 +58,7 @@ def _own_watches(zk_server, path: str) -> int:
 def test_a_granted_node_is_watched_only_once_a_task_runs_under_it(zk_client, zk_server):
     """The agent grants ahead of a free pool process; a hold that only waits in the worker's
     queue costs no GetData (issue 39).  Claimed, it is watched within OWN_WATCH_WITHIN."""
-    host = Host(zk_client)
-    zk_client.ensure_path("/cohort-own-node")
-    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
-    first = _wait(cohort, "first")
-    cohort.join(first)
-    host.run(lambda: host.grants)
-    [slot] = cohort.slots
+    host, cohort, (first,), slot = first_granted(zk_client, "/cohort-own-node", "first")
     time.sleep(OWN_WATCH_WITHIN * 5)
     assert _own_watches(zk_server, slot.node_path) == 0  # granted, nobody runs: no watch
     slot.attempt.hold.running()
@@ -91,13 +77,7 @@ def test_a_streaks_proofs_wake_no_watcher_and_leave_the_node_as_it_was(zk_client
     (another worker's agent, a kazoo or Curator peer) and for the holder's own watch, each of
     which then read the node again: on the flash sale, 950 reads and 914 events per 3,000
     orders beside 385 writes."""
-    host = Host(zk_client)
-    zk_client.ensure_path("/cohort-own-node")
-    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
-    waits = [_wait(cohort, f"t{i}") for i in range(4)]
-    cohort.join(waits[0])
-    host.run(lambda: host.grants)
-    [slot] = cohort.slots
+    host, cohort, waits, slot = first_granted(zk_client, "/cohort-own-node", *(f"t{i}" for i in range(4)))
     woken: list = []
     zk_client.get(slot.node_path, watch=woken.append)  # a peer's watch on the holder's node
     proofs = []
@@ -121,13 +101,7 @@ def test_a_proof_of_a_node_deleted_before_its_watch_is_set_reports_it_lost(zk_cl
     """A node granted ahead of a pool process is watched only once a task runs under it; an
     operator's delete in that window is seen by the node's next proof, whose failed check
     tells the holder, and nothing is passed on locally from that node."""
-    host = Host(zk_client)
-    zk_client.ensure_path("/cohort-own-node")
-    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
-    first, second = _wait(cohort, "first"), _wait(cohort, "second")
-    cohort.join(first)
-    host.run(lambda: host.grants)
-    [slot] = cohort.slots
+    host, cohort, (first, second), slot = first_granted(zk_client, "/cohort-own-node", "first", "second")
     assert slot.confirmed is None and not slot.proving
     zk_client.delete(slot.node_path)  # `celery zklock release KEY --node N --yes`, before any watch
     cohort.join(second)  # one of ours queues behind the holder: the node's first proof is sent
@@ -144,13 +118,7 @@ def test_a_handoff_that_waits_for_zookeeper_names_its_next_holder(zk_client):
     """A handoff whose proof has aged out (a hold longer than the lease) waits for ZooKeeper
     anyway: it writes the next holder's name, so `celery zklock status` names a long hold
     right (a lease's quick handoffs only check the node)."""
-    host = Host(zk_client)
-    zk_client.ensure_path("/cohort-own-node")
-    cohort = Cohort(host, f"/cohort-own-node/{uuid.uuid4().hex[:8]}", 1)
-    first, second = _wait(cohort, "first"), _wait(cohort, "second")
-    cohort.join(first)
-    host.run(lambda: host.grants)
-    [slot] = cohort.slots
+    host, cohort, (first, second), slot = first_granted(zk_client, "/cohort-own-node", "first", "second")
     cohort.join(second)
     host.run(lambda: slot.confirmed is not None and not slot.proving)
     time.sleep(FRESH_MAX * 1.5)  # the first holder held longer than the lease

@@ -69,6 +69,19 @@ def _wait(cohort: Cohort, name: str):
     return SimpleNamespace(id=name, identity=name.encode(), current=cohort, expired=False, lost=False)
 
 
+def first_granted(client, root: str, *names: str):
+    """A cohort on a new key under ``root``, a wait per name, the first one granted:
+    ``(host, cohort, waits, slot)``, ``slot`` the node it holds."""
+    host = Host(client)
+    client.ensure_path(root)
+    cohort = Cohort(host, f"{root}/{uuid.uuid4().hex[:8]}", 1)
+    waits = [_wait(cohort, name) for name in names]
+    cohort.join(waits[0])
+    host.run(lambda: host.grants)
+    [slot] = cohort.slots
+    return host, cohort, waits, slot
+
+
 def test_a_handoff_whose_reply_beats_a_later_link_grants_once_and_keeps_the_node(zk_client):
     host = Host(zk_client)
     path = f"/cohort-replies/{uuid.uuid4().hex[:8]}"

@@ -15,28 +15,20 @@ import socket
 import tempfile
 import threading
 import time
-import uuid
 from types import SimpleNamespace
 
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker import agent_lock
 from celery_zklock.worker.agent_link import Connection, Verdict
 from celery_zklock.worker.agent_requests import Requests, Wait
-from celery_zklock.worker.cohort import Cohort
 from tests.polling import wait_until
-from tests.worker.test_cohort_replies import Host, _wait
+from tests.worker.test_cohort_replies import first_granted
 
 
 def test_a_streaks_first_local_handoff_is_granted_on_a_lease(zk_client):
     """Once one of ours waits behind the holder, the node is written (a proof) while the
     holder holds: its release then hands the node on at once, with no write to wait for."""
-    host = Host(zk_client)
-    zk_client.ensure_path("/handoff-gap")
-    cohort = Cohort(host, f"/handoff-gap/{uuid.uuid4().hex[:8]}", 1)
-    first, second = _wait(cohort, "first"), _wait(cohort, "second")
-    cohort.join(first)
-    host.run(lambda: host.grants)
-    [slot] = cohort.slots
+    host, cohort, (first, second), slot = first_granted(zk_client, "/handoff-gap", "first", "second")
     assert slot.confirmed is None  # granted on the create's answer: no write to the node yet
 
     cohort.join(second)  # one of ours behind the holder: a local handoff will follow
