@@ -154,7 +154,7 @@ class Checks:
                 self.fail(f"{worker.name} hands {path} on locally (grant {grant_no} of {slot.node_path}, "
                           f"to {wait.id}) on a session the server has expired")
         self._token(path, slot.node_path, token, f"{worker.name}:{wait.id}")
-        self._streak(path, worker.name, slot.node_path, slot.attempt.session, worker.settings)
+        self._streak(path, worker.name, slot.node_path, slot.attempt.session, worker.settings, worker.client)
 
     def carried_start(self, pool, nodes: dict, tokens: dict) -> None:
         """A pool process starts on the grant its task carried, without the claim's answer:
@@ -187,11 +187,15 @@ class Checks:
             self.fail(f"{who}: token {token} for {path} after token {last}: tokens must increase")
         self.last_token[path] = token
 
-    def _streak(self, path: str, owner: str, node_path: str, session: int | None, settings) -> None:
+    def _streak(self, path: str, owner: str, node_path: str, session: int | None, settings, client=None) -> None:
         """Grants through one node of a worker while a contender queued behind that node
         (for at least NOTICE) waits.  A new node of the worker, queued before the contender,
-        is ahead of it by FIFO: its grants count afresh."""
-        if settings is None:
+        is ahead of it by FIFO: its grants count afresh.  A grant made while the worker is cut
+        off from the server is not counted: it cannot see a contender, and its lease lets it
+        hand on locally for up to FRESH_MAX into a silent partition (docs/waiting.md; the
+        lease and "told" checks judge those grants).  Grants after the partition heals count
+        as before it."""
+        if settings is None or (client is not None and client.partitioned):
             return
         parent = self.server.nodes.get(path)
         node = self.server.nodes.get(node_path)

@@ -319,7 +319,9 @@ MUTANTS = [
            "partition) all go through, past the bound",
            "worker/cohort.py",
            "            if self._passes_on(slot, now):\n",
-           "            if True:\n"),
+           "            if True:\n",
+           killer="tests/worker/test_cohort_streak.py::"
+                  "test_a_handoff_decided_before_a_contender_was_seen_is_judged_again_at_its_proofs_answer"),
     Mutant("free-node-unpumped", "48. a node granted while disconnected, whose waiter left meanwhile, is verified "
            "again and kept: held by nobody, it blocks the key for every worker until another request comes",
            "worker/agent_requests.py",

@@ -23,9 +23,11 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_acl
 from kazoo.client import KazooClient
 
 from tests.tcpproxy import TcpProxy, wait_for
-from tests.worker.test_cohort_replies import Host, _wait
+from tests.worker.test_cohort_replies import Host, _wait, first_granted
 
+from celery_zklock.engine import znodes
 from celery_zklock.worker.cohort import Cohort
+from celery_zklock.worker.cohort_rules import FRESH_MAX
 
 
 def _holding(cohort: Cohort) -> bool:
@@ -195,3 +197,37 @@ def test_the_agent_withholds_next_when_the_holders_release_ends_the_streak():
     requests.on_next(waiter("unbounded"), True, None)
     requests.on_next(waiter("theirs"), False)
     assert [(m["id"], m["ours"]) for m in sent] == [("fits", True), ("unbounded", True), ("theirs", False)]
+
+
+def test_a_handoff_decided_before_a_contender_was_seen_is_judged_again_at_its_proofs_answer(zk_client):
+    """A handoff that waits for ZooKeeper (the proof aged out) is decided while no one else
+    queues; another contender is seen before the proof answers (a partition held the reply
+    back, say).  The streak bound is judged again at the answer: at its bound, the node goes
+    and the reserved waiter queues for a new one, behind the contender."""
+    host, cohort, (first, second), slot = first_granted(zk_client, "/cohort-streak", "first", "second")
+    host.settings = dataclasses.replace(host.settings, cohort_handoffs=1, cohort_hold=60.0)
+    cohort.join(second)  # one of ours behind the holder: the node's first proof, and a read of the queue
+    host.run(lambda: slot.confirmed is not None and not slot.proving)
+    assert not slot.foreign
+    time.sleep(FRESH_MAX * 1.5)  # the proof aged out: the handoff waits for a new one
+    cohort.release(first)  # decided now (one grant so far, nobody else queues): reserved for `second`
+    assert slot.handing_on and slot.holder is second
+    other = zk_client.create(f"{cohort.path}/{znodes.node_prefix(uuid.uuid4().hex)}", b"peer",
+                             ephemeral=True, sequence=True)  # a contender queues behind our node
+    deadline = time.monotonic() + 5
+    while not slot.foreign:  # the queue's watch, then its read, run before the proof's answer
+        assert time.monotonic() < deadline, "the contender was not seen"
+        ready = [e for e in host.events if getattr(e[0], "__name__", "") != "_passed"]
+        if ready:
+            host.events.remove(ready[0])
+            ready[0][0](*ready[0][1])
+        else:
+            time.sleep(0.001)
+    host.run(lambda: not slot.handing_on)  # now the proof's answer
+    assert [g[0] for g in host.grants] == ["first"], "the node passed on past the bound, with a contender seen"
+    assert slot not in cohort.slots and second in cohort.queue, "the reserved waiter lost its place"
+    zk_client.delete(other)
+    host.run(lambda: len(host.grants) == 2)
+    assert host.grants[1][1] != host.grants[0][1]
+    cohort.release(second).get(timeout=10)
+    host.run(lambda: cohort.idle)
