@@ -180,7 +180,10 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         says ``queued``.  Until then it counts against the window, as any message does until
         a pool process takes it: a burst's requests granted at once (keys nobody holds) are
         not taken past the window by whichever worker reads first, then to queue for a
-        process there behind a hot key's streak (issue 39)."""
+        process there behind a hot key's streak (issue 39) -- beyond the band of
+        :func:`window_change`, which lets a worker holding requests aside take up to twice
+        its step more (a review's finding, for the next change: raise exactly, band the
+        lowering only)."""
         if request_id not in self.counted and len(self.counted) < MAX_HELD:
             self.counted.add(request_id)  # taken back in _not_waiting
             self._fit_window()
