@@ -7,8 +7,9 @@ workers, Curator and kazoo) and its own requests wait in memory, in arrival orde
 lock); a node passes to our next request without a release (a local handoff), within the
 streak bound of :func:`~celery_zklock.worker.cohort_rules.passes_locally` once someone else
 queues.  A handoff is granted only on a proof that the node is still ours: the reply to a
-check of it through the leader, or a young one (the lease, :func:`~celery_zklock.worker.cohort_rules.fresh`, aged on the lease
-clock, which counts a suspend).  The design, the fencing proof and the lease's argument are in
+check of it through the leader, or a young one (the lease,
+:func:`~celery_zklock.worker.cohort_rules.fresh`, aged on the lease clock, which counts a
+suspend).  The design, the fencing proof and the lease's argument are in
 docs/waiting.md.  Everything here runs on the agent's one event thread.
 """
 

@@ -11,6 +11,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.engine import kazoo_compat
+from tests.engine.test_multi_create import chrooted
 
 
 def test_a_check_proves_the_node_without_changing_it_or_waking_its_watchers(zk_client):
@@ -46,22 +47,12 @@ def test_a_check_of_a_gone_node_fails_with_no_node(zk_client):
 
 
 def test_a_check_under_a_chroot(zk_server):
-    root = KazooClient(hosts=zk_server.hosts)
-    root.start()
-    root.ensure_path("/chrooted-check")
-    client = KazooClient(hosts=zk_server.hosts + "/chrooted-check")
-    client.start()
-    try:
+    with chrooted(zk_server, "/chrooted-check") as (_root, client):
         node = client.create("/n", b"", ephemeral=True)
         assert kazoo_compat.check_async(client, node).get(timeout=10) is True
         client.delete(node)
         with pytest.raises(NoNodeError):
             kazoo_compat.check_async(client, node).get(timeout=10)
-    finally:
-        client.stop()
-        client.close()
-        root.stop()
-        root.close()
 
 
 def test_a_check_refused_for_a_moved_session_drops_the_connection_and_proves_again(zk_server, monkeypatch):

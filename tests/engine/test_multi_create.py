@@ -3,6 +3,7 @@ ZooKeeper (kazoo's own Transaction cannot carry createContainer nor read create2
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -112,13 +113,25 @@ def test_a_key_whose_container_another_process_made_falls_back_and_queues(zk_cli
         other.close()
 
 
-def test_the_multi_under_a_chroot(zk_server, monkeypatch):
+@contextlib.contextmanager
+def chrooted(zk_server, chroot: str):
+    """``(root, client)``: a client of the whole tree and one chrooted at ``chroot`` (made)."""
     root = KazooClient(hosts=zk_server.hosts)
     root.start()
-    root.ensure_path("/chrooted")
-    client = KazooClient(hosts=zk_server.hosts + "/chrooted")
+    root.ensure_path(chroot)
+    client = KazooClient(hosts=zk_server.hosts + chroot)
     client.start()
     try:
+        yield root, client
+    finally:
+        client.stop()
+        client.close()
+        root.stop()
+        root.close()
+
+
+def test_the_multi_under_a_chroot(zk_server, monkeypatch):
+    with chrooted(zk_server, "/chrooted") as (root, client):
         znodes.mark_containers_work(client)
         client.ensure_path("/k")
         sent = _sent(client, monkeypatch)
@@ -128,11 +141,6 @@ def test_the_multi_under_a_chroot(zk_server, monkeypatch):
         assert lock.node.startswith("/k/new/") and client.exists(lock.node) is not None
         assert lock.release()
         assert _reaped(root, "/chrooted/k/new"), "the parent is a container"
-    finally:
-        client.stop()
-        client.close()
-        root.stop()
-        root.close()
 
 
 def _start_new_keys(client, keys):
