@@ -21,6 +21,7 @@ from celery.bootsteps import RUN
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
+from kombu.common import PREFETCH_COUNT_MAX
 
 from .. import metrics
 from ..engine import guards
@@ -67,7 +68,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.timers: list = []
         self.restart_delay = 0.0  # backoff of the agent's restart while ZooKeeper is unreachable
         self.counted: set[str] = set()  # held ids kept out of the prefetch window (it was raised for them)
-        self.raised = 0  # what this step added to the prefetch window, in all (window_change)
+        self.band = WindowBand()  # what the prefetch window is raised by for them
         self.paths: dict[str, tuple[list[str], float]] = {}  # held id -> its lock paths, since
         self.on_path: Counter = Counter()  # lock path -> held ids waiting for it (aside or early)
         self.finished: list[tuple[str, int]] = []  # (id, seq) done in the pool, told at the next loop turn
@@ -180,25 +181,15 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         says ``queued``.  Until then it counts against the window, as any message does until
         a pool process takes it: a burst's requests granted at once (keys nobody holds) are
         not taken past the window by whichever worker reads first, then to queue for a
-        process there behind a hot key's streak (issue 39) -- beyond the band of
-        :func:`window_change`, which lets a worker holding requests aside take up to twice
-        its step more (a review's finding, for the next change: raise exactly, band the
-        lowering only)."""
+        process there behind a hot key's streak (issue 39).  The band of
+        :func:`window_change` still lets a worker holding requests aside take up to twice
+        its step more: the price of not moving the window once per task."""
         if request_id not in self.counted and len(self.counted) < MAX_HELD:
             self.counted.add(request_id)  # taken back in _not_waiting
             self._fit_window()
 
     def _fit_window(self) -> None:
-        """Raise or lower the prefetch window by what :func:`window_change` says, counting only
-        what took effect (kombu keeps it at ``worker_eta_task_limit``, and a window of 0 is
-        none), so that exactly what was added is taken back."""
-        change = window_change(len(self.counted), self.raised, pool_size(self.c))
-        if not change:
-            return
-        qos = self.c.qos
-        before = qos.value
-        after = qos.increment_eventually(change) if change > 0 else qos.decrement_eventually(-change)
-        self.raised += after - before
+        self.band.fit(self.c.qos, len(self.counted), pool_size(self.c))
 
     def _untrack(self, request_id: str) -> None:
         """It no longer waits here, nor next in line in the pool: out of the listing."""
@@ -396,7 +387,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                         f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
         self.aside.clear()
         self.counted.clear()
-        self.raised = 0  # the consumer's next start makes a new window
+        self.band.clear()  # the consumer's next start makes a new window (and QoS)
         self.next_up.clear()
         if restarting:
             return  # next in line in the pool: still listed (paths), still waiting for grants
@@ -428,15 +419,17 @@ def window_change(counted: int, raised: int, pool: int) -> int:
     """How much to raise (> 0) or lower (< 0) the prefetch window that ``raised`` messages were
     added to, for ``counted`` requests held aside outside it: raised to ``counted + step`` when
     short, lowered back to that once more than ``2 * step`` over, all of it once none is held;
-    ``step`` is an eighth of ``counted``, at least the ``pool``'s size, at most
-    :data:`WINDOW_BAND_MAX`.
+    ``step`` is an eighth of ``counted``, at most :data:`WINDOW_BAND_MAX`, but at least the
+    ``pool``'s size (so a pool of more than 64 processes has a wider band).
 
     Why a band and not one message per request: kombu sends each change of the window to the
     broker, and on RabbitMQ that is a ``basic.qos`` round trip in the worker's main process;
     on a hot key every request is held and handed over in turn, so the window went up and
     down about once per task (one RPC per order on the flash sale, 0.2 ms of the main
     process's time each).  The price: while requests wait aside, the worker may take up to
-    twice the band more messages than its window."""
+    ``2 * step`` more messages than its window.  Raising exactly to ``counted`` would not lower
+    that bound (the lowering's band is what allows it), only cost a round trip per request
+    while a backlog grows."""
     if counted <= 0:
         return -raised
     step = max(pool, min(counted // 8, WINDOW_BAND_MAX))
@@ -445,6 +438,56 @@ def window_change(counted: int, raised: int, pool: int) -> int:
     if raised - counted > 2 * step:
         return counted + step - raised
     return 0
+
+
+class WindowBand:
+    """The messages the prefetch window is raised by for requests held aside, kept apart from
+    Celery's own window (``qos.value``): they are added only as the window is sent to the
+    broker.  Why apart: Celery writes its value outright (its restore after a broker
+    reconnection) and moves it for ETA tasks up to ``worker_eta_task_limit``; a raise folded
+    into it was overwritten or took Celery's room, and taking it back then shrank the window
+    for good (a review found a window of 16 ending at 2)."""
+
+    def __init__(self) -> None:
+        self.raised = 0
+        self.qos = None  # the consumer's QoS whose sends add ``raised`` (a new one per consumer start)
+
+    def fit(self, qos, counted: int, pool: int) -> None:
+        """Move the band for ``counted`` requests held aside (:func:`window_change`); the event
+        loop's next turn sends the window, as it does for Celery's own changes."""
+        if qos is None:
+            return  # no consumer (stopped): the next start makes a new window
+        if qos is not self.qos:
+            self._wrap(qos)
+        change = window_change(counted, self.raised, pool)
+        if change:
+            self.raised += change
+            qos.prev = None  # asynloop sends the window when qos.prev != qos.value
+
+    def clear(self) -> None:
+        self.raised = 0
+        if self.qos is not None:
+            self.qos.prev = None
+
+    def _wrap(self, qos) -> None:
+        send = qos.callback
+
+        def callback(prefetch_count):
+            return send(prefetch_count=window_sent(prefetch_count, self.raised, qos.max_prefetch))
+
+        qos.callback = callback
+        self.qos, self.raised = qos, 0  # a new consumer start's window holds none of ours
+
+
+def window_sent(value: int, raised: int, limit: int | None) -> int:
+    """The window the broker is told: Celery's ``value`` and the band's ``raised`` messages,
+    the band capped by ``worker_eta_task_limit`` (``limit``: a bound on what one worker holds
+    in memory) and by the most AMQP can say; a window of 0 (no limit) stays 0, and the band
+    never lowers Celery's own value."""
+    if not value or raised <= 0:
+        return value
+    top = min(limit, PREFETCH_COUNT_MAX) if limit else PREFETCH_COUNT_MAX
+    return value + max(0, min(raised, top - value))
 
 
 def watched(req) -> bool:

@@ -41,6 +41,8 @@ if os.environ.get("TEST_ZK_HANDOFF_SLOTS"):
     app.conf.zklock_handoff_slots = int(os.environ["TEST_ZK_HANDOFF_SLOTS"])
 if os.environ.get("TEST_ZK_COHORT_HANDOFFS"):
     app.conf.zklock_cohort_handoffs = int(os.environ["TEST_ZK_COHORT_HANDOFFS"])
+if os.environ.get("TEST_ETA_TASK_LIMIT"):
+    app.conf.worker_eta_task_limit = int(os.environ["TEST_ETA_TASK_LIMIT"])
 if os.environ.get("TEST_POOL_START_METHOD"):
     app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)

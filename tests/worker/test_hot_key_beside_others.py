@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import uuid
 
@@ -135,3 +136,36 @@ def test_next_in_line_behind_another_contender_parks_only_in_an_idle_pool(mod, e
         w.stop()
         client.stop()
         client.close()
+
+
+def test_eta_tasks_beside_held_requests_leave_the_window_as_it_was(mod, env):
+    """-c 1, multiplier 4, ``worker_eta_task_limit`` 6: four requests wait aside on a held key
+    while two ETA tasks come and go.  Celery raises its window by one per ETA task (a no-op at
+    the limit) and lowers it by one as each is sent to the pool; our raise for the held
+    requests had taken that room, so the window ended at 2 of 4 for good (a review found
+    it).  It is kept apart from Celery's window now, which ends where it began."""
+    tag = uuid.uuid4().hex[:6]
+    queue = f"eta-{tag}"
+    name = f"eta{tag}"
+    w = Worker({**env, "TEST_ETA_TASK_LIMIT": "6"}, name, concurrency=1,
+               extra=["-Q", queue, "--prefetch-multiplier", "4"]).start(mod.app)
+    node = f"{name}@{socket.gethostname()}"
+    try:
+        assert _window(mod, node) == 4
+        first = mod.hold.apply_async((f"eta-{tag}", 2500, "first"), queue=queue)
+        wait_until(lambda: first.id in _active_ids(mod, name), timeout=15)
+        held = [mod.hold.apply_async((f"eta-{tag}", 20, f"h{i}"), queue=queue) for i in range(4)]
+        time.sleep(0.5)  # the four are held aside, the window raised for them
+        later = [mod.hold.apply_async((f"eta-other-{tag}-{i}", 20, f"e{i}"), queue=queue, countdown=1)
+                 for i in range(2)]
+        for r in [first, *held, *later]:
+            r.get(timeout=30)
+        assert _window(mod, node) == 4
+    finally:
+        w.stop()
+
+
+def _window(mod, node: str) -> int:
+    """The prefetch window Celery's consumer reports (``inspect stats``)."""
+    stats = mod.app.control.inspect(destination=[node], timeout=2.0).stats() or {}
+    return stats[node]["prefetch_count"]

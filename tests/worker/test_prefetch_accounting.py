@@ -1,12 +1,11 @@
 """The prefetch window a worker's main process raises for requests that wait for their lock
-comes back exactly (issue 39): every raise is taken back once, and only a raise that took
-effect.
+comes back exactly (issue 39), whatever Celery does to its own window meanwhile.
 
-Why: kombu's ``QoS.increment_eventually`` does nothing at ``worker_eta_task_limit`` (its
-``max_prefetch``) or with no window at all (0), while ``decrement_eventually`` always takes
-one off (down to 1).  Taking back a raise that never happened shrinks the window for good:
-with the limit set, every waiting request used to cost the worker one place, down to a
-window of one message.
+Why: the raise is kept apart from Celery's window (``qos.value``) and added only as the
+window is sent.  Folded into it, it was lost or shrank the window for good: kombu's
+``increment_eventually`` does nothing at ``worker_eta_task_limit`` while
+``decrement_eventually`` always takes one off, and Celery's restore after a broker
+reconnection writes the value outright.  These tests read what the broker is told.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from celery.worker.consumer.consumer import Consumer
 from kombu.common import QoS
 
-from celery_zklock.worker.worker_queue import MAX_HELD, WINDOW_BAND_MAX, WaitOutsidePool, window_change
+from celery_zklock.worker.worker_queue import MAX_HELD, WINDOW_BAND_MAX, WaitOutsidePool, WindowBand, window_change, window_sent
 
 
 def _step(qos: QoS, pool: int = 1) -> WaitOutsidePool:
@@ -25,7 +25,7 @@ def _step(qos: QoS, pool: int = 1) -> WaitOutsidePool:
     step = WaitOutsidePool.__new__(WaitOutsidePool)
     step.c = SimpleNamespace(qos=qos, pool=SimpleNamespace(limit=pool))
     step.counted, step.counted_waiting, step.early, step.paths, step.on_path = set(), set(), {}, {}, Counter()
-    step.raised = 0
+    step.band = WindowBand()
     return step
 
 
@@ -40,17 +40,43 @@ def _step(qos: QoS, pool: int = 1) -> WaitOutsidePool:
     ],
 )
 def test_the_window_comes_back_exactly(initial, limit, pool, least, most):
-    qos = QoS(lambda **kw: None, initial, max_prefetch=limit)
+    sent: list = []
+    qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), initial, max_prefetch=limit)
     step = _step(qos, pool)
     ids = [f"r{i}" for i in range(5)]
     for request_id in ids:
         step._outside_window(request_id)
         step._outside_window(request_id)  # told twice (known behind ours, then "queued"): counted once
-    assert least <= qos.value <= most
+    assert least <= _sent_window(qos, sent) <= most
     for request_id in ids:
         step._not_waiting(request_id, SimpleNamespace())
         step._not_waiting(request_id, SimpleNamespace())
-    assert qos.value == initial and not step.counted and step.raised == 0
+    assert _sent_window(qos, sent) == initial and qos.value == initial
+    assert not step.counted and step.band.raised == 0
+
+
+def _sent_window(qos: QoS, sent: list) -> int:
+    """What the broker was last told, after the turn of the event loop that follows (asynloop
+    sends the window when ``qos.prev != qos.value``)."""
+    if qos.prev != qos.value:
+        qos.update()
+    return sent[-1]
+
+
+@pytest.mark.parametrize(
+    "value, raised, limit, sent, why",
+    [
+        (4, 0, None, 4, "nothing added"),
+        (4, 6, None, 10, "Celery's window and the band"),
+        (0, 6, None, 0, "no window (multiplier 0) stays none"),
+        (4, 6, 8, 8, "capped by worker_eta_task_limit"),
+        (8, 6, 4, 8, "over the limit already: Celery's own value, never lowered"),
+        (4, -3, None, 4, "never below Celery's own value"),
+        (0xFFF0, 100, None, 0xFFFF, "at most what AMQP can say"),
+    ],
+)
+def test_window_sent(value, raised, limit, sent, why):
+    assert window_sent(value, raised, limit) == sent, why
 
 
 @pytest.mark.parametrize(
@@ -83,18 +109,19 @@ def test_a_hot_keys_requests_held_and_handed_over_in_turn_seldom_move_the_window
     step = _step(qos, pool=3)
     for i in range(50):  # each in a loop turn of its own: a message comes, a grant comes
         step._outside_window(f"t{i + 1}")
-        qos.update()  # what asynloop does at each turn whose window changed
+        assert _sent_window(qos, sent) >= 4 + len(step.counted)  # the held never take Celery's window
         step._not_waiting(f"t{i}", SimpleNamespace())
-        qos.update()
+        assert _sent_window(qos, sent) >= 4 + len(step.counted)
     assert len(sent) <= 2, sent
 
 
 def test_beyond_max_held_waiting_requests_take_places_in_the_window():
-    qos = QoS(lambda **kw: None, 4)
+    sent: list = []
+    qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4)
     step = _step(qos)
     step.counted = {f"held{i}" for i in range(MAX_HELD)}
     step._outside_window("one more")
-    assert qos.value == 4 and "one more" not in step.counted
+    assert _sent_window(qos, sent) == 4 and "one more" not in step.counted
 
 
 def test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop():
@@ -120,3 +147,73 @@ def test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop(
         hub.close()
         ours.close()
         theirs.close()
+
+
+class _Restoring:
+    """Celery's own restore of the window after a broker reconnection (the consumer's code,
+    run on a stand-in with the attributes it reads): each acknowledgement raises the window by
+    the multiplier, up to concurrency x multiplier, overwriting whatever the value held."""
+
+    restore = Consumer._restore_prefetch_count_after_connection_restart
+    max_prefetch_count = Consumer.max_prefetch_count
+    _new_prefetch_count = Consumer._new_prefetch_count
+
+    def __init__(self, qos: QoS, concurrency: int, multiplier: int):
+        self.qos, self.prefetch_multiplier = qos, multiplier
+        self.pool = SimpleNamespace(num_processes=concurrency)
+        self.app = SimpleNamespace(conf=SimpleNamespace(worker_enable_prefetch_count_reduction=True))
+        self._maximum_prefetch_restored = False
+
+
+
+def test_celerys_restore_after_a_reconnection_does_not_shrink_the_window_for_good():
+    """Concurrency 4, multiplier 4: after a reconnection Celery starts from a reduced window
+    and restores it ack by ack to 16, writing its own value.  Requests held aside meanwhile
+    must not make the window end below 16 once they are gone (a review found it ending at 2:
+    the restore overwrote the raise, and its taking back then undershot)."""
+    sent: list = []
+    qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4)
+    consumer = _Restoring(qos, concurrency=4, multiplier=4)
+    step = _step(qos, pool=4)
+    held = [f"r{i}" for i in range(10)]
+    for request_id in held:
+        step._outside_window(request_id)
+    assert _sent_window(qos, sent) >= 4 + len(held)
+    while not consumer._maximum_prefetch_restored:
+        consumer.restore(None)  # an acknowledgement's promise
+        assert _sent_window(qos, sent) >= qos.value + len(held)  # Celery's window, and the held besides
+    for request_id in held:
+        step._not_waiting(request_id, SimpleNamespace())
+    assert _sent_window(qos, sent) == 16
+
+
+def test_eta_tasks_at_the_eta_limit_do_not_shrink_the_window_for_good():
+    """worker_eta_task_limit 8, window 4.  Celery raises the window by one for each ETA task it
+    holds (a no-op at the limit) and lowers it by one as the task is sent to the pool (always).
+    Requests held aside must not take the room below the limit that Celery's raise needs: the
+    window ended one place smaller for every ETA task that came while they were held."""
+    sent: list = []
+    qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4, max_prefetch=8)
+    step = _step(qos, pool=1)
+    held = [f"r{i}" for i in range(5)]
+    for request_id in held:
+        step._outside_window(request_id)
+    for _ in range(3):
+        qos.increment_eventually()  # an ETA task comes (celery.worker.strategy)
+    for _ in range(3):
+        qos.decrement_eventually()  # ... and goes to the pool at its time
+    for request_id in held:
+        step._not_waiting(request_id, SimpleNamespace())
+    assert _sent_window(qos, sent) == 4 and qos.value == 4
+
+
+def test_a_window_above_the_eta_limit_is_never_lowered_by_what_we_add():
+    """The limit only caps raises: a window of 8 with a limit of 4 (Celery does not cap its
+    initial value) must stay 8 while requests are held, and after."""
+    sent: list = []
+    qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 8, max_prefetch=4)
+    step = _step(qos, pool=1)
+    step._outside_window("r0")
+    assert _sent_window(qos, sent) == 8
+    step._not_waiting("r0", SimpleNamespace())
+    assert _sent_window(qos, sent) == 8
