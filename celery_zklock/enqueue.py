@@ -48,8 +48,11 @@ def _instant(value: Any, app, now: float) -> float | None:
 
 #: The options by which Celery's canvas makes a publish part of more work: a chain's step (its
 #: rest; ``[]`` for the last step, whose result the chain's caller waits for), a chord's header,
-#: a group's member.  With ``link``/``link_error``, what a publish is never deduped for.
-CONTINUATIONS = ("chain", "chord", "group_id")
+#: a group's member, and a callback (Celery's trace publishes a task's one ``link`` with the
+#: task's result as its argument and ``parent_id`` set; a plain ``delay``, even inside a task,
+#: has no ``parent_id`` yet: ``send_task`` adds it later).  With ``link``/``link_error``, what
+#: a publish is never deduped for.
+CONTINUATIONS = ("chain", "chord", "group_id", "parent_id")
 
 
 def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=None, link_error=None) -> Any:

@@ -399,6 +399,23 @@ def test_a_publish_that_carries_more_work_is_never_deduped(worker, mod, carrying
     assert holder.get(timeout=20) == key and queued.get(timeout=20) == key
 
 
+def test_a_guarded_task_published_as_a_callback_is_never_deduped(worker, mod):
+    """A guarded task linked as another task's callback: the worker publishes it with the
+    parent's result as its first argument, and nothing else marks it as more work (one
+    callback goes out alone, not as a group).  Before, it was deduped into the queued task of
+    its key: the parent's result never reached it, and its own result never came."""
+    key = _key()
+    holder = mod.refresh.delay(key, 1500)
+    _until(lambda: _runs(mod, key), what="the holder to start")
+    queued = mod.refresh.delay(key, 0)
+    callback = mod.refresh.s()
+    callback.freeze()
+    mod.echo.apply_async((key,), link=callback)  # echo(key) -> refresh(key), published by the worker
+    assert mod.app.AsyncResult(callback.id).get(timeout=15) == key
+    assert callback.id in [r["id"] for r in _runs(mod, key)]
+    assert holder.get(timeout=20) == key and queued.get(timeout=20) == key
+
+
 def test_reject_refuses_a_publish_that_carries_more_work_too(mod):
     """``reject`` is loud: the caller learns at once that nothing was queued, callbacks and
     chain included (the decision documented in docs/enqueue.md)."""
