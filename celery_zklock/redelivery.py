@@ -91,7 +91,7 @@ class Redelivery:
         for lk in lock.locks:
             mine = znodes.sequence_of((lk.node or "").rsplit("/", 1)[-1])
             for c in lk.contenders():
-                if mine is not None and c.sequence < mine and delivery_of(c) == self.delivery:
+                if mine is not None and znodes.queue_distance(c.sequence, mine) < 0 and delivery_of(c) == self.delivery:
                     found.append(f"{lk.path}/{c.node}")
         return found
 

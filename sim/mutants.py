@@ -350,6 +350,16 @@ MUTANTS = [
            "",
            killer="tests/worker/test_cohort_own_node.py::"
                   "test_a_proof_of_a_node_deleted_before_its_watch_is_set_reports_it_lost"),
+    Mutant("sequence-digits", "52. queue order by the sequence's value alone, not modulo its wrap: past 2**31 - 1 "
+           "ZooKeeper names the next node -2147483648, which then queues ahead of every node before it",
+           "engine/driver.py",
+           "            distance = (seq - origin) % SEQUENCE_WRAP - HALF_WRAP\n",
+           "            distance = seq - mine\n"),
+    Mutant("sequence-unparsed", "53. a sequence past the wrap (-000000001 .. -999999999) not read as a lock node: "
+           "its own node missing from the queue, an attempt queues again and again, leaving nodes behind",
+           "engine/znodes.py",
+           "        return -int(tail[1:])  # -000000001 .. -999999999\n",
+           "        return None\n"),
 ]
 
 

@@ -72,6 +72,9 @@ class Server:
         self._next_session = 0x1000
         self.min_timeout, self.max_timeout = 2 * tick_time, 20 * tick_time
         self.down_until = -1.0
+        # A new node's child count (and so its children's sequence numbers) starts here: 0 in
+        # ZooKeeper; near 2**31 or -1, a directed scenario reaches the counter's wraps.
+        self.cversion_start = 0
         # path -> {session id: None}: who is told of a change (one-shot)
         self.watches: dict[str, dict[str, dict[int, None]]] = {"data": {}, "exist": {}, "child": {}}
         self.gone: dict[tuple[str, int], tuple[float, str]] = {}  # (path, czxid) -> (when, why)
@@ -150,10 +153,11 @@ class Server:
             path = f"{path}{parent.cversion:010d}"
         if path in self.nodes:
             raise NodeExistsError()
-        node = ZNode(data, zxid, zxid, self.world.now, owner=ephemeral, container=container)
+        node = ZNode(data, zxid, zxid, self.world.now, owner=ephemeral, container=container,
+                     cversion=self.cversion_start)
         self.nodes[path] = node
         parent.children[_name(path)] = None
-        parent.cversion += 1
+        parent.cversion = _int32(parent.cversion + 1)
         parent.pzxid = zxid
         self._fire("exist", path, EventType.CREATED)
         self._fire("data", path, EventType.CREATED)
@@ -167,7 +171,7 @@ class Server:
         parent = self.nodes.get(parent_of(path))
         if parent is not None:
             parent.children.pop(_name(path), None)
-            parent.cversion += 1
+            parent.cversion = _int32(parent.cversion + 1)
             parent.pzxid = zxid
             if parent.container and not parent.children:
                 self._sweep_later(parent_of(path))
@@ -305,3 +309,8 @@ class Server:
                 raise BadVersionError()
             if kind == "delete" and node.children:
                 raise NotEmptyError()
+
+
+def _int32(n: int) -> int:
+    """ZooKeeper's cversion is a Java int: it wraps from 2**31 - 1 to -2**31."""
+    return (n + 2**31) % 2**32 - 2**31

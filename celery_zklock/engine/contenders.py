@@ -7,7 +7,7 @@ kazoo's) and needs no attempt, session monitor or ownership.
 from __future__ import annotations
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoAuthError, NoNodeError
 
 from . import znodes
 from .identity import Identity
@@ -31,6 +31,11 @@ def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> l
             data, stat = result.get()
         except NoNodeError:
             continue
+        except NoAuthError:  # a peer's node we may not read: it queues all the same
+            stat = client.exists(f"{path}/{name}")  # not checked against ACLs
+            if stat is None:
+                continue
+            data = b"(not readable with this client's credentials)"
         found.append((name, data.decode("utf-8", "replace"), stat.ctime / 1000.0))
     if max_holders is None:
         declared = [i.holders for _, data, _ in found if (i := Identity.parse(data)) is not None and i.holders]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, NamedTuple
 
-from .znodes import sequence_key
+from .znodes import HALF_WRAP, SEQUENCE_WRAP, sequence_of
 
 
 class Decision(NamedTuple):
@@ -35,14 +35,6 @@ class Decision(NamedTuple):
     soon: tuple[str, ...] = ()
 
 
-#: A child's 10 sequence digits (they compare as the numbers do; see znodes.sequence_key).
-_SEQUENCE = slice(-10, None)
-
-
-def _tail(name: str) -> str:
-    return name[_SEQUENCE]
-
-
 def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decision:
     """Do we hold (``node`` among the ``max_holders`` lowest sequences), and whom to watch.
 
@@ -54,18 +46,25 @@ def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decis
     slot for us; with N=1 it is exactly one node, so a release wakes one waiter (no herd).
     """
     # Without sorting the queue: only the nodes ahead of ours count, and of them only the
-    # max_holders + 1 nearest (a look at a long queue is the engine's hottest loop).  The
-    # 10 sequence digits compare as the numbers do; the sequence is unique per parent.
+    # max_holders + 1 nearest (a look at a long queue is the engine's hottest loop).  Ahead
+    # is modulo the sequence's wrap (znodes.SEQUENCE_WRAP); the sequence is unique per parent.
     if not isinstance(children, (list, tuple, set, frozenset)):
         children = list(children)
-    mine = sequence_key(node)
+    mine = sequence_of(node)
     if mine is None or node not in children:
         return Decision(False, None, (), False)
-    ahead = [name for name in children if name[_SEQUENCE] < mine and sequence_key(name) is not None]
+    ahead = []
+    origin = mine - HALF_WRAP  # queue_distance, inlined: this loop is the engine's hottest
+    for name in children:
+        seq = sequence_of(name)
+        if seq is not None:
+            distance = (seq - origin) % SEQUENCE_WRAP - HALF_WRAP
+            if distance < 0:
+                ahead.append((distance, name))
     index = len(ahead)
     if index < max_holders:
         return Decision(True, index, (), False)
-    nearest = heapq.nlargest(max_holders + 1, ahead, key=_tail)  # nearest first
-    window = tuple(reversed(nearest[:max_holders]))
-    soon = (nearest[max_holders],) if index > max_holders else ()
+    nearest = heapq.nlargest(max_holders + 1, ahead)  # nearest first
+    window = tuple(name for _, name in reversed(nearest[:max_holders]))
+    soon = (nearest[max_holders][1],) if index > max_holders else ()
     return Decision(False, index, window, index == max_holders, soon)

@@ -117,32 +117,52 @@ def node_prefix(uuid_hex: str) -> str:
     return f"_c_{uuid_hex}-lock-"
 
 
-def sequence_key(name: str) -> str | None:
-    """The 10 sequence digits of a lock child (they order as the numbers do), or None
-    when the child is not a lock node.
+#: ZooKeeper names a sequential child after its parent's ``cversion``, a signed 32-bit count of
+#: child changes formatted ``%010d``: after 2**31 - 1 it goes on from -2**31 ("-2147483648"),
+#: and later from -1 to 0.  A queue that never empties (a hot key, waiting in the pool) gets
+#: there in days.  Queue order is therefore modulo 2**32: the live nodes of one queue span far
+#: less than half of it.
+SEQUENCE_WRAP = 2**32
+HALF_WRAP = 2**31
 
-    Slices, not a regular expression: this runs for every child at every look at a queue,
-    and long queues are where a look costs."""
-    digits = name[-10:]
-    if len(name) > 10 and digits.isdigit() and digits.isascii() and (
-            name.endswith(LOCK_MARKERS[0], 0, -10) or name.endswith(LOCK_MARKERS[1], 0, -10)):
-        return digits
-    return None
+
+def _marked(name: str, end: int) -> bool:
+    return name.endswith(LOCK_MARKERS[0], 0, end) or name.endswith(LOCK_MARKERS[1], 0, end)
 
 
 def sequence_of(name: str) -> int | None:
-    """The sequence number of a lock child, or None when the child is not a lock node."""
-    digits = sequence_key(name)
-    return int(digits) if digits is not None else None
+    """The sequence number of a lock child (negative past the wrap), or None when the child is
+    not a lock node.
+
+    Slices, not a regular expression: this runs for every child at every look at a queue,
+    and long queues are where a look costs."""
+    tail = name[-10:]
+    if tail.isdigit() and tail.isascii() and len(name) > 10:
+        if _marked(name, -10):
+            return int(tail)
+        if name[-11:-10] == "-" and _marked(name, -11):
+            return -int(tail)  # -1000000000 .. -2147483648
+        return None
+    if tail[:1] == "-" and tail[1:].isdigit() and tail[1:].isascii() and _marked(name, -10):
+        return -int(tail[1:])  # -000000001 .. -999999999
+    return None
+
+
+def queue_distance(seq: int, origin: int) -> int:
+    """Where ``seq`` queues relative to ``origin``: negative ahead, positive behind, modulo
+    :data:`SEQUENCE_WRAP`."""
+    return (seq - origin + HALF_WRAP) % SEQUENCE_WRAP - HALF_WRAP
 
 
 def sort_contenders(children: Iterable[str]) -> list[str]:
-    """Lock children in queue order (numeric sequence, then name); others dropped."""
+    """Lock children in queue order (sequence, modulo the wrap); others dropped."""
     keyed = []
     for name in children:
-        seq = sequence_key(name)
+        seq = sequence_of(name)
         if seq is not None:
             keyed.append((seq, name))
+    if keyed and max(keyed)[0] - min(keyed)[0] > HALF_WRAP:  # they span the wrap at 2**31
+        keyed = [(seq % SEQUENCE_WRAP, name) for seq, name in keyed]
     keyed.sort()
     return [name for _, name in keyed]
 

@@ -23,7 +23,7 @@ from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof
-from ..engine.znodes import fencing_token, sequence_key
+from ..engine.znodes import fencing_token, sequence_of
 from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
 from .lease_clock import Clock, lease_clock
@@ -411,7 +411,7 @@ class Cohort:
             slot.foreign = True
             return
         ours = {s.attempt.node for s in self.slots}
-        slot.foreign = any(c not in ours and sequence_key(c) is not None for c in children)
+        slot.foreign = any(c not in ours and sequence_of(c) is not None for c in children)
 
     @property
     def idle(self) -> bool:

@@ -143,3 +143,30 @@ def test_may_park_is_no_without_the_pools_internals():
     from celery_zklock.worker.pool_handoff import may_park
 
     assert may_park(SimpleNamespace(controller=SimpleNamespace(), pool=SimpleNamespace()), True) is False
+
+
+TOP = 2**31 - 1  # ZooKeeper's sequence is the parent's cversion, a signed 32-bit int: after it, -2**31
+
+
+@pytest.mark.parametrize(
+    "children, me, max_holders, expected, why",
+    [
+        ([n(TOP), n(-(2**31))], n(-(2**31)), 1, Decision(False, 1, (n(TOP),), True),
+         "the first node past the wrap queues behind the last one before it"),
+        ([n(TOP - 1), n(TOP), n(-(2**31))], n(TOP), 1, Decision(False, 1, (n(TOP - 1),), True),
+         "a node past the wrap is behind ours, not ahead"),
+        ([n(TOP - 1), n(TOP), n(-(2**31)), n(-(2**31) + 1)], n(-(2**31) + 1), 1,
+         Decision(False, 3, (n(-(2**31)),), False, (n(TOP),)), "the nearest ahead across the wrap"),
+        ([n(TOP), n(-(2**31))], n(TOP), 1, Decision(True, 0, (), False), "the last before the wrap holds"),
+        ([n(-2), n(-1), n(0)], n(0), 1, Decision(False, 2, (n(-1),), False, (n(-2),)),
+         "a second wrap, from -1 to 0"),
+        ([n(-1), n(0), n(1)], n(-1), 2, Decision(True, 0, (), False), "-1 first"),
+    ],
+)
+def test_gets_the_lock_across_the_sequence_wrap(children, me, max_holders, expected, why):
+    """ZooKeeper names a sequential child after its parent's cversion, formatted %010d: after
+    2**31 - 1 child changes under one parent it counts on from -2147483648 ("-lock--2147483648",
+    "-lock--000000001").  A queue that never empties (a hot key, waiting in the pool) gets there
+    in days.  Before, such a node was not a lock node to us: our own was missing from the queue
+    and we created another, without end."""
+    assert gets_the_lock(children, me, max_holders) == expected, why

@@ -957,3 +957,34 @@ def test_unauthorised_client_gets_a_clear_error_and_leaves_nothing(zk_server, zk
     finally:
         owner.delete(path, recursive=True)
         _stop(owner, stranger)
+
+
+def test_a_node_ahead_we_may_not_read_is_still_waited_for_to_its_end(zk_server, zk_client, path):
+    """A contender ahead whose node we may not read (a Curator or kazoo peer creating with
+    CREATOR_ALL_ACL, or our own nodes under a ``zklock_acl`` without world READ for another
+    identity): the data watch is refused with NoAuth and no watch is set (nor does ZooKeeper
+    send an ``exists`` watch's event on a node the client may not read).  Before, the waiter
+    then waited with no watch at all, until its deadline (False while the lock was free) or
+    for good with none; it watches the queue instead now.  ``celery zklock status`` read the
+    node's data and failed with NoAuth: it lists the node, unreadable."""
+    from kazoo.security import make_digest_acl
+
+    from celery_zklock.engine.contenders import contenders
+
+    owner = _client(zk_server.hosts, auth_data=[("digest", "owner:secret")])
+    try:
+        zk_client.ensure_path(path)
+        ahead = owner.create(f"{path}/_c_{'0' * 32}-lock-", b"peer", ephemeral=True, sequence=True,
+                             acl=[make_digest_acl("owner", "secret", all=True)])
+        lock = FairLock(zk_client, path)
+        outcome: list = []
+        waiter = threading.Thread(target=lambda: outcome.append(lock.acquire(timeout=8)), daemon=True)
+        waiter.start()
+        time.sleep(0.5)  # queued behind the unreadable node, its watch refused
+        assert [c.node for c in contenders(zk_client, path)] == [ahead.rsplit("/", 1)[1], lock.node.rsplit("/", 1)[1]]
+        owner.delete(ahead)
+        waiter.join(timeout=3)
+        assert outcome == [True], "the waiter did not see the unreadable node ahead of it go"
+        lock.release()
+    finally:
+        _stop(owner)

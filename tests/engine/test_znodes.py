@@ -59,3 +59,34 @@ def test_invalid_paths_rejected_with_a_reason(path, fragment):
 def test_valid_paths_accepted():
     for p in ("/a", "/locks/sku:42", "/x/y-z_1/ünïcode"):
         assert znodes.validate_path(p) == p
+
+
+@pytest.mark.parametrize(
+    "name, seq",
+    [
+        ("_c_abc-lock--2147483648", -(2**31)),  # the first past the wrap: a sign and 10 digits
+        ("_c_abc-lock--000000001", -1),  # a sign and 9 digits (Java's %010d, as Python's)
+        ("_c_abc-lock--1000000000", -(10**9)),
+        ("3f2a__lock__-000000007", -7),
+        ("_c_abc-lock---00000001", None),
+        ("_c_abc-lock-2147483648x", None),
+        ("lock--000000001", None),  # no marker
+        ("_c_abc-lock-00-0000001", None),
+    ],
+)
+def test_sequences_past_the_wrap_are_parsed(name, seq):
+    assert znodes.sequence_of(name) == seq
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [2**31 - 2, 2**31 - 1, -(2**31), -(2**31) + 1],  # the wrap at 2**31
+        [-3, -2, -1, 0, 1],  # the wrap back to 0
+        [5, 9, 10, 100],
+        [-100, -10, -9],
+    ],
+)
+def test_contenders_sorted_across_the_wrap(seqs):
+    names = [f"_c_{i}-lock-{s:010d}" for i, s in enumerate(seqs)]
+    assert znodes.sort_contenders(list(reversed(names))) == names

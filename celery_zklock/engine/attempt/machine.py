@@ -22,7 +22,7 @@ from ..session import RETRYABLE, Outcome, guaranteed_delete
 from .ghosts import Ghosts
 from .holding import HoldWatch
 from .parents import KeyParent
-from .state import HELD_STATES, RECENT, WAITING_STATES, Pending, State
+from .state import HELD_STATES, RECENT, WAITING_STATES, Pending, Queue, State
 
 
 class Attempt:
@@ -130,9 +130,9 @@ class Attempt:
                 return self.settle_cleanup()
             if not self.adopt(name, stat.czxid, session):
                 return
-            if listed is None and znodes.sequence_of(name) == 0:
-                return self.act_on_queue([name])  # the container's first child ever: it holds
-            if listed is not None:
+            if listed is Queue.FRESH and znodes.sequence_of(name) == 0:
+                return self.act_on_queue([name])  # made with its container: it holds
+            if listed is not None and listed is not Queue.FRESH:
                 look = self.next_look()
                 kazoo_compat.on_ready(listed, partial(self._on_children, look))
             else:
@@ -207,20 +207,29 @@ class Attempt:
         """A data watch (``get``: no creation watch left behind) on a contender the driver
         named, set again after its data changed (a lease write costs no children read)."""
         watched = self.client.get_async(path, watch=partial(self._on_watch, look, handoff))
-        kazoo_compat.on_ready(watched, partial(self._on_watch_set, look, handoff))
+        kazoo_compat.on_ready(watched, partial(self._on_watch_set, look, handoff, path))
 
-    def _on_watch_set(self, look, handoff: bool, result) -> None:
+    def _on_watch_set(self, look, handoff: bool, path: str, result) -> None:
         with self.mutex:
             if look != self.look or self.finished or self.state is not State.WAITING:
                 return
             try:
-                result.get()
+                reply = result.get()
             except NoNodeError:
-                self._advance(handoff)  # gone before our watch was set
+                reply = None
+            except NoAuthError:
+                # A node we may not read (a peer's ACL): the server set no watch, and sends us
+                # no event on it either (exists' watch included).  Watch the queue instead:
+                # the node's end changes it.
+                watched = self.client.get_children_async(self.lk.path, watch=partial(self._on_watch, look, handoff))
+                return kazoo_compat.on_ready(watched, partial(self._on_watch_set, look, handoff, path))
             except RETRYABLE:
-                self.await_connection(Pending.READ)
+                return self.await_connection(Pending.READ)
             except Exception:
                 self.pending = Pending.READ  # session trouble: the next CONNECTED decides
+                return
+            if reply is None or (isinstance(reply, list) and path.rsplit("/", 1)[1] not in reply):
+                self._advance(handoff)  # gone before our watch was set
 
     def _on_watch(self, look, handoff: bool, event) -> None:
         with self.mutex:

@@ -15,7 +15,7 @@ from functools import partial
 from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, RolledBackError, RuntimeInconsistency, UnimplementedError
 
 from .. import kazoo_compat, znodes
-from .state import AttemptPath, RECENT, State
+from .state import RECENT, AttemptPath, Queue, State
 
 #: A multi's replies for ops it did not run because another op failed (before it, after it).
 _NOT_RUN = (RolledBackError, RuntimeInconsistency)
@@ -68,7 +68,7 @@ class KeyParent:
         if isinstance(ours, tuple):
             # ZooKeeper answers a create inside a multi with its path only, but every node a
             # multi creates shares the transaction's zxid: the container's czxid is ours.
-            return at.on_created(session, None, _Made((ours[0], ours[1] or container[1])))
+            return at.on_created(session, Queue.FRESH, _Made((ours[0], ours[1] or container[1])))
         rolled_back = isinstance(container, _NOT_RUN) and isinstance(ours, _NOT_RUN)  # by another key's op
         if rolled_back or isinstance(container, NodeExistsError):
             with at.mutex:

@@ -30,6 +30,15 @@ class Pending(enum.Enum):
     CLEANUP = "cleanup"  # given up with a create's reply lost: delete any node of ours
 
 
+class Queue(enum.Enum):
+    """What an attempt knows of its key's queue as its create is answered, besides a read."""
+
+    # The key's container was made in the same multi as our node: ours is its first child.
+    # Why not "sequence 0" alone: the sequence is the parent's cversion, which wraps
+    # (znodes.SEQUENCE_WRAP), so an old parent names a node 0 again with others ahead.
+    FRESH = "fresh"
+
+
 WAITING_STATES = (State.CREATING, State.WAITING)
 HELD_STATES = (State.HELD, State.HELD_SUSPENDED)
 
