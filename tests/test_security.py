@@ -12,18 +12,24 @@ import uuid
 
 import pytest
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoAuthError, NoNodeError
+from kazoo.exceptions import ConnectionClosedError, NoAuthError, NoNodeError
 from kazoo.recipe.lock import Lock
 from kazoo.security import Permissions
 
-from celery_zklock import LockUnavailable
-from celery_zklock.engine.client import connect, disconnect
+from celery_zklock import FairLock, LockUnavailable
+from celery_zklock.engine.client import close_clients, connect, disconnect, get_client
+from celery_zklock.engine.kazoo_compat import closed_for_good
 from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_settings
 from celery_zklock.errors import ConfigurationError
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer
 from support.workers import Worker
 from tests.lockutil import children, locked_app, overlapping, worker_refuses
+from tests.beat.test_scheduler import Running, make_app, sends  # noqa: F401  (sends: a fixture)
+from tests.polling import wait_until
+from tests.tcpproxy import TcpProxy
 from tests.test_celery_workers import _wait_pid
+
+OP_SASL = 102  # ZooKeeper's opcode of a SASL handshake's packets
 
 SECRET = "hunter2-not-in-logs"
 
@@ -310,3 +316,61 @@ def _sasl_worker_run(values, mod, sasl_zk):
         monitor.stop()
         monitor.close()
         w.stop()
+
+
+# ------------------------------------------------------------------ a client closed for good
+def _dead(proxy: TcpProxy, client: KazooClient, replaced=lambda: False) -> None:
+    """Drop the client's connection and its reconnection's SASL handshake: kazoo reads that as
+    an authentication failure (AUTH_FAILED) and stops connecting for good (or ``replaced()``
+    says its owner has already put a new client in its place)."""
+    for _ in range(20):  # another client of the process's may reconnect first and take the cut
+        proxy.arm_cut(opcodes={OP_SASL}, forward=False)
+        proxy.drop_all()
+        try:
+            wait_until(lambda: closed_for_good(client) or replaced(), timeout=1.0)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError("the client did not close for good")
+
+
+def test_a_client_closed_for_good_is_replaced_and_no_lock_waits_on_it(sasl_zk):
+    """A connection dropped during a SASL handshake (a rolling restart of ZooKeeper) leaves
+    kazoo's client closed for good.  Before, the process's cached client was handed out dead
+    and every lock on it waited for a connection that never came (False at its timeout, or
+    never with none); now the lock says so at once and the process connects a new client."""
+    with TcpProxy.to(sasl_zk.hosts) as proxy:
+        settings = _settings(proxy.hosts, sasl_options=_sasl("worker", SECRET))
+        client = get_client(settings)
+        try:
+            _dead(proxy, client)
+            started = time.monotonic()
+            with pytest.raises(ConnectionClosedError, match="new client"):
+                FairLock(client, f"/dead-{uuid.uuid4().hex[:6]}").acquire(timeout=5)
+            assert time.monotonic() - started < 1.0
+            fresh = get_client(settings)
+            assert fresh is not client and fresh.connected
+            lock = FairLock(fresh, f"/dead-{uuid.uuid4().hex[:6]}")
+            assert lock.acquire(timeout=5)
+            lock.release()
+        finally:
+            close_clients()
+
+
+def test_a_beat_whose_client_closed_for_good_leads_again(sasl_zk, sends):
+    """The elected beat's client closed for good: it loses its term (the node's session ends
+    with the client) and, before, stood by for good with nothing said, its new election lock
+    waiting on the dead client.  It connects a new client and leads again."""
+    root = f"/beat-{uuid.uuid4().hex[:8]}"
+    with TcpProxy.to(sasl_zk.hosts) as proxy:
+        beat = Running(make_app(proxy.hosts, root, zklock_sasl_options=_sasl("worker", SECRET)))
+        try:
+            assert wait_until(lambda: beat.scheduler.election.term() == 1, timeout=15)
+            assert wait_until(lambda: len(sends) >= 1, timeout=10)
+            dead = beat.scheduler.election.client
+            _dead(proxy, dead, replaced=lambda: beat.scheduler.election.client is not dead)
+            assert wait_until(lambda: beat.scheduler.election.term() != 1, timeout=10)
+            before = len(sends)
+            assert wait_until(lambda: beat.scheduler.election.term() == 2 and len(sends) > before, timeout=20)
+        finally:
+            beat.close()

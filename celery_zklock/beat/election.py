@@ -17,6 +17,7 @@ from typing import Callable
 from celery.utils.log import get_logger
 from kazoo.client import KazooClient
 
+from ..engine import kazoo_compat
 from ..engine.client import disconnect
 from ..engine.lock import FairLock
 from ..errors import LockUnavailable
@@ -101,6 +102,12 @@ class Election:
     def _run(self) -> None:
         failures = 0
         while not self._closed.is_set():
+            if self.client is not None and kazoo_compat.closed_for_good(self.client):
+                # Its authentication failed (or a connection dropped mid-SASL-handshake):
+                # kazoo never connects it again.  A new one is checked as at start.
+                logger.warning("beat: zklock: the ZooKeeper client stopped connecting for good; connecting a new one")
+                disconnect(self.client)
+                self.client = None
             if self.client is None:
                 try:
                     self.client = self._connect()

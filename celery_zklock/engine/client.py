@@ -30,6 +30,7 @@ from kazoo.retry import KazooRetry
 from ..config import ZkSettings
 from ..errors import LockUnavailable
 from ..security import acl_provider, auth_problem, client_kwargs, tls_diagnosis
+from . import kazoo_compat
 
 logger = logging.getLogger("celery_zklock.worker")
 
@@ -257,12 +258,16 @@ def get_client(settings: ZkSettings) -> KazooClient:
     key = (os.getpid(), settings.hosts, settings.session_timeout, settings.auth_secret, settings.use_ssl,
            settings.sasl_options, settings.acl)
     client = _clients.get(key)
-    if client is not None:
+    if client is not None and not kazoo_compat.closed_for_good(client):
         return client
     with _lock:
         client = _clients.get(key)
-        if client is not None:
+        if client is not None and not kazoo_compat.closed_for_good(client):
             return client
+        if client is not None:
+            logger.warning("zklock: the ZooKeeper client of this process stopped connecting for good (its "
+                           "authentication failed, or its connection retries ran out): connecting a new one")
+            disconnect(_clients.pop(key))
         for stale in [k for k in _clients if k[0] != os.getpid()]:
             _clients.pop(stale)  # inherited through fork: never touch its threads/socket
         client = _clients[key] = connect(settings, handler=_handler())

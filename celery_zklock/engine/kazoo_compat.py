@@ -19,7 +19,7 @@ from kazoo.exceptions import EXCEPTIONS
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import (CheckVersion, Create2, MultiHeader, Transaction, int_struct, read_string,
                                          stat_struct)
-from kazoo.protocol.states import ZnodeStat
+from kazoo.protocol.states import KeeperState, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
 
 _CONTAINER_FLAG = 4  # CreateMode.CONTAINER.toFlag()
@@ -137,6 +137,15 @@ def drop_connection(client: KazooClient) -> None:
 def is_stopped(client: KazooClient) -> bool:
     """True for a client never started, or stopped: nothing sent through it is answered."""
     return client._stopped.is_set()
+
+
+def closed_for_good(client: KazooClient) -> bool:
+    """True for a started client that stopped connecting on its own: its authentication
+    failed (kazoo also says so when a connection merely drops mid-SASL-handshake, as in a
+    rolling restart of ZooKeeper) or its ``connection_retry`` ran out.  kazoo never connects
+    it again, and a lock waiting for it to connect would wait for good: only a new client
+    will do."""
+    return not client._stopped.is_set() and client._state in (KeeperState.AUTH_FAILED, KeeperState.CLOSED)
 
 
 class CreateContainer(Create2):

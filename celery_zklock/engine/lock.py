@@ -13,6 +13,7 @@ import threading
 from typing import Callable, Iterable
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionClosedError
 
 from ..errors import LockLost, LockReentered
 from . import clock, kazoo_compat, znodes
@@ -154,6 +155,9 @@ class FairLock:
             timeout = 0
         if kazoo_compat.is_stopped(self.client):
             raise ValueError("the KazooClient is not started (or was stopped): call client.start() before acquiring")
+        if kazoo_compat.closed_for_good(self.client):
+            raise ConnectionClosedError("the KazooClient stopped connecting for good (its authentication failed, or its "
+                                        "connection_retry ran out): lock with a new client")
         deadline = None if timeout is None else clock.monotonic() + timeout
         me = current_owner()  # held by reference and compared by identity: never recycled
         if self._owner is me:
