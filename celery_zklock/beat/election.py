@@ -80,8 +80,21 @@ class Election:
         """Block up to ``timeout`` for leadership; True when leading."""
         return self._leading.wait(timeout)
 
-    def step_down(self, reason: str) -> None:
-        """End the term now (a tick write found our node gone); the thread queues again."""
+    def node_if_held(self) -> str | None:
+        """Our election node while :meth:`held`, read from one term's lock (two reads of
+        ``held()`` and ``node`` could mix a term's hold with the next term's waiting node)."""
+        lock = self._lock
+        return lock.node if self._leading.is_set() and lock is not None and lock.is_held() else None
+
+    def step_down(self, reason: str, lock: FairLock | None = None, node: str | None = None) -> None:
+        """End the term now (its node is gone); the thread queues again.  ``lock`` or ``node``:
+        the term this word is about.  A term's end is often told twice (the node's watch, then
+        a tick write that found it gone): a late word about an ended term is ignored, or it
+        would end the next term at once."""
+        current = self._lock
+        if (lock is not None and lock is not current) or (node is not None and (current is None or
+                                                                                current.node != node)):
+            return
         self._reason = reason
         self._leading.clear()
         self._ended.set()
@@ -119,7 +132,8 @@ class Election:
                     self._closed.wait(delay)
                     continue
             lock = self._lock = FairLock(self.client, self.path, identifier=self._identity, reentrant=False,
-                                         on_lost=lambda lk: self.step_down(f"lost the election node: {lk.lost_reason}"))
+                                         on_lost=lambda lk: self.step_down(f"lost the election node: {lk.lost_reason}",
+                                                                           lock=lk))
             self._ended.clear()  # before the acquire: a loss right after it must end the term it starts
             self._reason = ""
             try:

@@ -34,7 +34,7 @@ class Ledger:
 
     def load(self) -> None:
         """Read every record (a new leader's first step); raises kazoo errors."""
-        self.client.ensure_path(self.path, acl=acl_for(self.client, self.path))
+        self.client.ensure_path_async(self.path, acl=acl_for(self.client, self.path)).get(timeout=self.timeout)
         names = self.client.get_children_async(self.path).get(timeout=self.timeout)
         pending = [(n, self.client.get_async(f"{self.path}/{n}")) for n in names]
         self._known = {}

@@ -239,7 +239,7 @@ class ZkScheduler(Scheduler):
         """Record the tick (proving leadership), then publish it; or keep it due and send nothing."""
         name = entry.name
         try:
-            tick, written, sent_at = self._record(entry)
+            tick, written, sent_at, node = self._record(entry)
         except Exception as exc:  # a read timed out, an ACL refused: nothing recorded, nothing sent
             logger.warning("beat: zklock: %s: tick not recorded (%s: %s); kept due", name, type(exc).__name__, exc)
             return self._keep_due(entry)
@@ -247,7 +247,7 @@ class ZkScheduler(Scheduler):
             self._unsure.pop(name, None)
             return self._take_record(name, entry, self.ledger.read(name))
         if written is Written.DEPOSED:
-            self.election.step_down("the election node was gone at a tick's write")
+            self.election.step_down("the election node was gone at a tick's write", node=node)
             return self._keep_due(entry)
         if written is not Written.RECORDED:  # UNKNOWN, or CONFLICT twice: the next tick looks again
             return self._keep_due(entry)
@@ -258,30 +258,32 @@ class ZkScheduler(Scheduler):
             return self._keep_due(entry)
         self._publish(entry, tick, producer)
 
-    def _record(self, entry) -> tuple[TickRecord | None, Written, float]:
-        """Write this tick's record: (the tick, what became of the write, when it was sent), or
-        (None, ...) when the record shows another leader sent this due time."""
+    def _record(self, entry) -> tuple[TickRecord | None, Written, float, str | None]:
+        """Write this tick's record: (the tick, what became of the write, when it was sent, the
+        election node it proved), or (None, ...) when the record shows another leader sent this
+        due time."""
         name = entry.name
         unsure = self._unsure.get(name)  # a tick of ours recorded (or maybe recorded), not published
         record = self.ledger.refresh(name) if unsure else self.ledger.read(name)
-        written, sent_at, tick = Written.CONFLICT, 0.0, None
+        written, sent_at, tick, node = Written.CONFLICT, 0.0, None, None
         for _ in range(2):  # a conflict is read again once: it may be our own unanswered write
             pending = record is not None and record.nonce == unsure  # ours, never published: publish it now
             # Else the ledger decides, for our own records too: an entry whose last_run_at is older
             # than the record's came back stale (its send advanced it only after the record).
             if not pending and already_sent(record, entry.last_run_at):
-                return None, written, sent_at
+                return None, written, sent_at, node
             tick = record if pending else self._new_tick(entry, record)
-            if not self.election.held():
-                return tick, Written.UNKNOWN, sent_at
+            node = self.election.node_if_held()
+            if node is None:
+                return tick, Written.UNKNOWN, sent_at, node
             sent_at = clock.boottime()
-            written = self.ledger.write(name, tick, self.election.node)
+            written = self.ledger.write(name, tick, node)
             if written is not Written.CONFLICT:
                 break
             record = self.ledger.refresh(name)
         if written in (Written.RECORDED, Written.UNKNOWN):
             self._unsure[name] = tick.nonce
-        return tick, written, sent_at
+        return tick, written, sent_at, node
 
     def _new_tick(self, entry, record: TickRecord | None) -> TickRecord:
         """The tick for ``entry`` (as it was before this send), sent now: the base of its next

@@ -314,3 +314,56 @@ def test_the_publish_window_follows_the_session_timeout_the_server_granted(short
             a.close()
     assert sends == []
     assert timeout == pytest.approx(0.4 / 3)
+
+
+def test_loading_the_ledger_while_zookeeper_is_unreachable_is_bounded(zk_server, root):
+    """A new leader's first step reads every record; its ``ensure_path`` of the records' parent
+    had no bound, so a connection lost just then held beat's whole loop (no inner tick, no
+    metrics) until ZooKeeper came back.  Every request of the ledger is bounded by its timeout."""
+    from kazoo.client import KazooClient
+
+    from tests.tcpproxy import TcpProxy
+
+    with TcpProxy.to(zk_server.hosts) as proxy:
+        client = KazooClient(hosts=proxy.hosts, timeout=10.0)
+        client.start(timeout=10)
+        outcome: list = []
+        try:
+            ledger = Ledger(client, group_path(root, "g"), 0.5)
+            proxy.hold()  # the connection drops; reconnections are parked
+            started = time.monotonic()
+
+            def load() -> None:
+                try:
+                    ledger.load()
+                    outcome.append("loaded")
+                except Exception as exc:
+                    outcome.append(exc)
+                outcome.append(time.monotonic() - started)
+
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+            loader.join(3.0)
+            assert outcome and isinstance(outcome[0], Exception), f"load() still blocked after 3 s: {outcome}"
+            assert outcome[1] < 2.0
+        finally:
+            proxy.release_held()
+            client.stop()
+            client.close()
+
+
+def test_a_late_word_of_an_ended_term_does_not_end_the_next(zk_server, root, sends):
+    """A term's end is often told twice (the election node's watch, then a tick write that
+    found the node gone); the second word may come after the beat has queued again and leads a
+    new term.  It ended that new term at once: a needless handover, a gap with no leader."""
+    beat = Running(make_app(zk_server.hosts, root))
+    try:
+        election = beat.scheduler.election
+        assert wait_for(lambda: election.term() == 1)
+        first = election._lock
+        election.step_down("the first word of the end")
+        assert wait_for(lambda: election.term() == 2)
+        first.on_lost(first)  # the late word, from the first term's lock
+        assert not wait_for(lambda: election.term() != 2, timeout=2.0), "a late word ended the next term"
+    finally:
+        beat.close()
