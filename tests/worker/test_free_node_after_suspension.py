@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from kazoo.exceptions import NoNodeError
 
+from celery_zklock import FairLock
 from celery_zklock.engine.internals import State
 from celery_zklock.worker.agent_requests import Requests
 from celery_zklock.worker.cohort import Cohort
@@ -58,6 +59,12 @@ def test_a_node_verified_after_its_waiter_left_is_let_go(zk_server, zk_client):
     with TcpProxy.to(zk_server.hosts) as proxy:
         client = proxied_client(proxy)
         try:
+            # A first lock through the client shows it the server knows containers: a new key's
+            # node is then made in one multi with its container, and holds at once (a node made
+            # beside a container not yet proven waits for a read of the queue instead).
+            warm = FairLock(client, f"{path}-warm")
+            assert warm.acquire(timeout=5)
+            warm.release()
             host = _TimesOut(client)
             cohort = Cohort(host, path, 1)
             wait = _wait(cohort, "w")
