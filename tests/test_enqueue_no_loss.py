@@ -243,6 +243,26 @@ def test_a_guard_whose_publisher_died_before_publishing_is_not_deduped_into(work
     assert result.id != "never-sent" and result.get(timeout=20) == key
 
 
+def test_an_unconfirmed_guard_from_a_publisher_whose_clock_runs_ahead_is_waited_for_one_window(mod, zk):
+    """A guard's publish window is written by its publisher's clock and was judged by every
+    other publisher's own: a publisher whose clock ran an hour ahead, then died before its
+    publish was confirmed, made every publish of the key wait an hour (past
+    ``zklock_connect_timeout``; a retry inside a worker with a time limit was killed and
+    lost).  A reader waits for one window of its own clock at most, then takes the key over."""
+    key = _key()
+    path = guards.guard_path(mod.app.conf.zklock_root, mod.refresh.name, f"user:{key}")
+    ghost = guards.Guard("ahead", mod.refresh.name, "start", time.time() + 7200, 0, time.time() + 3600,
+                         confirmed=False, publish_by=time.time() + 3600 + guards.PUBLISH_WINDOW)
+    zk.create(path, ghost.dumps(), makepath=True)
+    outcome: list = []
+    publisher = threading.Thread(target=lambda: outcome.append(
+        mod.refresh.apply_async((key, 0), queue=f"nobody-{key}").id), daemon=True)
+    publisher.start()
+    publisher.join(guards.PUBLISH_WINDOW + 5)
+    assert outcome and outcome[0] != "ahead", "the publish waited on the publisher's clock"
+    assert guards.Guard.loads(zk.get(path)[0]).id == outcome[0]  # the key taken over
+
+
 def test_a_publish_waits_for_an_unconfirmed_guard_and_then_dedupes_into_it(mod, zk):
     """The other side of the same rule: a publisher that finds a publish under way waits for
     its confirmation, and then dedupes (no duplicate for a slow but live publisher)."""

@@ -164,7 +164,12 @@ def _count(client, path: str, stat, found: Guard | None, count: bool) -> None:
 
 def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> Taken | None:
     """Another's guard at ``path`` once its publish is settled: HELD (counted as deduped into),
-    or None when there is none in our way (no node, stale, or our own)."""
+    or None when there is none in our way (no node, stale, or our own).
+
+    Waited for one :data:`PUBLISH_WINDOW` of our own clock at most: its ``publish_by`` is
+    its publisher's clock, which may run far ahead of ours (an hour ahead, and every publish
+    of the key waited an hour for a publisher that had died)."""
+    seen_first: tuple[int, float] | None = None  # (the node's czxid, our deadline for it)
     while True:
         changed = calls.client.handler.event_object()
         read = calls.read(path, watch=lambda _event: changed.set())
@@ -178,9 +183,17 @@ def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> Taken | Non
             return Taken(Outcome.HELD, path, found)
         if seen is not UNCONFIRMED:
             return None
+        if seen_first is None or seen_first[0] != stat.czxid:
+            seen_first = (stat.czxid, time.monotonic() + PUBLISH_WINDOW)
+        left = seen_first[1] - time.monotonic()
+        if left <= 0:
+            # Unconfirmed for a whole window of ours: its publisher is gone (or as slow as a
+            # stale one).  Only the version we read: a confirmation meanwhile keeps it.
+            _delete(calls, path, stat.version)
+            return None
         # Its publisher is between its create and the broker's answer: dedupe into it only
         # once it is confirmed (its message may never be sent), take over if it never is.
-        changed.wait(max(0.0, min(found.publish_by - now, calls.timeout)) + 0.01)
+        changed.wait(max(0.0, min(found.publish_by - now, left, calls.timeout)) + 0.01)
 
 
 def _settle(calls: _Calls, path: str, step, what: str) -> None:
