@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from celery.states import STARTED
 from celery.exceptions import Ignore, Retry
 from celery.utils.log import get_task_logger
+from kazoo.exceptions import ConnectionClosedError
 
 from . import enqueue, metrics, outcomes, prerun
 from .config import ZkSettings
@@ -80,6 +81,10 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
     try:
         try:
             acquired = copies.acquire(lock, opts.timeout, task.lock_max_holders)
+        except ConnectionClosedError as exc:  # the client closed for good (get_client replaces it next)
+            lock.release()
+            return Taken(None, time.monotonic() - started, outcomes.unavailable(
+                task, LockUnavailable(f"could not wait for lock {label!r}: {exc}"), opts, label, direct))
         finally:
             if counted_waiting[0]:
                 metrics.record("waited", task)

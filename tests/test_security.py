@@ -374,3 +374,71 @@ def test_a_beat_whose_client_closed_for_good_leads_again(sasl_zk, sends):
             assert wait_until(lambda: beat.scheduler.election.term() == 2 and len(sends) > before, timeout=20)
         finally:
             beat.close()
+
+
+def test_a_standby_beat_whose_client_closed_for_good_leads_when_the_leader_goes(sasl_zk, sends):
+    """The same for a standby: its election lock waits, and a wait for a connection that never
+    comes was for good, so it never took over from a leader that then went."""
+    root = f"/beat-{uuid.uuid4().hex[:8]}"
+    sasl = {"zklock_sasl_options": _sasl("worker", SECRET)}
+    leader = Running(make_app(sasl_zk.hosts, root, **sasl))
+    try:
+        assert wait_until(lambda: leader.scheduler.election.term() == 1, timeout=15)
+        with TcpProxy.to(sasl_zk.hosts) as proxy:
+            standby = Running(make_app(proxy.hosts, root, **sasl))
+            try:
+                election = standby.scheduler.election
+                assert wait_until(lambda: election.client is not None and election._lock is not None, timeout=15)
+                dead = election.client
+                _dead(proxy, dead, replaced=lambda: election.client is not dead)
+                leader.close()
+                assert wait_until(lambda: election.term() is not None, timeout=20)
+            finally:
+                standby.close()
+    finally:
+        leader.close()
+
+
+def test_a_client_still_starting_is_not_closed_for_good():
+    """kazoo's client is CLOSED until its first connection attempt, and stays so while its
+    hosts do not resolve: that is no client closed for good."""
+    client = KazooClient(hosts="zklock-test-host-that-does-not-resolve.invalid:2181")
+    client.start_async()
+    try:
+        time.sleep(0.5)
+        assert not closed_for_good(client)
+    finally:
+        client.stop()
+        client.close()
+
+
+def test_a_worker_whose_agent_client_closed_for_good_gets_a_new_agent(redis_server, sasl_zk):
+    """The worker's lock agent holds the worker's one ZooKeeper session: its client closed for
+    good (a connection dropped mid-SASL-handshake) and, alive and answering heartbeats, the
+    agent kept it, so every locked task waited to its lock_timeout from then on.  The agent
+    ends instead, and the worker starts a new one with a new client."""
+    with TcpProxy.to(sasl_zk.hosts) as proxy:
+        values = {
+            "TEST_REDIS_URL": redis_server.url, "TEST_ZK_HOSTS": proxy.hosts,
+            "TEST_ZK_ROOT": f"/sasl-{uuid.uuid4().hex[:8]}", "TEST_ZK_SESSION": "4",
+            "TEST_ZK_SASL_OPTIONS": json.dumps(_sasl("worker", SECRET)),
+            "TEST_ZK_USE_SSL": "", "TEST_ZK_AUTH_SECRET": "",
+        }
+        with locked_app(values) as mod:
+            w = Worker(values, "sasl2", concurrency=2).start(mod.app)
+            try:
+                key = f"s-{uuid.uuid4().hex[:6]}"
+                assert mod.hold.delay(key, 10, "before").get(timeout=20) is not None
+                first = w.agent_pid()
+                for _ in range(20):
+                    proxy.arm_cut(opcodes={OP_SASL}, forward=False)
+                    proxy.drop_all()
+                    try:
+                        wait_until(lambda: w.agent_pid() not in (None, first), timeout=1.5)
+                        break
+                    except AssertionError:
+                        continue
+                assert w.agent_pid() not in (None, first), "the agent kept its dead client"
+                assert mod.hold.delay(key, 10, "after").get(timeout=30) is not None
+            finally:
+                w.stop()

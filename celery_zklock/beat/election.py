@@ -115,16 +115,18 @@ class Election:
     def _run(self) -> None:
         failures = 0
         while not self._closed.is_set():
-            if self.client is not None and kazoo_compat.closed_for_good(self.client):
+            dead = self.client is not None and kazoo_compat.closed_for_good(self.client)
+            if dead and not failures:
                 # Its authentication failed (or a connection dropped mid-SASL-handshake):
-                # kazoo never connects it again.  A new one is checked as at start.
+                # kazoo never connects it again.  A new one is checked as at start, and takes
+                # its place once connected (the scheduler reads the client meanwhile).
                 logger.warning("beat: zklock: the ZooKeeper client stopped connecting for good; connecting a new one")
-                disconnect(self.client)
-                self.client = None
-            if self.client is None:
+            if self.client is None or dead:
                 try:
-                    self.client = self._connect()
+                    old, self.client = self.client, self._connect()
                     failures = 0
+                    if old is not None:
+                        disconnect(old)
                 except LockUnavailable as exc:
                     delay = self._backoff(failures)
                     failures += 1

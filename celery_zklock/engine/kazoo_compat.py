@@ -139,13 +139,18 @@ def is_stopped(client: KazooClient) -> bool:
     return client._stopped.is_set()
 
 
+#: kazoo's states at a LOST that no reconnection follows (its connection loop ends just after).
+CLOSING_FOR_GOOD = (KeeperState.AUTH_FAILED,)
+
+
 def closed_for_good(client: KazooClient) -> bool:
     """True for a started client that stopped connecting on its own: its authentication
     failed (kazoo also says so when a connection merely drops mid-SASL-handshake, as in a
     rolling restart of ZooKeeper) or its ``connection_retry`` ran out.  kazoo never connects
     it again, and a lock waiting for it to connect would wait for good: only a new client
     will do."""
-    return not client._stopped.is_set() and client._state in (KeeperState.AUTH_FAILED, KeeperState.CLOSED)
+    return (not client._stopped.is_set() and client._state in (KeeperState.AUTH_FAILED, KeeperState.CLOSED)
+            and client._connection.connection_stopped.is_set())  # CLOSED too while starting up
 
 
 class CreateContainer(Create2):

@@ -113,7 +113,8 @@ def _warn_nearing(token: int, czxid: int) -> None:
 
 
 def node_prefix(uuid_hex: str) -> str:
-    """The name we give ``create(..., sequence=True)``; the server appends 10 digits."""
+    """The name we give ``create(..., sequence=True)``; the server appends the parent's
+    ``cversion`` as ``%010d`` (10 digits, or a sign and 9 or 10 past the wrap)."""
     return f"_c_{uuid_hex}-lock-"
 
 

@@ -31,7 +31,7 @@ import threading
 from kazoo.protocol.states import KazooState
 
 from ..config import ZkSettings, from_wire
-from ..engine import clock, guards
+from ..engine import clock, guards, kazoo_compat
 from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
@@ -292,6 +292,13 @@ def main() -> int:
     def on_state(state: str) -> None:
         if state == KazooState.LOST and not agent.stopped.is_set():
             logger.warning("zklock agent: ZooKeeper session lost; locks held through it are lost")
+            if agent.client.client_state in kazoo_compat.CLOSING_FOR_GOOD:
+                # kazoo never connects this client again (its authentication failed, also when
+                # a connection merely dropped mid-SASL-handshake): end, and the worker starts
+                # a new agent with a new client (its restart backs off while ZooKeeper refuses).
+                logger.error("zklock agent: the ZooKeeper client stopped connecting for good (authentication "
+                             "failed); stopping so that the worker starts a new agent")
+                agent.stopped.set()
 
     agent.client.add_listener(on_state)
     agent.serve()

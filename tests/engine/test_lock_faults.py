@@ -385,9 +385,9 @@ def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_s
     reconnected on the same session it must hold.
 
     That reply is the children listing on a key this process locked lately ("known"), and
-    the create's own reply on a key it has not ("new": sequence 0 holds without a read; or
-    the multi that made the key's container and our node, once the server is known to have
-    containers)."""
+    the reply of the multi that made the key's container and our node on a key it has not
+    ("new"; until the client knows the server has containers, the create goes beside the
+    container's and the queue is read after it, the "known" case again)."""
     zk_client.ensure_path(path)
     with TcpProxy.to(zk_server.hosts) as proxy:
         c = _client(proxy.hosts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from functools import partial
 
-from kazoo.exceptions import NoAuthError, NoNodeError, SessionExpiredError
+from kazoo.exceptions import ConnectionClosedError, NoAuthError, NoNodeError, SessionExpiredError
 from kazoo.protocol.states import EventType, KazooState
 
 from .. import clock, kazoo_compat, znodes
@@ -222,14 +222,33 @@ class Attempt:
                 # no event on it either (exists' watch included).  Watch the queue instead:
                 # the node's end changes it.
                 watched = self.client.get_children_async(self.lk.path, watch=partial(self._on_watch, look, handoff))
-                return kazoo_compat.on_ready(watched, partial(self._on_watch_set, look, handoff, path))
+                name = path.rsplit("/", 1)[1]
+                return kazoo_compat.on_ready(watched, partial(self._on_queue_watch_set, look, handoff, name))
             except RETRYABLE:
                 return self.await_connection(Pending.READ)
             except Exception:
                 self.pending = Pending.READ  # session trouble: the next CONNECTED decides
                 return
-            if reply is None or (isinstance(reply, list) and path.rsplit("/", 1)[1] not in reply):
+            if reply is None:
                 self._advance(handoff)  # gone before our watch was set
+
+    def _on_queue_watch_set(self, look, handoff: bool, name: str, result) -> None:
+        """The queue's watch, set in place of the data watch a node ahead refused us: the
+        node may be gone already."""
+        with self.mutex:
+            if look != self.look or self.finished or self.state is not State.WAITING:
+                return
+            try:
+                children = result.get()
+            except NoAuthError:
+                return self.give_up(znodes.no_auth_error(self.lk.path, "watching the lock queue"))
+            except RETRYABLE:
+                return self.await_connection(Pending.READ)
+            except Exception:
+                self.pending = Pending.READ  # session trouble: the next CONNECTED decides
+                return
+            if name not in children:
+                self._advance(handoff)
 
     def _on_watch(self, look, handoff: bool, event) -> None:
         with self.mutex:
@@ -277,6 +296,12 @@ class Attempt:
             elif state == KazooState.LOST:
                 if self.state in HELD_STATES:
                     self.mark_lost("ZooKeeper session expired")
+                elif (not self.finished and self.state in WAITING_STATES
+                      and self.client.client_state in kazoo_compat.CLOSING_FOR_GOOD):
+                    # Its authentication failed: kazoo never connects this client again, and a
+                    # wait for CONNECTED would be for good (its connection loop ends just after).
+                    self.give_up(ConnectionClosedError("the KazooClient stopped connecting for good (its "
+                                                       "authentication failed): lock with a new client"))
 
     def mark_lost(self, reason: str) -> None:
         if self.state not in HELD_STATES:
