@@ -27,7 +27,7 @@ from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoNodeError,
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.handlers.utils import AsyncResult
 from kazoo.protocol.serialization import CheckVersion, Create, Create2, Delete, SetData, Transaction
-from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
+from kazoo.protocol.states import EventType, KazooState, KeeperState, WatchedEvent, ZnodeStat
 
 from celery_zklock.engine import kazoo_compat, session as zk_session
 from celery_zklock.engine.session import Timers
@@ -365,6 +365,7 @@ class _SimSocket:
 class _SimConnection:
     def __init__(self, client: "SimClient") -> None:
         self._socket = _SimSocket(client)
+        self.connection_stopped = threading.Event()  # kazoo's: its connection loop ended (never, here)
 
 
 class SimClient(KazooClient):
@@ -416,6 +417,15 @@ class SimClient(KazooClient):
     @property
     def connected(self) -> bool:
         return self._live.is_set()
+
+    @property
+    def _state(self):
+        """kazoo's KeeperState (``client_state``), as far as the engine reads it: there is no
+        authentication here, so never AUTH_FAILED, and the client never stops connecting on
+        its own."""
+        if self._stopped.is_set():
+            return KeeperState.CLOSED
+        return KeeperState.CONNECTED if self.connected else KeeperState.CONNECTING
 
     def add_listener(self, listener) -> None:
         if listener not in self._listeners:
