@@ -149,8 +149,12 @@ def closed_for_good(client: KazooClient) -> bool:
     rolling restart of ZooKeeper) or its ``connection_retry`` ran out.  kazoo never connects
     it again, and a lock waiting for it to connect would wait for good: only a new client
     will do."""
-    return (not client._stopped.is_set() and client._state in (KeeperState.AUTH_FAILED, KeeperState.CLOSED)
-            and client._connection.connection_stopped.is_set())  # CLOSED too while starting up
+    if client._stopped.is_set():
+        return False
+    state = client._state
+    # AUTH_FAILED at once (its connection loop ends just after: a lock made in between would
+    # wait for good); CLOSED only once that loop has ended (a client starting up is CLOSED too).
+    return state in CLOSING_FOR_GOOD or (state == KeeperState.CLOSED and client._connection.connection_stopped.is_set())
 
 
 class CreateContainer(Create2):
