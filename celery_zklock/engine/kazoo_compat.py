@@ -140,7 +140,7 @@ def is_stopped(client: KazooClient) -> bool:
 
 
 #: kazoo's states at a LOST that no reconnection follows (its connection loop ends just after).
-CLOSING_FOR_GOOD = (KeeperState.AUTH_FAILED,)
+_CLOSING_FOR_GOOD = (KeeperState.AUTH_FAILED,)
 
 
 def closed_for_good(client: KazooClient) -> bool:
@@ -154,7 +154,8 @@ def closed_for_good(client: KazooClient) -> bool:
     state = client._state
     # AUTH_FAILED at once (its connection loop ends just after: a lock made in between would
     # wait for good); CLOSED only once that loop has ended (a client starting up is CLOSED too).
-    return state in CLOSING_FOR_GOOD or (state == KeeperState.CLOSED and client._connection.connection_stopped.is_set())
+    return state in _CLOSING_FOR_GOOD or (
+        state == KeeperState.CLOSED and client._connection.connection_stopped.is_set())
 
 
 class CreateContainer(Create2):

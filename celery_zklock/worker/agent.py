@@ -292,7 +292,7 @@ def main() -> int:
     def on_state(state: str) -> None:
         if state == KazooState.LOST and not agent.stopped.is_set():
             logger.warning("zklock agent: ZooKeeper session lost; locks held through it are lost")
-            if agent.client.client_state in kazoo_compat.CLOSING_FOR_GOOD:
+            if kazoo_compat.closed_for_good(agent.client):
                 # kazoo never connects this client again (its authentication failed, also when
                 # a connection merely dropped mid-SASL-handshake): end, and the worker starts
                 # a new agent with a new client (its restart backs off while ZooKeeper refuses).

@@ -296,8 +296,7 @@ class Attempt:
             elif state == KazooState.LOST:
                 if self.state in HELD_STATES:
                     self.mark_lost("ZooKeeper session expired")
-                elif (not self.finished and self.state in WAITING_STATES
-                      and self.client.client_state in kazoo_compat.CLOSING_FOR_GOOD):
+                elif not self.finished and self.state in WAITING_STATES and kazoo_compat.closed_for_good(self.client):
                     # Its authentication failed: kazoo never connects this client again, and a
                     # wait for CONNECTED would be for good (its connection loop ends just after).
                     self.give_up(ConnectionClosedError("the KazooClient stopped connecting for good (its "
