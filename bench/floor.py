@@ -198,12 +198,12 @@ def design(services, tasks: int = 500, passes: int = 4) -> dict:
     except BaseException:
         agent.kill()
         raise
-    workloads = {"distinct": (["plain", "skeleton", "zklock"], "trivial", 0.0, lambda tag, p, i: f"{tag}-{i}"),
+    workloads = {"distinct": (["plain", "skeleton", "skeleton_main", "zklock"], "trivial", 0.0, lambda tag, p, i: f"{tag}-{i}"),
                  "hot": (["plain", "skeleton_local", "skeleton_local_full", "zklock"], "hold", HOT_MS, lambda tag, p, i: f"{tag}-{i % HOT_KEYS}")}
     labels = {**skeleton_app.bench_app.CONTENDERS, **skeleton_app.bench_app.EXTRA}
     out: dict = {"tasks_per_pass": tasks, "passes": passes, "hot_keys": HOT_KEYS, "hot_ms": HOT_MS}
     try:
-        driver.contenders = ["plain", "skeleton", "skeleton_local", "skeleton_local_full", "zklock"]
+        driver.contenders = ["plain", "skeleton", "skeleton_main", "skeleton_local", "skeleton_local_full", "zklock"]
         driver.warm_up(40)
         for workload, (names, kind, ms, key_of) in workloads.items():
             meters = {c: CostMeter(services, workers, agents=[agent.pid] if c.startswith("skeleton") else ())

@@ -212,6 +212,8 @@ def issue_39(sc: dict) -> list[dict]:
                            + (f"; with all of our code free {sc['overhead']['floor']['ceiling_zookeeper_kazoo']}x"
                               if sc["overhead"].get("floor") else "")
                            + (f"; the design's floor {_skeleton(sc, 'distinct')}x" if _skeleton(sc, "distinct") else "")
+                           + (f"; another design's floor, the lock in the main process with no agent, {main}x"
+                              if (main := _skeleton(sc, "distinct", MAIN)) else "")
                            + ")"))
         out.append(_target("overhead", who, "worker CPU per task <= 4.5 ms", zk["cpu_workers_ms_per_task"] <= 4.5,
                            f"{zk['cpu_workers_ms_per_task']} ms (plain {plain['cpu_workers_ms_per_task']} ms)"))
@@ -258,6 +260,8 @@ def _skeleton(sc: dict, workload: str, contender: str | None = None):
 
 #: Scenario 14's skeleton with ours' whole message chain on a hot key (claim and next too).
 SIX = "skeleton_local_full"
+#: Scenario 14's other design: the main process joins and leaves the key itself, no agent.
+MAIN = "skeleton_main"
 
 
 def _past_bound(w: dict) -> str:
@@ -346,7 +350,11 @@ NOTES = {
                     "lease, claim, cohort bound, event, signal, timeout or fault handling: not a lock, the cost floor of "
                     "its chain. On hot keys, \"the design's six messages\" adds the two ours sends beyond those four: "
                     "the pool process's one-way `claim` as the body starts, and the `next` notice for the first "
-                    "request behind the holder. All contenders run in the same two workers (prefork -c 2), in turn, order "
+                    "request behind the holder. \"Another design's chain\" has no agent and no message of ours: the worker's "
+                    "main process joins the key with its own kazoo client (the same multi), hands the request to the pool "
+                    "on the reply (one pipe wake-up of its event loop), and deletes the node when the pool's result comes "
+                    "back (Celery's `task_ready`): the floor of moving the lock into the main process. All contenders "
+                    "run in the same two workers (prefork -c 2), in turn, order "
                     "alternating pass by pass.",
     "overhead": "Throughput: bursts of trivial tasks on distinct keys, alternating contender order per pass; "
                 "latency: one task in flight, publish to `task_postrun` (after the contender's unlock), "

@@ -24,7 +24,9 @@ or none (hot keys); no queue order, lease, claim, cohort bound, event, signal, m
 guard, timeout, loss or fault handling.  ``bench.skeleton_local_full.*`` adds the two
 messages ours sends on a hot key beyond those four: the pool process's one-way ``claim``
 as its body starts, and the ``next`` notice to the main process for the first request
-behind the holder (six messages: ours' whole chain on a carried grant, with no logic).  It is not a
+behind the holder (six messages: ours' whole chain on a carried grant, with no logic).
+``bench.skeleton_main.*`` is another design's floor, for comparison: no agent, the worker's
+main process joining and leaving the key itself (:class:`InMain`).  It is not a
 lock (nothing checks an order, nothing survives a fault): only the cost floor of the
 design's chain, with real Celery around it.
 
@@ -51,6 +53,7 @@ from . import app as bench_app
 #: Where the workers' main and pool processes find the skeleton agent.
 SOCK_ENV = "BENCH_SKELETON_SOCK"
 PREFIX = "bench.skeleton"  # bench.skeleton.* joins ZooKeeper, bench.skeleton_local.* only queues here
+MAIN = "bench.skeleton_main."  # joins ZooKeeper from the worker's main process: no agent, no message
 LOCAL = "bench.skeleton_local"  # bench.skeleton_local.* and bench.skeleton_local_full.*
 FULL = "bench.skeleton_local_full."  # also ours' claim and next-in-line notice: six messages
 
@@ -200,6 +203,8 @@ class Gate(bootsteps.StartStopStep):
     def on_request(self, req) -> None:
         if self.sock is None or not req.task.name.startswith(PREFIX):
             return self.inner(req)
+        if req.task.name.startswith(MAIN):
+            return _in_main.join(self.c, req, self.inner)
         self.aside[req.id] = req
         self.sock.sendall(_line({"op": "wait", "id": req.id, "key": f"k:{(req.args or [None])[0]}",
                                  "local": req.task.name.startswith(LOCAL), "full": req.task.name.startswith(FULL)}))
@@ -213,6 +218,90 @@ class Gate(bootsteps.StartStopStep):
 
 
 bench_app.app.steps["consumer"].add(Gate)
+
+
+class InMain:
+    """Another design's floor, for comparison: the worker's main process joins the key
+    itself (a kazoo client of its own, the same multi), hands the request to the pool on
+    the reply, and leaves the key with a delete when the pool's own result message comes
+    back (Celery's ``on_success``/``on_failure`` of the request, in the main process).
+    No agent and no message of ours between processes: kazoo's two threads and one pipe
+    wake-up of the event loop per grant.  Not a lock either (nothing checks a claim, a
+    lease, a loss, or the body's end against the node)."""
+
+    def __init__(self) -> None:
+        self.client = None
+        self.ready: collections.deque = collections.deque()
+        self.nodes: dict[str, str] = {}
+
+    def _start(self, c) -> None:
+        from kazoo.client import KazooClient
+
+        self.client = KazooClient(hosts=os.environ["BENCH_ZK_HOSTS"])
+        self.client.start(timeout=30)
+        self.root = os.environ["BENCH_ZK_ROOT"] + "/skeleton-main"
+        self.client.ensure_path(self.root)
+        self.rfd, self.wfd = os.pipe()
+        os.set_blocking(self.rfd, False)
+        c.hub.add_reader(self.rfd, self._drain)
+
+    def join(self, c, req, grant) -> None:
+        from celery_zklock.engine import kazoo_compat
+
+        if self.client is None:
+            self._start(c)
+        key = f"{self.root}/k:{(req.args or [None])[0]}"
+
+        def joined(made) -> None:  # kazoo's completion thread: to the event loop by the pipe
+            (_container, (node, _stat)), = made.get()
+            self.nodes[req.id] = node
+            self.ready.append((grant, req))
+            os.write(self.wfd, b"x")
+
+        request = [(key, f"{key}/_c_x-lock-", b"", None, None)]
+        kazoo_compat.create_in_new_containers_async(self.client, request).rawlink(joined)
+
+    def _drain(self) -> None:
+        try:
+            os.read(self.rfd, 65536)
+        except BlockingIOError:
+            pass
+        while self.ready:
+            grant, req = self.ready.popleft()
+            grant(req)
+
+    def leave(self, task_id: str) -> None:
+        node = self.nodes.pop(task_id, None)
+        if node is not None:
+            self.client.delete_async(node)
+
+
+_in_main = InMain()
+
+
+def _leave_when_ready():
+    """Leave the key when the pool's result reaches the main process: Celery's fast request
+    class calls ``task_ready`` there for every finished request (its ``on_success`` calls no
+    base class's), bound as a default argument of ``create_request_cls``, so that default is
+    the hook; one dict lookup for other tasks."""
+    from celery.worker import request as request_module
+
+    make = request_module.create_request_cls
+    names = make.__code__.co_varnames[:make.__code__.co_argcount]
+    defaults = list(make.__defaults__)
+    at = len(defaults) - (len(names) - names.index("task_ready"))
+    ready = defaults[at]
+
+    def task_ready(request, *args, **kwargs):
+        _in_main.leave(request.id)
+        return ready(request, *args, **kwargs)
+
+    defaults[at] = task_ready
+    make.__defaults__ = tuple(defaults)
+    request_module.task_ready = task_ready  # the base class's paths (a failure, a revoke)
+
+
+_leave_when_ready()
 
 
 # ------------------------------------------------------------------ the pool process
@@ -247,6 +336,8 @@ class SkeletonTask(Task):
     abstract = True
 
     def __call__(self, *args, **kwargs):
+        if self.name.startswith(MAIN):
+            return self.run(*args, **kwargs)
         if self.name.startswith(FULL):
             _claim(self.request.id)
         try:
@@ -256,8 +347,16 @@ class SkeletonTask(Task):
                 raise RuntimeError("released without proof")
 
 
+class SkeletonMainTask(SkeletonTask):
+    """The body only: the main process joined the key and leaves it on the result."""
+
+    abstract = True
+
+
 bench_app.add_contender("skeleton", "the design's chain (ZooKeeper)", SkeletonTask, {})
 bench_app.add_contender("skeleton_local", "the design's chain (agent's queue)", SkeletonTask, {})
+bench_app.add_contender("skeleton_main", "another design's chain: the lock in the main process (ZooKeeper)",
+                        SkeletonMainTask, {})
 bench_app.add_contender("skeleton_local_full", "the design's six messages (agent's queue)", SkeletonTask, {})
 app = bench_app.app  # what ``celery -A bench.skeleton_app`` loads
 
