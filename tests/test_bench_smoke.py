@@ -102,7 +102,10 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
     # delete on the pool's result counted (a hook Celery's request class bypassed once).
     assert is_number(design["distinct"]["skeleton_main"]["throughput_vs_plain"])
     assert design["distinct"]["skeleton_main"]["zk_requests_per_task"] >= 1.5
-    assert design["distinct"]["skeleton_main"]["cpu_worker_agent_ms_per_task"] < 0.1
+    # Its "agent" column is only idle processes (a few heartbeats over a quick run's few
+    # tasks), well under the chain whose agent joins and leaves every key.
+    assert (design["distinct"]["skeleton_main"]["cpu_worker_agent_ms_per_task"]
+            < design["distinct"]["skeleton"]["cpu_worker_agent_ms_per_task"] / 2)
     assert design["hot"]["skeleton_local"]["zk_requests_per_task"] < 0.5
     assert design["hot"]["skeleton_local_full"]["zk_requests_per_task"] < 0.5
     flash = results["scenarios"]["flash_sale"]["modes"]
