@@ -360,6 +360,12 @@ MUTANTS = [
            "engine/znodes.py",
            "        return -int(tail[1:])  # -000000001 .. -999999999\n",
            "        return None\n"),
+    Mutant("sequence-zero-holds", "54. a node of sequence 0 taken to hold without reading the queue, wherever it "
+           "was made: only a node made in one multi with its container is alone there; past the second wrap "
+           "(-1 to 0) a node of sequence 0 queues behind the nodes of -1, -2 ..., and would hold beside them",
+           "engine/attempt/machine.py",
+           "            if listed is Queue.FRESH and znodes.sequence_of(name) == 0:\n",
+           "            if znodes.sequence_of(name) == 0:\n"),
 ]
 
 
