@@ -353,7 +353,8 @@ NOTES = {
                     "request behind the holder. \"Another design's chain\" has no agent and no message of ours: the worker's "
                     "main process joins the key with its own kazoo client (the same multi), hands the request to the pool "
                     "on the reply (one pipe wake-up of its event loop), and deletes the node when the pool's result comes "
-                    "back (Celery's `task_ready`): the floor of moving the lock into the main process. All contenders "
+                    "back (Celery's `task_ready`; nobody waits for the delete's reply, unlike the chain's pool process): "
+                    "the floor of moving the lock into the main process. All contenders "
                     "run in the same two workers (prefork -c 2), in turn, order "
                     "alternating pass by pass.",
     "overhead": "Throughput: bursts of trivial tasks on distinct keys, alternating contender order per pass; "

@@ -227,7 +227,8 @@ class InMain:
     back (Celery's ``on_success``/``on_failure`` of the request, in the main process).
     No agent and no message of ours between processes: kazoo's two threads and one pipe
     wake-up of the event loop per grant.  Not a lock either (nothing checks a claim, a
-    lease, a loss, or the body's end against the node)."""
+    lease, a loss, or the body's end against the node), and nobody waits for the delete's
+    reply, where the agent chain's pool process waits for it: that flatters this design."""
 
     def __init__(self) -> None:
         self.client = None
