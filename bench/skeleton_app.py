@@ -337,8 +337,6 @@ class SkeletonTask(Task):
     abstract = True
 
     def __call__(self, *args, **kwargs):
-        if self.name.startswith(MAIN):
-            return self.run(*args, **kwargs)
         if self.name.startswith(FULL):
             _claim(self.request.id)
         try:
@@ -348,8 +346,9 @@ class SkeletonTask(Task):
                 raise RuntimeError("released without proof")
 
 
-class SkeletonMainTask(SkeletonTask):
-    """The body only: the main process joined the key and leaves it on the result."""
+class SkeletonMainTask(Task):
+    """The body only, as plain Celery runs it (no ``__call__`` of its own): the main process
+    joined the key and leaves it on the result."""
 
     abstract = True
 
