@@ -282,8 +282,6 @@ def auth_problem(client, settings) -> str | None:
     Why a probe: ZooKeeper accepts the connection and only then closes a session that
     failed or lacks SASL, and kazoo keeps reconnecting; without this a worker would start,
     and every task would fail with a bare ConnectionLoss."""
-    from kazoo.exceptions import SessionClosedRequireSaslError
-
     sasl = dict(settings.sasl_options or ())
     failed = False
     # With SASL, twice a moment apart (the server may close the session late); without,
@@ -291,9 +289,9 @@ def auth_problem(client, settings) -> str | None:
     for attempt in range(2 if sasl else 1):
         try:
             client.exists_async("/").get(timeout=settings.connect_timeout)
-        except SessionClosedRequireSaslError:
-            return "the server requires SASL authentication: set zklock_sasl_options"
-        except Exception:  # the session closed (AuthFailed, ConnectionLoss/Closed), or no reply
+        except Exception as exc:  # the session closed (AuthFailed, ConnectionLoss/Closed), or no reply
+            if _SASL_REQUIRED is not None and isinstance(exc, _SASL_REQUIRED):
+                return "the server requires SASL authentication: set zklock_sasl_options"
             failed = True
         if attempt == 0 and sasl:
             import time
@@ -302,4 +300,26 @@ def auth_problem(client, settings) -> str | None:
     if sasl and (failed or not client.connected):
         return (f"it closed our session right after SASL {sasl.get('mechanism')} authentication as "
                 f"{sasl.get('username')!r}: check zklock_sasl_options' username and password")
+    if failed and _SASL_REQUIRED is None:
+        return ("it closed our session at once; if the server requires SASL authentication, set "
+                f"zklock_sasl_options (kazoo {_kazoo_version()} cannot tell that reply from others: "
+                "kazoo >= 2.11 names it)")
     return None
+
+
+def _sasl_required_error() -> type | None:
+    """kazoo's exception for ZooKeeper's "session closed: SASL required" reply (-124), or None
+    before kazoo 2.11, which has no name for that code: its reader then fails on the unknown
+    code and the session just drops, so :func:`auth_problem` can only suggest SASL."""
+    import kazoo.exceptions
+
+    return getattr(kazoo.exceptions, "SessionClosedRequireSaslError", None)
+
+
+def _kazoo_version() -> str:
+    from importlib.metadata import version
+
+    return version("kazoo")
+
+
+_SASL_REQUIRED = _sasl_required_error()

@@ -473,7 +473,8 @@ class WindowBand:
         send = qos.callback
 
         def callback(prefetch_count):
-            return send(prefetch_count=window_sent(prefetch_count, self.raised, qos.max_prefetch))
+            # ``max_prefetch`` (``worker_eta_task_limit``): kombu >= 5.6; before, no limit.
+            return send(prefetch_count=window_sent(prefetch_count, self.raised, getattr(qos, "max_prefetch", None)))
 
         qos.callback = callback
         self.qos, self.raised = qos, 0  # a new consumer start's window holds none of ours
