@@ -131,11 +131,11 @@ class Agent:
             events.sleeping = True
             ready = self.selector.select(0 if events.items else None)
             events.sleeping = False
-            for key, _mask in ready:
+            for key, mask in ready:
                 if key.data is None:
                     events.drain_wake()
                 else:
-                    key.data(key.fileobj)
+                    key.data(mask)
             for _ in range(len(events.items)):
                 fn, args = events.items.popleft()
                 if fn is None:
@@ -156,7 +156,7 @@ class Agent:
         os.chmod(self.path, 0o600)
         server.listen(128)
         self.selector = selectors.DefaultSelector()
-        self.selector.register(server, selectors.EVENT_READ, self._accept)
+        self.selector.register(server, selectors.EVENT_READ, lambda _mask: self._accept(server))
         loop = threading.Thread(target=self._loop, name="zklock-agent-events", daemon=True)
         loop.start()
         threading.Thread(target=self._heartbeat, name="zklock-agent-heartbeat", daemon=True).start()
@@ -172,10 +172,23 @@ class Agent:
             sock, _ = server.accept()
         except OSError:
             return
-        peer = Connection(sock)
+        peer = Connection(sock, on_backlog=lambda: self.post(self._backlog, peer))
         with self.peers_lock:
             self.peers.add(peer)
-        self.selector.register(sock, selectors.EVENT_READ, lambda _sock: self._read(peer))
+        self.selector.register(sock, selectors.EVENT_READ, lambda mask: self._ready(peer, mask))
+
+    def _ready(self, peer: Connection, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE and peer.flush() and not peer.closed:
+            self.selector.modify(peer.sock, selectors.EVENT_READ, lambda m: self._ready(peer, m))
+        if mask & selectors.EVENT_READ:
+            self._read(peer)
+
+    def _backlog(self, peer: Connection) -> None:
+        """A peer's socket took only part of what we sent: write the rest when it can take it
+        (the event thread never blocks on a peer: :class:`~.agent_link.Connection`)."""
+        if peer.pending and not peer.closed:
+            self.selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
+                                 lambda m: self._ready(peer, m))
 
     def _read(self, peer: Connection) -> None:
         """A peer's socket is readable: its messages, or its end (the socket then leaves

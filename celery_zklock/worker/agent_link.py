@@ -136,13 +136,22 @@ class LineReader:
 
 
 class Connection:
-    """A blocking connection with a thread-safe ``send`` (used by agent and pool processes)."""
+    """A connection with a thread-safe ``send`` (used by agent and pool processes).
 
-    def __init__(self, sock: socket.socket) -> None:
+    A pool process's sends block (it waits for the answer anyway).  The agent's never do:
+    made with ``on_backlog``, what the peer's socket cannot take now waits in an outbox, and
+    ``on_backlog()`` asks the agent's event loop to :meth:`flush` it when the socket is
+    writable.  Why: an agent blocked on a peer that is itself blocked sending to it (the
+    worker's main process re-sending its backlog after an agent restart) stalled both for
+    good, and with them every key they queued for."""
+
+    def __init__(self, sock: socket.socket, on_backlog=None) -> None:
         self.sock = sock
         self._send_guard = threading.Lock()
         self._reader = LineReader()
         self.closed = False
+        self._on_backlog = on_backlog
+        self._outbox = bytearray()  # bytes the peer's socket did not take yet (with on_backlog)
 
     @classmethod
     def open(cls, path: str, timeout: float = 5.0) -> "Connection":
@@ -158,12 +167,48 @@ class Connection:
         with self._send_guard:
             if self.closed:
                 return False
+            if self._on_backlog is not None:
+                return self._queue(data)
             try:
                 self.sock.sendall(data)
                 return True
             except OSError:
                 self.closed = True
                 return False
+
+    def _queue(self, data: bytes) -> bool:
+        """Non-blocking send, under the guard: what does not fit waits in the outbox, whose
+        order a later send never jumps."""
+        backlog = bool(self._outbox)
+        self._outbox += data
+        if not backlog:
+            self._write()
+            if self._outbox:
+                self._on_backlog()
+        return not self.closed
+
+    def _write(self) -> None:
+        try:
+            sent = self.sock.send(self._outbox, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.closed = True  # the reader sees the end and lets go of what it held
+            self._outbox.clear()
+            return
+        del self._outbox[:sent]
+
+    def flush(self) -> bool:
+        """The socket is writable: send what waits; True once nothing does."""
+        with self._send_guard:
+            if self._outbox and not self.closed:
+                self._write()
+            return not self._outbox
+
+    @property
+    def pending(self) -> int:
+        """Bytes waiting in the outbox."""
+        return len(self._outbox)
 
     def receive(self, block: bool = True) -> list[dict] | None:
         """The next messages (blocking for them, or ``[]`` when none are there yet with

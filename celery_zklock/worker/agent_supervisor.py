@@ -97,6 +97,78 @@ def running() -> AgentProcess | None:
     return _agent
 
 
+class Outbox:
+    """The main process's bytes for the agent, written as its socket takes them.
+
+    Why: ``sendall`` in Celery's event loop blocked it whenever the agent was slow to read,
+    and an agent restart that re-sent thousands of held requests deadlocked the worker: the
+    loop blocked sending while the new agent blocked answering, unread (neither then read,
+    dispatched, reaped or shut down).  A send that timed out part way also left half a line
+    that the next message was glued to.  Here a send never blocks and never splits a
+    message: what the socket does not take waits, in order, and the hub writes it when the
+    socket is writable (through a duplicate of its descriptor: kombu's epoll keeps one
+    registration per descriptor, the reader's)."""
+
+    def __init__(self, sock: socket.socket, hub) -> None:
+        self.sock = sock
+        self.hub = hub
+        self.data = bytearray()
+        self.wfd: int | None = None  # the duplicate registered for writing while data waits
+
+    def send(self, data: bytes) -> None:
+        backlog = bool(self.data)
+        self.data += data
+        if not backlog:
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            sent = self.sock.send(self.data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the agent is gone: the reader sees it and restarts it
+            self.data.clear()
+            sent = 0
+        del self.data[:sent]
+        if self.data and self.wfd is None:
+            self.wfd = os.dup(self.sock.fileno())
+            self.hub.add_writer(self.wfd, self._write)
+        elif not self.data and self.wfd is not None:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        self.hub.remove_writer(self.wfd)
+        os.close(self.wfd)
+        self.wfd = None
+
+    @property
+    def pending(self) -> int:
+        return len(self.data)
+
+    def register(self, hub) -> None:
+        """The event loop (re)starts with a reset hub (a broker reconnection): watch again."""
+        self.hub = hub
+        if self.wfd is not None:
+            hub.add_writer(self.wfd, self._write)
+
+    def drain(self, timeout: float) -> bool:
+        """At shutdown, when the hub no longer turns: write what waits, for up to ``timeout``
+        seconds; True if all went.  (The agent also lets go of whatever a main process that
+        is gone left waiting.)"""
+        deadline = time.monotonic() + timeout
+        while self.data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.sock], [], left)[1]:
+                return False
+            self._write()
+        return True
+
+    def close(self) -> None:
+        self.data.clear()
+        if self.wfd is not None:
+            self._unwatch()
+
+
 class AgentSupervisor:
     """The consumer step's link to the agent (the base class of
     :class:`~celery_zklock.worker.worker_queue.WaitOutsidePool`, which holds the state and
@@ -106,7 +178,9 @@ class AgentSupervisor:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(5.0)
         sock.connect(_agent.path)
+        sock.setblocking(False)  # nothing here may block Celery's event loop (_send)
         self.sock = sock
+        self.outbox = Outbox(sock, self.c.hub)
         self.reader = LineReader()
         self.last_ping = time.monotonic()
         self._send({"op": "hello", "role": "main", "pid": os.getpid()})
@@ -115,14 +189,15 @@ class AgentSupervisor:
     def _send(self, message: dict) -> None:
         if self.sock is None:
             return  # no agent (being restarted): nothing of ours waits in it
-        try:
-            self.sock.sendall(encode(message))
-        except OSError:
-            pass  # the agent is gone: the reader sees it and restarts it
+        self.outbox.send(encode(message))
 
     def _readable(self) -> None:
+        if self.sock is None:
+            return
         try:
             data = self.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return  # nothing yet (the liveness check reads too)
         except OSError:
             data = b""
         if not data:
@@ -152,6 +227,7 @@ class AgentSupervisor:
         timeout if it could not close); requests we held queue again at the back.
         """
         self.c.hub.remove(self.sock.fileno())
+        self.outbox.close()
         self.sock.close()
         self.sock = None
         logger.error("celery-zklock: the lock agent is gone; restarting it (%d request(s) waiting)", len(self.aside))

@@ -63,6 +63,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.expiring: set[str] = set()  # held ids with an ``expires`` (checked every 0.1 s)
         self.counted_waiting: set[str] = set()  # held ids in the zklock_waiting gauge
         self.sock: socket.socket | None = None
+        self.outbox = None  # what waits to be written to the agent (agent_supervisor.Outbox)
         self.reader = LineReader()
         self.last_ping = time.monotonic()
         self.timers: list = []
@@ -112,6 +113,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         Without it the agent's grants were read only by the 0.4 s liveness check."""
         if self.active and self.sock is not None:
             hub.add_reader(self.sock.fileno(), self._readable)
+            self.outbox.register(hub)
 
     def on_close(self) -> None:
         """Celery drops the requests no pool process has taken yet (its semaphore, the
@@ -397,6 +399,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             # In the pool, next in line: unless granted meanwhile, its process is told
             # "shutdown" and publishes it back to the broker instead of running it.
             self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN, "in_pool": True})
+        if self.sock is not None and not self.outbox.drain(2.0):
+            logger.warning("celery-zklock: the lock agent did not read our last messages; it lets go of what "
+                           "we held once this process has gone")
 
     shutdown = stop
 
