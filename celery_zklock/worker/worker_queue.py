@@ -372,20 +372,19 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         for request_id, req in list(self.aside.items()):
             self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN})
             self._not_waiting(request_id, req)
-            try:
-                req.reject(requeue=True)
+            if returned_to_broker(req):
                 returned += 1
-            except Exception as exc:
+            else:
                 failed += 1
-                logger.warning("could not return waiting task %s to the broker: %r", request_id, exc)
+        could_not = (f", {failed} could not be returned on a broken connection (the broker takes them back itself: "
+                     f"RabbitMQ at once, Redis after its visibility_timeout)" if failed else "")
         if restarting:
             logger.info("celery-zklock: the broker connection restarts: %d waiting task(s) went back to the broker%s%s",
-                        returned, f", {failed} could not (see above)" if failed else "",
+                        returned, could_not,
                         f"; {len(self.early)} next in line in the pool wait there for their locks" if self.early else "")
         elif returned or failed or self.early or not getattr(self, "_stop_logged", False):
             self._stop_logged = True  # Celery calls stop, then shutdown: one line, not two
-            logger.info("celery-zklock: stopping: %d waiting task(s) went back to the broker%s%s", returned,
-                        f", {failed} could not (see above)" if failed else "",
+            logger.info("celery-zklock: stopping: %d waiting task(s) went back to the broker%s%s", returned, could_not,
                         f"; {len(self.early)} next in line in the pool go back from there" if self.early else "")
         self.aside.clear()
         self.counted.clear()
@@ -404,6 +403,19 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                            "we held once this process has gone")
 
     shutdown = stop
+
+
+def returned_to_broker(req) -> bool:
+    """Reject ``req``'s message with requeue; True only if the broker took it back.  Why
+    read the message's state: Celery's ``Request.reject`` logs a connection error ("Couldn't
+    reject") instead of raising, so a count of attempts said tasks went back that had not
+    (their channel was gone)."""
+    try:
+        req.reject(requeue=True)
+    except Exception as exc:
+        logger.warning("could not return waiting task %s to the broker: %r", req.id, exc)
+        return False
+    return bool(getattr(req.message, "acknowledged", False))
 
 
 def among(held, revoked) -> list:

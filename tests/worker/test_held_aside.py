@@ -7,6 +7,7 @@ on one key (held by this test process), which takes a worker of its own per test
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import uuid
@@ -68,3 +69,74 @@ def test_an_agent_restart_with_a_large_backlog_resumes_every_request_in_order(mo
             lock.release()
         w.stop(timeout=30)
         assert not w.alive(), "the worker did not complete its warm shutdown"
+
+
+RABBITMQ_PORT = 5672
+
+
+def _rabbitmq_up() -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", RABBITMQ_PORT), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ at 127.0.0.1:5672")
+def test_rabbitmq_cut_with_requests_held_aside_runs_each_once_and_says_what_went_back(mod, env, zk_client):
+    """300 requests held aside on 3 keys (held by the test), the worker's broker connections
+    cut twice, 3 s apart.  RabbitMQ takes back what a closed connection held unacked, and
+    the worker can no longer reject those deliveries: it must not say they "went back"
+    (before: every one counted), and each task must run exactly once, none lost."""
+    from kombu import Connection
+
+    from tests.brokerproxy import BrokerProxy
+
+    keys = [f"rmq-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    locks = [_held_by_us(zk_client, mod, k) for k in keys]
+    queue = f"held-{uuid.uuid4().hex[:8]}"
+    direct = f"amqp://guest:guest@127.0.0.1:{RABBITMQ_PORT}//"
+    n = 300
+    with BrokerProxy(RABBITMQ_PORT) as proxy, Connection(direct) as conn:
+        worker_env = {**env, "TEST_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{proxy.port}//"}
+        w = Worker(worker_env, "rmqcut", concurrency=2, extra=["-Q", queue]).start()
+        try:
+            wait_until(lambda: " ready." in w.log(), 30, what="the worker's consumer")
+            for i in range(n):
+                mod.hold.apply_async((keys[i % 3], 0, i), queue=queue, connection=conn)
+            time.sleep(3.0)  # all delivered and held aside (the window grows as they wait)
+            proxy.cut()
+            time.sleep(3.0)
+            proxy.cut()
+            wait_until(lambda: len(re.findall(RESTARTS, _whole_log(w))) >= 2, 30, what="two consumer restarts")
+            for lock in locks:
+                lock.release()
+            wait_until(lambda: len({r["tag"] for r in history(mod, "hold")}) >= n, 60, interval=0.5,
+                       what=f"all {n} to run")
+            time.sleep(2.0)  # a second run of any would show by now
+            rows = history(mod, "hold")
+            runs: dict = {}
+            for r in rows:
+                runs[r["tag"]] = runs.get(r["tag"], 0) + 1
+            twice = sorted(t for t, c in runs.items() if c > 1)
+            assert not twice, f"{len(twice)} ran more than once: {twice[:10]}"
+            assert len(runs) == n
+            said = [int(x) for x in re.findall(RESTARTS, _whole_log(w))]
+            assert said and max(said) == 0, f"the worker said {said} went back on a cut connection"
+        finally:
+            for lock in locks:
+                if lock.is_held():
+                    lock.release()
+            w.stop(timeout=30)
+        with conn.channel() as ch:
+            ch.queue_delete(queue)
+
+
+RESTARTS = r"the broker connection restarts: (\d+) waiting task\(s\) went back"
+
+
+def _whole_log(w) -> str:
+    with open(w.log_path, errors="replace") as f:
+        return f.read()

@@ -1,0 +1,116 @@
+"""A loopback byte proxy in front of a broker (Redis or RabbitMQ) that can cut, stall and
+black-hole its connections, for the tests of what the broker does to requests held aside.
+
+Why not tests/tcpproxy.py: that one parses ZooKeeper's framing to lose one reply; a broker
+fault needs only whole connections: :meth:`BrokerProxy.cut` closes every connection (the
+client sees its connection reset, RabbitMQ requeues what that connection held unacked),
+:meth:`BrokerProxy.stall` passes nothing either way and delivers what it buffered once
+resumed (a stall that delivers late), and new connections pass as usual unless stalled.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class _Pipe:
+    def __init__(self, proxy: "BrokerProxy", client: socket.socket) -> None:
+        self.proxy = proxy
+        self.client = client
+        self.server = socket.create_connection((proxy.host, proxy.port_to))
+        self.closed = False
+
+    def start(self) -> None:
+        for src, dst in ((self.client, self.server), (self.server, self.client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True, name="broker-proxy").start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                self.proxy.flowing.wait()
+                if self.closed:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for s in (self.client, self.server):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self.proxy.forget(self)
+
+
+class BrokerProxy:
+    """``127.0.0.1:<port>`` forwarding to ``host:port_to``."""
+
+    def __init__(self, port_to: int, host: str = "127.0.0.1") -> None:
+        self.host, self.port_to = host, port_to
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self._pipes: set[_Pipe] = set()
+        self._guard = threading.Lock()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = self._listener.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True, name="broker-proxy-accept").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                pipe = _Pipe(self, client)
+            except OSError:
+                client.close()
+                continue
+            with self._guard:
+                self._pipes.add(pipe)
+                self.accepted += 1
+            pipe.start()
+
+    def forget(self, pipe: _Pipe) -> None:
+        with self._guard:
+            self._pipes.discard(pipe)
+
+    def cut(self) -> int:
+        """Close every connection now; returns how many there were."""
+        with self._guard:
+            pipes = list(self._pipes)
+        for pipe in pipes:
+            pipe.close()
+        return len(pipes)
+
+    def stall(self) -> None:
+        """Pass nothing either way (bytes wait in the proxy) until :meth:`resume`."""
+        self.flowing.clear()
+
+    def resume(self) -> None:
+        self.flowing.set()
+
+    def close(self) -> None:
+        self.resume()
+        self._listener.close()
+        self.cut()
+
+    def __enter__(self) -> "BrokerProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
