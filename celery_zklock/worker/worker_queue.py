@@ -32,6 +32,7 @@ from . import agent_supervisor
 from .agent_link import BYPASSED, CARRIED, HEARTBEAT, Cancel, LineReader
 from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
 from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
+from .held_lease import SWEEP_EVERY, HeldLeases, forget_delivery, redis_channel
 from .pool_handoff import Early, hand_over_early, handoff_slots, may_park, pool_size, run_next
 
 logger = get_logger("celery_zklock.worker")
@@ -78,6 +79,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         agent = agent_supervisor.running()
         self.active = agent is not None and getattr(c, "hub", None) is not None
         self.handoff_slots = handoff_slots(c, agent.settings) if self.active else 0
+        # Redis messages held aside: leased, not left to the visibility timeout (held_lease).
+        self.leases = HeldLeases(agent.settings.session_timeout if agent is not None else 10.0)
         if self.active:
             c.on_task_request = self.on_request
             # Celery's close drops requests no pool process took yet: at a broker reconnection
@@ -105,7 +108,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if not self.timers:
             self.timers = [c.hub.call_repeatedly(0.1, self._check_revoked),
                            c.hub.call_repeatedly(0.1, self._park_next_up),  # also after tasks not ours
-                           c.hub.call_repeatedly(HEARTBEAT * 2, self._check_agent)]
+                           c.hub.call_repeatedly(HEARTBEAT * 2, self._check_agent),
+                           c.hub.call_repeatedly(self.leases.lease / 4, self._renew_leases),
+                           c.hub.call_repeatedly(SWEEP_EVERY, self._sweep)]
 
     def register_with_event_loop(self, c, hub) -> None:
         """Read the agent through the hub again: a broker reconnection resets the hub, which
@@ -139,10 +144,20 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         task = req.task
         if self.sock is None or task.acks_late or not req.id or not is_locked_task(task):
             return self.inner(req)
-        if req.id in self.aside:  # another delivery of this task id waits here: it locks in process
+        held = self.aside.get(req.id)
+        if held is not None and _tag(held) == _tag(req):
+            # The same message again: Redis swept the held one back (its lease lapsed while
+            # this worker stalled): that delivery is void, this one waits in its place.
+            self.aside.pop(req.id)
+            self._taken_back(req.id, held, redelivered_here=True)
+        elif held is not None:  # another message with this task id waits here: it locks in process
             _mark(req, BYPASSED, True)
             return self.inner(req)
         self.aside[req.id] = req
+        if not self.leases.new and self.leases.hold(req):
+            self.c.hub.call_soon(self._renew_leases, True)
+        else:
+            self.leases.hold(req)
         if req.expires:
             self.expiring.add(req.id)
         if not self._submit(req):
@@ -208,7 +223,10 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         req = self.aside.pop(request_id, None)
         if req is None:
             return
+        ours = self.leases.ours(req)
         self._not_waiting(request_id, req)
+        if not ours:
+            return self._taken_back(request_id, req)
         # The grant travels with the task (agent_lock.claim), in the delivery's own fields:
         # the worker builds them anew for every delivery, and they are not headers, which a
         # retry publishes again.  So does the mark of a delivery the agent bypassed.
@@ -288,6 +306,32 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         if request_id in self.counted_waiting:
             self.counted_waiting.discard(request_id)
             metrics.record("waited", req.task)
+        self.leases.let_go(req)
+
+    def _taken_back(self, request_id: str, req, redelivered_here: bool = False) -> None:
+        """The broker took back the message of ``req``, held aside (its lease lapsed): it
+        runs from its next delivery, never from this one.  The agent lets go of its wait or
+        grant; the delivery is forgotten here, unacknowledged."""
+        self._not_waiting(request_id, req)
+        seq = _seq(req)
+        self._send({"op": "finished", "ids": [request_id], "seqs": [seq]})
+        forget_delivery(req, redelivered_here)
+        logger.warning("celery-zklock: task %s, held aside for its lock, went back to the broker's queue (this worker "
+                       "could not renew its lease for %.0fs); it runs from its next delivery", request_id,
+                       self.leases.lease)
+
+    def _renew_leases(self, new_only: bool = False) -> None:
+        lost = self.leases.renew_new() if new_only else self.leases.renew()
+        if lost:
+            for request_id, req in [(i, r) for i, r in self.aside.items() if _tag(r) in lost]:
+                self.aside.pop(request_id)
+                self.next_up.pop(request_id, None)
+                self._taken_back(request_id, req)
+
+    def _sweep(self) -> None:
+        channel = redis_channel(getattr(getattr(self.c, "task_consumer", None), "channel", None))
+        if channel is not None:
+            self.leases.sweep(channel)
 
     def _revoked_in_pool(self, request_id: str) -> None:
         """The agent gave up the node of a request revoked while next in line in the pool:
@@ -403,6 +447,11 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
                            "we held once this process has gone")
 
     shutdown = stop
+
+
+def _tag(req):
+    """The delivery tag of ``req``'s message (Redis keeps it across a sweep back to the queue)."""
+    return getattr(getattr(req, "message", None), "delivery_tag", None)
 
 
 def returned_to_broker(req) -> bool:

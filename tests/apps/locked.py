@@ -43,6 +43,10 @@ if os.environ.get("TEST_ZK_COHORT_HANDOFFS"):
     app.conf.zklock_cohort_handoffs = int(os.environ["TEST_ZK_COHORT_HANDOFFS"])
 if os.environ.get("TEST_ETA_TASK_LIMIT"):
     app.conf.worker_eta_task_limit = int(os.environ["TEST_ETA_TASK_LIMIT"])
+if os.environ.get("TEST_VISIBILITY"):
+    # Redis's visibility timeout, and kombu's sweep every second (its default: every 100 s).
+    app.conf.broker_transport_options = {"visibility_timeout": float(os.environ["TEST_VISIBILITY"]),
+                                         "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 if os.environ.get("TEST_POOL_START_METHOD"):
     app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)

@@ -140,3 +140,57 @@ RESTARTS = r"the broker connection restarts: (\d+) waiting task\(s\) went back"
 def _whole_log(w) -> str:
     with open(w.log_path, errors="replace") as f:
         return f.read()
+
+
+def _runs(mod) -> dict:
+    runs: dict = {}
+    for r in history(mod, "hold"):
+        runs[r["tag"]] = runs.get(r["tag"], 0) + 1
+    return runs
+
+
+def test_redis_never_delivers_a_held_request_again_past_its_visibility_timeout(mod, env):
+    """One worker (-c 2), 120 tasks of 100 ms on one key, Redis's visibility_timeout 8 s (and
+    kombu's sweep every second): most wait aside far longer than 8 s.  Each runs once (before:
+    the sweep put the long-held ones back in the queue, and 25 of 120 ran twice)."""
+    n = 120
+    key = f"vis-{uuid.uuid4().hex[:6]}"
+    w = Worker({**env, "TEST_VISIBILITY": "8"}, "vis", concurrency=2).start(mod.app)
+    try:
+        for i in range(n):
+            mod.hold.delay(key, 100, i)
+        wait_until(lambda: len(_runs(mod)) >= n, 90, interval=0.5, what=f"all {n} to run")
+        time.sleep(10.0)  # a copy swept back late would run by now
+        runs = _runs(mod)
+        twice = sorted(t for t, c in runs.items() if c > 1)
+        assert not twice, f"{len(twice)} of {n} ran twice: {twice[:10]}"
+    finally:
+        w.stop(timeout=30)
+
+
+def test_redis_a_killed_workers_held_requests_run_elsewhere_within_seconds(mod, env):
+    """Two workers (-c 2), 150 tasks of 40 ms on one key, one worker's whole process group
+    SIGKILLed 2 s in, Redis's default visibility timeout (1 hour).  Every task runs within
+    the lease (the session timeout, 4 s here) and a few seconds (before: 42 of 150 waited for
+    the hour).  A task the killed worker had started may run again (at least once, as in plain
+    Celery): none other does."""
+    n = 150
+    key = f"kill-{uuid.uuid4().hex[:6]}"
+    a = Worker(env, "leasea", concurrency=2).start(mod.app)
+    b = Worker(env, "leaseb", concurrency=2).start(mod.app)
+    try:
+        for i in range(n):
+            mod.hold.delay(key, 40, i)
+        held = wait_until(lambda: _waiting_aside(a, mod) >= 20 and _waiting_aside(a, mod), 20, interval=0.1,
+                          what="the first worker holding requests aside")
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        lost_at_most = 3  # acknowledged in the killed worker: running (-c 2), and one next in line there
+        wait_until(lambda: len(_runs(mod)) >= n - lost_at_most, 30, interval=0.25,
+                   what=f"all {n} but {lost_at_most} to run after a worker's SIGKILL")
+        print(f"all ran {time.monotonic() - killed:.1f}s after the kill; it held {held} aside")
+        twice = [t for t, c in _runs(mod).items() if c > 1]
+        assert len(twice) <= 2, f"{len(twice)} ran twice: {twice}"  # at most what -c 2 was running
+    finally:
+        a.stop(timeout=5)
+        b.stop(timeout=30)
