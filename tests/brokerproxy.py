@@ -4,6 +4,7 @@ black-hole its connections, for the tests of what the broker does to requests he
 Why not tests/tcpproxy.py: that one parses ZooKeeper's framing to lose one reply; a broker
 fault needs only whole connections: :meth:`BrokerProxy.cut` closes every connection (the
 client sees its connection reset, RabbitMQ requeues what that connection held unacked),
+:meth:`BrokerProxy.outage` also refuses new ones for a while,
 :meth:`BrokerProxy.stall` passes nothing either way and delivers what it buffered once
 resumed (a stall that delivers late), and new connections pass as usual unless stalled.
 """
@@ -67,6 +68,7 @@ class BrokerProxy:
         self._listener.listen(64)
         self.port = self._listener.getsockname()[1]
         self.accepted = 0
+        self.down = False
         threading.Thread(target=self._accept, daemon=True, name="broker-proxy-accept").start()
 
     def _accept(self) -> None:
@@ -75,6 +77,9 @@ class BrokerProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.down:  # the broker is "unreachable": the connection is refused at once
+                client.close()
+                continue
             try:
                 pipe = _Pipe(self, client)
             except OSError:
@@ -96,6 +101,12 @@ class BrokerProxy:
         for pipe in pipes:
             pipe.close()
         return len(pipes)
+
+    def outage(self, seconds: float) -> None:
+        """Cut every connection and refuse new ones for ``seconds`` (in the background)."""
+        self.down = True
+        self.cut()
+        threading.Timer(seconds, lambda: setattr(self, "down", False)).start()
 
     def stall(self) -> None:
         """Pass nothing either way (bytes wait in the proxy) until :meth:`resume`."""
