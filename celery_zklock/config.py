@@ -229,6 +229,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
         Setting("zklock_beat_scheduler", "celery.beat:PersistentScheduler", _scheduler, "celery beat -S celery_zklock.beat:ZkScheduler: the scheduler it wraps (keeps the schedule, decides what is due), e.g. django_celery_beat.schedulers:DatabaseScheduler.", wire=False),
         Setting("zklock_beat_group", "default", _name, "The beats that elect one active scheduler among them: those of one app, sharing one schedule.", wire=False),
+        Setting("zklock_beat_fence", True, _bool, "Worker: run each tick of the elected beat at most once (a tick already run, or older than one run, is acknowledged unrun and counted); False for idempotent tasks, or a task attribute zklock_beat_fence = False. Two ZooKeeper requests per tick.", wire=False),
         Setting("zklock_beat_metrics_port", None, _metrics_port, "Serve the elected beat's Prometheus metrics (zklock_beat_leader, zklock_beat_ticks_total) on this port (127.0.0.1) or 'host:port'.", wire=False),
     )
 }

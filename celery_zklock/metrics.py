@@ -77,6 +77,9 @@ def start(settings) -> None:
         "unrun": prometheus_client.Counter("zklock_enqueue_unrun_deduped", "Publishes deduped into a task that then ended unrun (lock_enqueue)", labels),
         "waiting": prometheus_client.Gauge("zklock_waiting", "Tasks waiting for their lock", labels, multiprocess_mode="livesum"),
         "holding": prometheus_client.Gauge("zklock_holding", "Tasks holding their lock", labels, multiprocess_mode="livesum"),
+        "tick_dropped": prometheus_client.Counter("zklock_beat_ticks_dropped", "Beat ticks not run at the worker: "
+                                                  "already run, or overtaken by a later tick (the tick fence)",
+                                                  ("task", "reason")),
     }
     import subprocess
 
@@ -84,6 +87,15 @@ def start(settings) -> None:
         [sys.executable, "-m", "celery_zklock.metrics", os.environ[ENV], str(settings.metrics_port), str(os.getpid())],
         stdin=subprocess.DEVNULL, close_fds=True,
     )
+
+
+def tick_dropped(task_name: str, reason: str) -> None:
+    """A beat tick the worker's fence did not run (``reason``: duplicate or stale)."""
+    if _metrics is not None:
+        try:
+            _metrics["tick_dropped"].labels(task_name, reason).inc()
+        except Exception:  # monitoring must never break a task
+            pass
 
 
 def enabled() -> bool:

@@ -306,7 +306,8 @@ class ZkScheduler(Scheduler):
         not happen to a tick kept due."""
         options = entry.options  # the header rides on the entry for this one send (entries of a
         headers = dict(options.get("headers") or {})  # database scheduler do not copy)
-        headers["zklock_beat"] = {"entry": entry.name, "seq": tick.seq, "due": tick.due.isoformat(), "token": tick.token}
+        headers["zklock_beat"] = {"entry": entry.name, "seq": tick.seq, "due": tick.due.isoformat(), "token": tick.token,
+                                  "fence": self.fence_path(entry.name)}
         logger.info("Scheduler: Sending due task %s (%s) [zklock tick %d]", entry.name, entry.task, tick.seq)
         entry.options = {**options, "headers": headers}
         try:
@@ -325,6 +326,11 @@ class ZkScheduler(Scheduler):
             self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
         except Exception:
             pass
+
+    def fence_path(self, name: str) -> str:
+        """The znode where workers record the last tick of entry ``name`` that ran
+        (:mod:`celery_zklock.engine.tick_fence`)."""
+        return f"{self.path}/ran/{encode_key(name)}"
 
     def _keep_due(self, entry) -> None:
         """Put the entry back as it was before this send (not advanced: see _publish), so it is

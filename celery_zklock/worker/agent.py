@@ -31,7 +31,7 @@ import threading
 from kazoo.protocol.states import KazooState
 
 from ..config import ZkSettings, from_wire
-from ..engine import clock, guards, kazoo_compat
+from ..engine import clock, guards, kazoo_compat, tick_fence
 from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
@@ -248,6 +248,27 @@ class Agent:
             self.claims.release(peer, msg["id"])
         elif op == "unguard":
             self.guards.op(guards.release, msg["paths"], msg["id"], int(msg.get("retries") or 0))
+        elif op == "fence":
+            self._fence(peer, msg)
+
+    def _fence(self, peer: Connection, msg: dict) -> None:
+        """A beat tick's message reached the worker: may its body run (:mod:`~..engine.tick_fence`)?
+        Blocking ZooKeeper calls, so on the guards' thread, in order with their updates."""
+        tick = tick_fence.Tick(msg["path"], int(msg["seq"]), msg.get("token"))
+        outcome: list = []
+
+        def run(client, tick) -> None:
+            try:
+                outcome.append(tick_fence.consume(client, tick).value)
+            except Exception as exc:  # ZooKeeper unreachable, or refused: the main process decides
+                outcome.append(None)
+                outcome.append(repr(exc))
+
+        def answer(_error) -> None:
+            peer.send({"op": "fenced", "id": msg["id"], "verdict": outcome[0] if outcome else None,
+                       "error": outcome[1] if len(outcome) > 1 else None})
+
+        self.guards.op(run, tick, after=answer)
 
     # ------------------------------------------------------------------ peers leaving
     def gone(self, peer: Connection) -> None:

@@ -34,6 +34,9 @@ Requests (``op``) and the agent's answers:
   (its close at a broker reconnection or shutdown; their messages come back from the
   broker): let go of each one no pool process claims (a carried grant once it can no
   longer be started on);
+* main -> agent ``fence`` {id, path, seq, token}: a tick of the elected beat reached the worker:
+  may its body run?  Answered by ``fenced`` {id, verdict: run/duplicate/stale, or null with
+  error when ZooKeeper did not answer} (:mod:`celery_zklock.engine.tick_fence`);
 * agent -> main ``bypass`` {id}: a request whose task id already waits or runs through the
   agent (a retry published by a body still holding its lock, a redelivery): hand it to
   the pool marked :data:`BYPASSED`; it locks in-process there, never claiming by its id;

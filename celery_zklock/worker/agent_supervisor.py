@@ -219,6 +219,8 @@ class AgentSupervisor:
                 self._early_done(msg["id"])
             elif op == "queued":
                 self._queued(msg["id"], msg.get("position"))
+            elif op == "fenced":
+                self._fenced(msg["id"], msg.get("verdict"), msg.get("error"))
 
     def _agent_gone(self) -> None:
         """The agent died (or was killed as frozen): restart it and queue again.

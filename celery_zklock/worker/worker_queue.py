@@ -26,6 +26,7 @@ from kombu.common import PREFETCH_COUNT_MAX
 from .. import metrics
 from ..engine import guards
 from ..engine.identity import Identity
+from ..engine.tick_fence import Fenced, Tick
 from ..options import is_locked_task
 from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
@@ -75,6 +76,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.on_path: Counter = Counter()  # lock path -> held ids waiting for it (aside or early)
         self.finished: list[tuple[str, int]] = []  # (id, seq) done in the pool, told at the next loop turn
         self.seq = 0  # numbers the deliveries sent to the agent (a task id can come again)
+        self.fencing: dict[str, object] = {}  # beat ticks held while the agent asks the tick fence
         self.pid = os.getpid()  # a pool process forked later inherits this step: it must not send
         agent = agent_supervisor.running()
         self.active = agent is not None and getattr(c, "hub", None) is not None
@@ -141,6 +143,42 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
 
     # ------------------------------------------------------------------ requests
     def on_request(self, req) -> None:
+        tick = Tick.of((req.request_dict or {}).get("zklock_beat")) if self.sock is not None else None
+        if tick is not None and getattr(req.task, "zklock_beat_fence", running_agent().settings.beat_fence):
+            self.seq += 1
+            key = f"{req.id}#{self.seq}"  # two copies of one tick have one task id
+            self.fencing[key] = req
+            return self._ask_fence(key, tick)
+        self._lock_or_run(req)
+
+    def _ask_fence(self, key: str, tick: Tick) -> None:
+        if key in self.fencing:
+            self._send({"op": "fence", "id": key, "path": tick.path, "seq": tick.seq, "token": tick.token})
+
+    def _fenced(self, key: str, verdict: str | None, error: str | None) -> None:
+        """The tick fence's answer for a beat tick held here (:mod:`~..engine.tick_fence`)."""
+        req = self.fencing.pop(key, None)
+        if req is None:
+            return
+        if verdict == Fenced.RUN:
+            return self._lock_or_run(req)
+        if verdict is None:  # ZooKeeper did not answer: the tick waits, it neither runs nor goes
+            logger.warning("celery-zklock: beat tick %s: the tick fence cannot reach ZooKeeper (%s); asking again in 1s",
+                           req.id, error)
+            self.fencing[key] = req
+            tick = Tick.of((req.request_dict or {}).get("zklock_beat"))
+            self.c.hub.call_later(1.0, self._ask_fence, key, tick)
+            return
+        header = (req.request_dict or {}).get("zklock_beat") or {}
+        why = "it already ran (a publish sent twice)" if verdict == Fenced.DUPLICATE else \
+            "a later tick of its entry ran first (sent late by a stalled or deposed beat)"
+        logger.warning("celery-zklock: beat tick %d of %s (task %s) not run: %s", int(header.get("seq") or 0),
+                       header.get("entry"), req.id, why)
+        metrics.tick_dropped(req.task.name, str(verdict))
+        req.acknowledge()
+        worker_state.reserved_requests.discard(req)
+
+    def _lock_or_run(self, req) -> None:
         task = req.task
         if self.sock is None or task.acks_late or not req.id or not is_locked_task(task):
             return self.inner(req)
@@ -413,6 +451,9 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
             tref.cancel()
         self.timers = []
         returned = failed = 0
+        for req in self.fencing.values():  # beat ticks not yet fenced: back to the broker, unrun
+            returned, failed = (returned + 1, failed) if returned_to_broker(req) else (returned, failed + 1)
+        self.fencing.clear()
         for request_id, req in list(self.aside.items()):
             self._send({"op": "cancel", "id": request_id, "why": Cancel.SHUTDOWN})
             self._not_waiting(request_id, req)
