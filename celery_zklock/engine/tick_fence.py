@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
+from .kazoo_compat import acl_for
+
 
 class Fenced(str, enum.Enum):
     """What the fence says of a tick message (the wire value: JSON strings)."""
@@ -80,7 +82,7 @@ def consume(client, tick: Tick) -> Fenced:
             raw, stat = client.get(tick.path)
         except NoNodeError:
             try:
-                client.create(tick.path, data, makepath=True)
+                client.create(tick.path, data, acl=acl_for(client, tick.path), makepath=True)
                 return Fenced.RUN
             except NodeExistsError:
                 continue
