@@ -80,6 +80,10 @@ class Election:
         """Block up to ``timeout`` for leadership; True when leading."""
         return self._leading.wait(timeout)
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Block up to ``timeout`` for this beat to leave the election; True once it has."""
+        return self._closed.wait(timeout)
+
     def node_if_held(self) -> str | None:
         """Our election node while :meth:`held`, read from one term's lock (two reads of
         ``held()`` and ``node`` could mix a term's hold with the next term's waiting node)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import os
 import socket
+import threading
 import uuid
 
 from celery.beat import Scheduler, event_t
@@ -33,6 +34,7 @@ logger = get_logger("celery.beat.zklock")
 
 FOLDER = ".beat"  # under zklock_root; no encoded lock key starts with "."
 RETRY = 0.2  # seconds before a tick that could not be recorded is tried again
+WATCH_EVERY = 0.25  # seconds between the watchdog's looks at the tick loop
 
 
 def folder(root: str) -> str:
@@ -82,6 +84,8 @@ class ZkScheduler(Scheduler):
         self._retry = False
         self._adopt_failures = 0
         self._send = self.inner.apply_async
+        self._busy_since: float | None = None  # boottime a leader's tick began, while it runs
+        self._watchdog: threading.Thread | None = None
         self._advance = self.inner.reserve  # the inner scheduler's own reserve, called after a send
         if not lazy:
             self._start()
@@ -107,6 +111,8 @@ class ZkScheduler(Scheduler):
         self.inner.apply_entry = self._apply_entry
         self.inner.reserve = _unadvanced
         self.election.start(client)
+        self._watchdog = threading.Thread(target=self._watch, name="zklock-beat-watchdog", daemon=True)
+        self._watchdog.start()
         logger.info("beat: zklock: joined the election of group %r at %s (%s)", self.group, self.path, self.me)
 
     def _backoff(self, failures: int) -> float:
@@ -147,11 +153,32 @@ class ZkScheduler(Scheduler):
         if not election.held():
             return RETRY  # suspended: doubt, send nothing, keep every due tick due
         self._retry = False
+        self._busy_since = clock.boottime()
         try:
             interval = self.inner.tick(*args, **kwargs)
         finally:
+            self._busy_since = None
             self._reheap()
         return RETRY if self._retry and not interval else interval
+
+    def _watch(self) -> None:
+        """Step down when this leader's tick has run longer than its proof lasts (a third of the
+        session): a publish blocked on a stalled broker path, or anything else that stops the
+        loop.  Why: the election lives on kazoo's thread, which keeps the session (and so the
+        leadership) alive while beat's own thread is stuck, and no standby would take over for
+        as long as the stall lasts.  The stuck publish may still land later: the workers' tick
+        fence keeps it from running after the next leader's tick."""
+        told = None
+        while self.election is not None and not self.election.wait_closed(WATCH_EVERY):
+            since = self._busy_since
+            if since is None or since == told or self.election.term() is None:
+                continue
+            stuck = clock.boottime() - since
+            if stuck > self._session_timeout() / 3:
+                told = since
+                logger.error("beat: zklock: this beat's tick has been stuck for %.1fs (a publish to a stalled broker?): "
+                             "stepping down so that another beat leads", stuck)
+                self.election.step_down(f"its tick was stuck for {stuck:.1f}s", node=self.election.node)
 
     def _session_timeout(self) -> float:
         """The session ZooKeeper keeps for this beat: the smaller of the one asked for and the one

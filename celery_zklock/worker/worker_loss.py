@@ -170,12 +170,14 @@ def validate_app(app) -> bool:
         metrics.start(settings)  # before the pool forks
     except ConfigurationError as exc:
         raise SystemExit(f"celery-zklock: configuration error: {exc}") from None
-    if not locked:
+    fences = fences_beat_ticks(app, settings)
+    if not locked and not fences:
         return False
+    what = f"{len(locked)} locked task(s)" if locked else "the elected beat's ticks"
     try:
         client = connect(settings, summarize_retries=True)
     except LockUnavailable as exc:
-        raise SystemExit(f"celery-zklock: {exc}; {len(locked)} locked task(s) would otherwise run unprotected.") from None
+        raise SystemExit(f"celery-zklock: {exc}; {what} would otherwise run unprotected.") from None
     try:
         try:
             probe_permissions(client, settings.root)
@@ -185,12 +187,23 @@ def validate_app(app) -> bool:
             raise SystemExit(
                 f"celery-zklock: could not check that this worker may lock under zklock_root={settings.root!r} "
                 f"on {settings.hosts!r} ({type(exc).__name__}: {exc}); refusing to start rather than run "
-                f"{len(locked)} locked task(s) unprotected."
+                f"{what} unprotected."
             ) from None
     finally:
         disconnect(client)
     app._zklock_locked_count = len(locked)
     return True
+
+
+def fences_beat_ticks(app, settings) -> bool:
+    """Does this worker fence the elected beat's ticks (:mod:`~..engine.tick_fence`), so that it
+    needs its lock agent even with no locked task?  When its app names ``ZkScheduler`` as
+    ``beat_scheduler`` (the worker and the beats share the app's configuration) and
+    ``zklock_beat_fence`` is on: the elected beat's own use is plain tasks, run once a tick."""
+    scheduler = app.conf.get("beat_scheduler")
+    name = scheduler if isinstance(scheduler, str) else f"{getattr(scheduler, '__module__', '')}:" \
+                                                          f"{getattr(scheduler, '__name__', '')}"
+    return bool(settings.beat_fence) and name.startswith("celery_zklock.beat") and name.endswith("ZkScheduler")
 
 
 def start_line(settings, locked: int, agent_pid: int | None) -> str:

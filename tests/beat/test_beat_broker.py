@@ -1,0 +1,99 @@
+"""The elected beat against its broker, with real beats, a worker, ZooKeeper and Redis: a
+leader whose path to Redis stalls (ZooKeeper still reachable) gives way, and the tick it was
+publishing, landing late, does not run after the next leader's (the workers' tick fence).
+
+Each beat reaches Redis through its own byte proxy (tests/brokerproxy.py); the worker does not."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from support.workers import Proc, Procs, wait_ready
+from tests.brokerproxy import BrokerProxy
+from tests.polling import wait_until
+
+SESSION = 2.0  # the test ZooKeeper's tickTime is 200 ms
+
+
+@pytest.fixture
+def beat_env(zk_server, redis_server):
+    run_id = uuid.uuid4().hex[:8]
+    values = {"REDIS_URL": redis_server.url, "ZKLOCK_HOSTS": zk_server.hosts,
+              "ZKLOCK_ROOT": f"/celery-zklock-beat-{run_id}", "ZKLOCK_DEMO_PREFIX": f"zklock-beatb:{run_id}:",
+              "BEAT_ELECTED_SESSION_TIMEOUT": str(SESSION), "BEAT_ELECTED_GROUP": f"g{run_id}"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in values.items():
+            mp.setenv(k, v)
+        name = "examples.beat_elected.app"
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+        yield values
+
+
+def test_a_leader_stalled_in_its_publish_gives_way_and_its_late_tick_does_not_run(beat_env, redis_server, zk_server,
+                                                                                    tmp_path):
+    """Two beats.  The leader's path to Redis stalls for 12 s (its publish blocks; its
+    ZooKeeper session stays alive).  The standby leads within session + tickTime + one period
+    + the watchdog's third of a session (before: nobody sent anything for the whole stall);
+    when the path heals, the old leader's stuck tick reaches the broker, after the new
+    leader's ticks, and the workers do not run it.  No tick number runs twice."""
+    from examples.beat_elected import app as m
+
+    m.store.reset()
+    r = m.store.r
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    db = redis_server.url.rsplit("/", 1)[1] if redis_server.url.count("/") > 2 else "0"
+    proxies = [BrokerProxy(port) for _ in range(2)]
+    procs = Procs(beat_env, str(tmp_path))
+    try:
+        w = procs.worker("examples.beat_elected.app", "beatbw", 2, loglevel="info")
+        wait_ready(m.app, [w])
+        beats = []
+        for i, proxy in enumerate(proxies):
+            name = f"bbeat{i + 1}-{procs.tag}"
+            argv = [sys.executable, "-m", "celery", "-A", "examples.beat_elected.app", "beat", "-s",
+                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
+            env = {**procs.env, "BROKER_URL": f"redis://127.0.0.1:{proxy.port}/{db}"}
+            b = Proc(name, argv, env, os.path.join(procs.logdir, f"{name}.log")).start()
+            procs.items.append(b)
+            beats.append(b)
+            wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
+
+        def sent() -> list[dict]:
+            return [json.loads(x) for x in r.lrange(m.store.key("sent"), 0, -1)]
+
+        def runs() -> list[dict]:
+            return [json.loads(x) for x in r.lrange(m.store.key("runs"), 0, -1)]
+
+        wait_until(lambda: len(runs()) >= 3, 30, what="three ticks run")
+        leader = next(b for b in beats if b.pid == sent()[-1]["pid"])
+        other = next(b for b in beats if b is not leader)
+        proxies[beats.index(leader)].stall()
+        t_stall = time.time()
+        bound = SESSION + zk_server.tick_ms / 1000 + m.PERIOD + SESSION / 3
+        took = wait_until(lambda: [s for s in sent() if s["pid"] == other.pid and s["at"] > t_stall], bound + 8,
+                          what="the standby to send after the leader's broker path stalled")[0]["at"]
+        ran_new = wait_until(lambda: [x for x in runs() if x["at"] > took], 10, what="the new leader's tick to run")
+        time.sleep(max(0.0, t_stall + 12.0 - time.time()))
+        proxies[beats.index(leader)].resume()
+        time.sleep(4.0)  # the stuck tick lands, and would run by now
+        seqs = Counter(x["seq"] for x in runs())
+        assert took - t_stall <= bound + 1.0, f"handover took {took - t_stall:.1f}s (bound {bound:.1f}s)"
+        twice = sorted(s for s, n in seqs.items() if n > 1)
+        assert not twice, f"tick numbers run twice: {twice}"
+        first_new = min(x["seq"] for x in ran_new)
+        late = [x for x in runs() if x["at"] > took and x["seq"] < first_new]
+        assert not late, f"a tick older than the new leader's ran after it: {late}"
+        assert "stepping down so that another beat leads" in leader.log_tail(200000)
+    finally:
+        procs.stop_all()
+        for p in proxies:
+            p.close()
