@@ -5,6 +5,8 @@ Why not tests/tcpproxy.py: that one parses ZooKeeper's framing to lose one reply
 fault needs only whole connections: :meth:`BrokerProxy.cut` closes every connection (the
 client sees its connection reset, RabbitMQ requeues what that connection held unacked),
 :meth:`BrokerProxy.outage` also refuses new ones for a while,
+:meth:`BrokerProxy.lose_reply` passes a command on and loses its reply (the command ran, the
+client sees its connection reset),
 :meth:`BrokerProxy.stall` passes nothing either way and delivers what it buffered once
 resumed (a stall that delivers late), and new connections pass as usual unless stalled.
 """
@@ -21,6 +23,7 @@ class _Pipe:
         self.client = client
         self.server = socket.create_connection((proxy.host, proxy.port_to))
         self.closed = False
+        self.cut_at_reply = False  # a command was passed on whose reply is lost: cut when it comes
 
     def start(self) -> None:
         for src, dst in ((self.client, self.server), (self.server, self.client)):
@@ -35,6 +38,10 @@ class _Pipe:
                 self.proxy.flowing.wait()
                 if self.closed:
                     break
+                if src is self.server and self.cut_at_reply:
+                    break  # the reply is lost with the connection: the command ran
+                if src is self.client and self.proxy.take_lost_reply(data):
+                    self.cut_at_reply = True
                 dst.sendall(data)
         except OSError:
             pass
@@ -69,6 +76,8 @@ class BrokerProxy:
         self.port = self._listener.getsockname()[1]
         self.accepted = 0
         self.down = False
+        self._lose: bytes | None = None
+        self.replies_lost = 0
         threading.Thread(target=self._accept, daemon=True, name="broker-proxy-accept").start()
 
     def _accept(self) -> None:
@@ -89,6 +98,20 @@ class BrokerProxy:
                 self._pipes.add(pipe)
                 self.accepted += 1
             pipe.start()
+
+    def lose_reply(self, marker: bytes) -> None:
+        """The next command whose bytes contain ``marker`` (e.g. ``b"LPUSH"``) reaches the
+        broker, which runs it; its reply is lost, the connection cut as it comes back."""
+        with self._guard:
+            self._lose = marker
+
+    def take_lost_reply(self, data: bytes) -> bool:
+        with self._guard:
+            if self._lose is not None and self._lose in data:
+                self._lose = None
+                self.replies_lost += 1
+                return True
+        return False
 
     def forget(self, pipe: _Pipe) -> None:
         with self._guard:

@@ -97,3 +97,43 @@ def test_a_leader_stalled_in_its_publish_gives_way_and_its_late_tick_does_not_ru
         procs.stop_all()
         for p in proxies:
             p.close()
+
+
+def test_a_publish_retried_after_its_reply_was_lost_runs_once(beat_env, redis_server, zk_server, tmp_path):
+    """One beat, through a proxy to Redis that passes a tick's LPUSH on and loses its reply:
+    Redis queued the message, and the beat's publish is retried (Celery's task_publish_retry,
+    redis-py's own retries), so the broker holds the tick twice, with one task id.  The tick
+    runs once (before: twice, with no error logged anywhere)."""
+    from examples.beat_elected import app as m
+
+    m.store.reset()
+    r = m.store.r
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    db = redis_server.url.rsplit("/", 1)[1] if redis_server.url.count("/") > 2 else "0"
+    procs = Procs(beat_env, str(tmp_path))
+    with BrokerProxy(port) as proxy:
+        try:
+            w = procs.worker("examples.beat_elected.app", "beatrw", 2, loglevel="info")
+            wait_ready(m.app, [w])
+            name = f"rbeat-{procs.tag}"
+            argv = [sys.executable, "-m", "celery", "-A", "examples.beat_elected.app", "beat", "-s",
+                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
+            b = Proc(name, argv, {**procs.env, "BROKER_URL": f"redis://127.0.0.1:{proxy.port}/{db}"},
+                     os.path.join(procs.logdir, f"{name}.log")).start()
+            procs.items.append(b)
+
+            def runs() -> list[dict]:
+                return [json.loads(x) for x in r.lrange(m.store.key("runs"), 0, -1)]
+
+            wait_until(lambda: len(runs()) >= 2, 30, what="two ticks run")
+            proxy.lose_reply(b"LPUSH")
+            wait_until(lambda: proxy.replies_lost, 10, what="a tick's LPUSH with its reply lost")
+            wait_until(lambda: len(runs()) >= 6, 20, what="ticks after the lost reply")
+            time.sleep(2.0)
+            ids = Counter(x["id"] for x in runs())
+            seqs = Counter(x["seq"] for x in runs())
+            assert not [s for s, n in seqs.items() if n > 1], f"ticks run twice: {seqs}"
+            assert not [i for i, n in ids.items() if n > 1]
+            assert "not run: it already ran" in w.log_tail(200000), "the broker never held the tick twice"
+        finally:
+            procs.stop_all()
