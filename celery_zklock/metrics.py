@@ -152,6 +152,8 @@ def start_beat(port, group: str) -> None:
         "ticks": prometheus_client.Counter("zklock_beat_ticks", "Beat ticks by outcome: sent; withheld (recorded but not "
                                            "proven in time: kept due); skipped (due times missed during a handover)",
                                            ("group", "outcome"), registry=registry),
+        "skew": prometheus_client.Gauge("zklock_beat_clock_skew_seconds", "This beat's clock minus ZooKeeper's, "
+                                        "measured at its last tick record", ("group",), registry=registry),
     }
     _beat["leader"].labels(group).set(0)
     host, _, port_s = str(port).rpartition(":")
@@ -161,6 +163,12 @@ def start_beat(port, group: str) -> None:
 def beat_role(group: str, leader: bool) -> None:
     if _beat is not None:
         _beat["leader"].labels(group).set(1 if leader else 0)
+
+
+def beat_clock_skew(group: str, skew: float | None) -> None:
+    """This beat's clock minus ZooKeeper's, as its last tick record measured it."""
+    if _beat is not None and skew is not None:
+        _beat["skew"].labels(group).set(skew)
 
 
 def beat_tick(group: str, outcome: str, n: int = 1) -> None:

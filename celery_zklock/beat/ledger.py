@@ -28,6 +28,9 @@ class Ledger:
         self.path = f"{path}/ticks"
         self.timeout = timeout  # bound on each request: a beat never hangs on ZooKeeper
         self._known: dict[str, tuple[TickRecord | None, int | None]] = {}  # node name: (record, version)
+        self._written: dict[str, int] = {}  # node name: the server's stamp of its last write (mtime, ms)
+        self.clocks = f"{path}/clocks"
+        self.last_skew: float | None = None  # this beat's clock minus ZooKeeper's, at its last write
 
     def node(self, name: str) -> str:
         return f"{self.path}/{encode_key(name)}"
@@ -37,13 +40,14 @@ class Ledger:
         self.client.ensure_path_async(self.path, acl=acl_for(self.client, self.path)).get(timeout=self.timeout)
         names = self.client.get_children_async(self.path).get(timeout=self.timeout)
         pending = [(n, self.client.get_async(f"{self.path}/{n}")) for n in names]
-        self._known = {}
+        self._known, self._written = {}, {}
         for node_name, result in pending:
             try:
                 data, stat = result.get(timeout=self.timeout)
             except NoNodeError:
                 continue
             self._known[node_name] = (TickRecord.parse(data), stat.version)
+            self._written[node_name] = stat.mtime
 
     def read(self, name: str) -> TickRecord | None:
         """The record of ``name`` as last loaded or written (no I/O)."""
@@ -58,10 +62,41 @@ class Ledger:
             self._known.pop(encode_key(name), None)
             return None
         self._known[encode_key(name)] = (TickRecord.parse(data), stat.version)
+        self._written[encode_key(name)] = stat.mtime
         return self.read(name)
 
-    def write(self, name: str, record: TickRecord, leader_node: str) -> Written:
-        """Record ``record`` if our election node exists and nobody wrote since our read."""
+    def written(self, name: str) -> int | None:
+        """When ZooKeeper applied the last write of ``name``'s record (its mtime, ms), if known."""
+        return self._written.get(encode_key(name))
+
+    def adjust(self, name: str, record: TickRecord) -> None:
+        """Keep ``record`` (a time moved to this beat's clock) as ``name``'s, at the version read."""
+        key = encode_key(name)
+        if key in self._known:
+            self._known[key] = (record, self._known[key][1])
+
+    def measure_skew(self, me: str, now) -> float | None:
+        """This beat's clock (``now()``, seconds) minus ZooKeeper's, from one write of a node of
+        its own whose reply carries the server's stamp; None if it could not be had."""
+        node = f"{self.clocks}/{encode_key(me)}"
+        try:
+            sent = now()
+            try:
+                stat = self.client.set_async(node, b"").get(timeout=self.timeout)
+            except NoNodeError:
+                _, stat = self.client.create_async(node, b"", acl=acl_for(self.client, node), ephemeral=True,
+                                                   makepath=True, include_data=True).get(timeout=self.timeout)
+            received = now()
+        except Exception:
+            return None
+        self.last_skew = (sent + received) / 2 - stat.mtime / 1000.0
+        return self.last_skew
+
+    def write(self, name: str, record: TickRecord, leader_node: str, now=None) -> Written:
+        """Record ``record`` if our election node exists and nobody wrote since our read.  With
+        ``now`` (this beat's clock, seconds), also measure it against the server's stamp of the
+        write (:attr:`last_skew`)."""
+        sent = now() if now is not None else None
         version = self._known.get(encode_key(name), (None, None))[1]
         txn = self.client.transaction()
         txn.check(leader_node, -1)
@@ -84,4 +119,8 @@ class Ledger:
             error = second if not isinstance(second, RolledBackError) else first
             raise error if isinstance(error, ZookeeperError) else RuntimeError(str(error))
         self._known[encode_key(name)] = (record, 0 if version is None else version + 1)
+        if hasattr(second, "mtime"):  # a set's reply is the node's stat: the server's clock
+            self._written[encode_key(name)] = second.mtime
+            if sent is not None:
+                self.last_skew = (sent + now()) / 2 - second.mtime / 1000.0
         return Written.RECORDED

@@ -151,6 +151,22 @@ class Handover:
     unconfirmed: bool
 
 
+def on_own_clock(when: datetime, written_ms: int | None, own_skew: float | None) -> datetime:
+    """A record's time, stamped on its writer's clock, moved to this beat's: the server's
+    stamp of the write (``written_ms``, the node's mtime) plus ``own_skew`` (this beat's clock
+    minus ZooKeeper's).  Unchanged when either is unknown.  Why: a new leader computed its
+    first due time from the previous leader's clock, so a leader 60 s ahead left its successor
+    sending nothing for 60 s, and one behind made clock error look like missed ticks."""
+    if written_ms is None or own_skew is None:
+        return when
+    return datetime.fromtimestamp(written_ms / 1000.0 + own_skew, tz=when.tzinfo)
+
+
+def skew_to_say(skew: float | None, period: float) -> bool:
+    """Is a clock difference worth a warning: more than one period of the entry (at least 1 s)?"""
+    return skew is not None and abs(skew) > max(1.0, period)
+
+
 def handover(record: TickRecord, schedule, now: datetime) -> Handover:
     missed = missed_due_times(schedule, record.last_run_at, now)
     return Handover(missed=missed, skipped=max(0, missed - 1), unconfirmed=record.state is TickState.SENDING)

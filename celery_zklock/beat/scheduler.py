@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from dataclasses import replace
 import socket
 import threading
 import uuid
@@ -28,7 +29,8 @@ from ..errors import ConfigurationError, LockUnavailable
 from ..keys import encode_key
 from .election import Election, Role
 from .ledger import Ledger
-from .rules import TickRecord, TickState, Verdict, Written, already_sent, handover, verdict
+from .rules import (TickRecord, TickState, Verdict, Written, already_sent, handover, on_own_clock, skew_to_say,
+                    verdict)
 
 logger = get_logger("celery.beat.zklock")
 
@@ -43,6 +45,15 @@ def folder(root: str) -> str:
 
 def group_path(root: str, group: str) -> str:
     return f"{folder(root)}/{encode_key(group)}"
+
+
+def _period(entry) -> float:
+    """An entry's period in seconds, for "more than a period" (a crontab's: a minute)."""
+    every = getattr(entry.schedule, "run_every", None)
+    try:
+        return float(every.total_seconds()) if every is not None else 60.0
+    except AttributeError:
+        return 60.0
 
 
 def inner_class(name_or_class) -> type:
@@ -85,6 +96,7 @@ class ZkScheduler(Scheduler):
         self._adopt_failures = 0
         self._send = self.inner.apply_async
         self._busy_since: float | None = None  # boottime a leader's tick began, while it runs
+        self._skew_said = float("-inf")  # monotonic time of the last clock-skew warning
         self._watchdog: threading.Thread | None = None
         self._advance = self.inner.reserve  # the inner scheduler's own reserve, called after a send
         if not lazy:
@@ -203,10 +215,22 @@ class ZkScheduler(Scheduler):
             return False
         unsure, self._unsure = self._unsure, {}
         now = self.app.now()
+        own = self.ledger.measure_skew(self.me, self._now_s)
+        if skew_to_say(own, 0):
+            logger.warning("beat: zklock: this beat's clock differs from ZooKeeper's by %+.1fs; records of other "
+                           "beats are read on ZooKeeper's clock", own)
         for name, entry in list(self.inner.schedule.items()):
             record = self.ledger.read(name)
             if record is None:
                 continue
+            moved = on_own_clock(record.last_run_at, self.ledger.written(name), own)
+            if moved != record.last_run_at and skew_to_say((record.last_run_at - moved).total_seconds(),
+                                                            _period(entry)):
+                logger.warning("beat: zklock: %s: the clock of %s, which wrote its last record, differed from this "
+                               "beat's by %+.1fs: its last run is taken at %s on this beat's clock", name, record.by,
+                               (record.last_run_at - moved).total_seconds(), moved)
+            record = replace(record, last_run_at=moved)
+            self.ledger.adjust(name, record)
             found = handover(record, entry.schedule, now)
             if record.nonce == unsure.get(name):
                 self._unsure[name] = record.nonce
@@ -279,6 +303,7 @@ class ZkScheduler(Scheduler):
         if written is not Written.RECORDED:  # UNKNOWN, or CONFLICT twice: the next tick looks again
             return self._keep_due(entry)
         why = verdict(clock.boottime() - sent_at, self._session_timeout(), self.election.held())
+        self._say_skew(entry)
         if why is not Verdict.PUBLISH:
             metrics.beat_tick(self.group, "withheld")
             logger.warning("beat: zklock: %s: tick %d not sent (%s); kept due", name, tick.seq, why.value)
@@ -304,7 +329,7 @@ class ZkScheduler(Scheduler):
             if node is None:
                 return tick, Written.UNKNOWN, sent_at, node
             sent_at = clock.boottime()
-            written = self.ledger.write(name, tick, node)
+            written = self.ledger.write(name, tick, node, now=self._now_s)
             if written is not Written.CONFLICT:
                 break
             record = self.ledger.refresh(name)
@@ -353,6 +378,22 @@ class ZkScheduler(Scheduler):
             self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
         except Exception:
             pass
+
+    def _now_s(self) -> float:
+        """This beat's clock as its schedule reads it (``app.now()``), in seconds."""
+        return self.app.now().timestamp()
+
+    def _say_skew(self, entry) -> None:
+        """Warn (once a minute at most) while this leader's clock differs from ZooKeeper's by more
+        than a period of ``entry``: its records are the next leader's base, and the skew moves due times."""
+        skew = self.ledger.last_skew
+        metrics.beat_clock_skew(self.group, skew)
+        now = clock.monotonic()
+        if skew_to_say(skew, _period(entry)) and now - self._skew_said > 60.0:
+            self._skew_said = now
+            logger.warning("beat: zklock: this beat's clock differs from ZooKeeper's by %+.1fs (more than a period of "
+                           "%s): check its time sync; the next leader reads its records on ZooKeeper's clock", skew,
+                           entry.name)
 
     def fence_path(self, name: str) -> str:
         """The znode where workers record the last tick of entry ``name`` that ran

@@ -137,3 +137,44 @@ def test_a_publish_retried_after_its_reply_was_lost_runs_once(beat_env, redis_se
             assert "not run: it already ran" in w.log_tail(200000), "the broker never held the tick twice"
         finally:
             procs.stop_all()
+
+
+def test_a_leader_whose_clock_runs_a_minute_ahead_is_said_and_does_not_stop_its_successor(beat_env, zk_server,
+                                                                                           tmp_path):
+    """The leader's clock runs 60 s ahead of ZooKeeper's: it warns.  It is SIGKILLed; the next
+    beat (a true clock) reads the records on ZooKeeper's clock and sends within session +
+    tickTime + one period (before: nothing for about 60 s, and no word of why)."""
+    import signal
+
+    from examples.beat_elected import app as m
+
+    m.store.reset()
+    r = m.store.r
+    procs = Procs(beat_env, str(tmp_path))
+    try:
+        w = procs.worker("examples.beat_elected.app", "beatkw", 2, loglevel="info")
+        wait_ready(m.app, [w])
+        beats = []
+        for i, skew in enumerate(("60", "0")):
+            name = f"kbeat{i + 1}-{procs.tag}"
+            argv = [sys.executable, "-m", "celery", "-A", "tests.apps.skewed_beat", "beat", "-s",
+                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
+            b = Proc(name, argv, {**procs.env, "BEAT_CLOCK_SKEW": skew}, os.path.join(procs.logdir, f"{name}.log")).start()
+            procs.items.append(b)
+            beats.append(b)
+            wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
+
+        def sent() -> list[dict]:
+            return [json.loads(x) for x in r.lrange(m.store.key("sent"), 0, -1)]
+
+        wait_until(lambda: len([s for s in sent() if s["pid"] == beats[0].pid]) >= 3, 30, what="the skewed leader's ticks")
+        assert "clock differs from ZooKeeper's by +60" in beats[0].log_tail(100000)
+        os.kill(beats[0].pid, signal.SIGKILL)
+        killed = time.time()
+        bound = SESSION + zk_server.tick_ms / 1000 + m.PERIOD
+        first = wait_until(lambda: [s for s in sent() if s["pid"] == beats[1].pid], bound + 10,
+                           what="the next beat's first tick")[0]["at"]
+        assert first - killed <= bound + 1.0, f"the next beat sent {first - killed:.1f}s after the kill"
+        assert "differed from this beat's by +60" in beats[1].log_tail(100000)
+    finally:
+        procs.stop_all()

@@ -8,7 +8,7 @@ import pytest
 from celery.schedules import crontab, schedule
 
 from celery_zklock.beat.rules import (
-    Handover, TickRecord, TickState, Verdict, already_sent, handover, missed_due_times, verdict,
+    Handover, TickRecord, TickState, Verdict, already_sent, handover, missed_due_times, on_own_clock, skew_to_say, verdict,
 )
 
 T0 = datetime(2026, 11, 26, 12, 0, 0, tzinfo=timezone.utc)
@@ -76,3 +76,27 @@ def test_record_round_trip_and_bad_data():
     assert TickRecord.parse(r.sent().to_bytes()).state is TickState.SENT
     for bad in (None, b"", b"{}", b"[1]", b'{"seq": "x"}', b"\xff"):
         assert TickRecord.parse(bad) is None
+
+
+@pytest.mark.parametrize("written_ms, own_skew, expected", [
+    (None, 0.0, T0),  # when the server applied the write is unknown: the writer's own time
+    (int(T0.timestamp() * 1000) - 60_000, None, T0),  # this beat's skew unknown: likewise
+    (int(T0.timestamp() * 1000) - 60_000, 0.0, T0 - timedelta(seconds=60)),  # writer 60 s ahead, ours true
+    (int(T0.timestamp() * 1000), 5.0, T0 + timedelta(seconds=5)),  # writer true, ours 5 s ahead
+    (int(T0.timestamp() * 1000) + 30_000, -2.0, T0 + timedelta(seconds=28)),  # writer 30 s behind, ours 2 s behind
+])
+def test_on_own_clock(written_ms, own_skew, expected):
+    assert on_own_clock(T0, written_ms, own_skew) == expected
+
+
+@pytest.mark.parametrize("skew, period, expected", [
+    (None, 1.0, False),
+    (0.5, 1.0, False),
+    (1.5, 1.0, True),
+    (-1.5, 1.0, True),
+    (0.9, 0.2, False),  # at least a second: NTP's usual error is never news
+    (45.0, 60.0, False),  # a crontab's minute
+    (61.0, 60.0, True),
+])
+def test_skew_to_say(skew, period, expected):
+    assert skew_to_say(skew, period) is expected

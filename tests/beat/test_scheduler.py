@@ -270,10 +270,10 @@ def test_a_tick_whose_reply_was_lost_is_published_when_the_same_beat_leads_again
         cuts = []
         write = Ledger.write
 
-        def cut_at_tick_3(self, name, record, leader_node):  # the real write, on a real connection cut
+        def cut_at_tick_3(self, name, record, leader_node, **kw):  # the real write, on a real connection cut
             if record.seq == 3 and record.state is TickState.SENDING and not cuts:
                 cuts.append(proxy.arm_cut(opcodes=(OP_MULTI,), forward=True, then_hold=True))
-            return write(self, name, record, leader_node)
+            return write(self, name, record, leader_node, **kw)
 
         monkeypatch.setattr(Ledger, "write", cut_at_tick_3)
         a = Running(make_app(proxy.hosts, root))
@@ -299,8 +299,8 @@ def test_the_publish_window_follows_the_session_timeout_the_server_granted(short
     (0.67 s) would publish it after the session may have expired."""
     write = Ledger.write
 
-    def slow_reply(self, *args):
-        written = write(self, *args)
+    def slow_reply(self, *args, **kw):
+        written = write(self, *args, **kw)
         time.sleep(0.3)
         return written
 
