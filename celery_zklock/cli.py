@@ -97,9 +97,11 @@ def _echo_beats(groups: dict) -> None:
     for group, found in groups.items():
         click.echo(f"celery beat group {group!r} (-S celery_zklock.beat:ZkScheduler)")
         for b in found["beats"]:
-            click.echo(f"  {b['role']:>7}  {b['host']} pid {b['pid']}  since {b['since']}  ({b['for_s']:.1f}s)  {b['node']}")
+            what = "leads since" if b["role"] == "active" else f"#{b['position']} in line, joined"
+            click.echo(f"  {b['role']:>7}  {b['host']} pid {b['pid']}  {what} {b['since']}  ({b['for_s']:.1f}s)  {b['node']}")
         for name, t in found["ticks"].items():
-            click.echo(f"    tick {t['seq']} of {name!r} due {t['due']}: {t['state']} by {t['by']}")
+            stuck = f" for {t['for_s']:.1f}s: its beat looks stuck in the publish" if t.get("stuck") else ""
+            click.echo(f"    tick {t['seq']} of {name!r} due {t['due']}: {t['state']} by {t['by']}{stuck}")
 
 
 def _echo_guards(found: dict) -> None:

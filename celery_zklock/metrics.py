@@ -152,6 +152,9 @@ def start_beat(port, group: str) -> None:
         "ticks": prometheus_client.Counter("zklock_beat_ticks", "Beat ticks by outcome: sent; withheld (recorded but not "
                                            "proven in time: kept due); skipped (due times missed during a handover)",
                                            ("group", "outcome"), registry=registry),
+        "unknown": prometheus_client.Gauge("zklock_beat_entries_unknown_to_leader", "Schedule entries another beat "
+                                           "of the group has and the leader does not (not sent)", ("group",),
+                                           registry=registry),
         "skew": prometheus_client.Gauge("zklock_beat_clock_skew_seconds", "This beat's clock minus ZooKeeper's, "
                                         "measured at its last tick record", ("group",), registry=registry),
     }
@@ -163,6 +166,12 @@ def start_beat(port, group: str) -> None:
 def beat_role(group: str, leader: bool) -> None:
     if _beat is not None:
         _beat["leader"].labels(group).set(1 if leader else 0)
+
+
+def beat_unknown_entries(group: str, n: int) -> None:
+    """Entries other beats of the group have and the leader does not."""
+    if _beat is not None:
+        _beat["unknown"].labels(group).set(n)
 
 
 def beat_clock_skew(group: str, skew: float | None) -> None:

@@ -29,7 +29,7 @@ class Ledger:
         self.timeout = timeout  # bound on each request: a beat never hangs on ZooKeeper
         self._known: dict[str, tuple[TickRecord | None, int | None]] = {}  # node name: (record, version)
         self._written: dict[str, int] = {}  # node name: the server's stamp of its last write (mtime, ms)
-        self.clocks = f"{path}/clocks"
+        self.beats = f"{path}/beats"  # each beat's presence: its entries, when it began to lead
         self.last_skew: float | None = None  # this beat's clock minus ZooKeeper's, at its last write
 
     def node(self, name: str) -> str:
@@ -75,22 +75,45 @@ class Ledger:
         if key in self._known:
             self._known[key] = (record, self._known[key][1])
 
-    def measure_skew(self, me: str, now) -> float | None:
-        """This beat's clock (``now()``, seconds) minus ZooKeeper's, from one write of a node of
-        its own whose reply carries the server's stamp; None if it could not be had."""
-        node = f"{self.clocks}/{encode_key(me)}"
+    def announce(self, me: str, data: bytes, now, fresh: bool = False) -> int | None:
+        """Write this beat's presence node (ephemeral: ``data`` says its entries and whether it
+        leads; ``fresh``: made anew, so that its ctime says when this beat began to lead) and
+        measure this beat's clock (``now()``, seconds) against the server's stamp of the write
+        (:attr:`last_skew`).  Returns that stamp (ms), or None if it failed."""
+        node = f"{self.beats}/{encode_key(me)}"
         try:
+            if fresh:
+                try:
+                    self.client.delete_async(node).get(timeout=self.timeout)
+                except NoNodeError:
+                    pass
             sent = now()
             try:
-                stat = self.client.set_async(node, b"").get(timeout=self.timeout)
+                stat = self.client.set_async(node, data).get(timeout=self.timeout)
             except NoNodeError:
-                _, stat = self.client.create_async(node, b"", acl=acl_for(self.client, node), ephemeral=True,
+                _, stat = self.client.create_async(node, data, acl=acl_for(self.client, node), ephemeral=True,
                                                    makepath=True, include_data=True).get(timeout=self.timeout)
             received = now()
         except Exception:
             return None
         self.last_skew = (sent + received) / 2 - stat.mtime / 1000.0
-        return self.last_skew
+        return stat.mtime
+
+    def others(self, me: str, watch=None) -> dict[str, bytes]:
+        """The presence data of the group's other beats, by name; ``watch`` is called once when
+        a beat comes or goes.  Raises kazoo errors."""
+        try:
+            names = self.client.get_children_async(self.beats, watch=watch).get(timeout=self.timeout)
+        except NoNodeError:
+            return {}
+        pending = [(n, self.client.get_async(f"{self.beats}/{n}")) for n in names if n != encode_key(me)]
+        found = {}
+        for name, result in pending:
+            try:
+                found[name] = result.get(timeout=self.timeout)[0]
+            except NoNodeError:
+                continue
+        return found
 
     def write(self, name: str, record: TickRecord, leader_node: str, now=None) -> Written:
         """Record ``record`` if our election node exists and nobody wrote since our read.  With

@@ -10,11 +10,14 @@ timeout of sending that write, or not at all.  See docs/beat.md.
 from __future__ import annotations
 
 import heapq
+import json
 import os
 from dataclasses import replace
 import socket
 import threading
 import uuid
+
+from urllib.parse import unquote
 
 from celery.beat import Scheduler, event_t
 from celery.utils.imports import symbol_by_name
@@ -37,6 +40,7 @@ logger = get_logger("celery.beat.zklock")
 FOLDER = ".beat"  # under zklock_root; no encoded lock key starts with "."
 RETRY = 0.2  # seconds before a tick that could not be recorded is tried again
 WATCH_EVERY = 0.25  # seconds between the watchdog's looks at the tick loop
+LOOK_EVERY = 60.0  # seconds between a standby's word of its schedule, and the leader's look at them
 
 
 def folder(root: str) -> str:
@@ -97,6 +101,8 @@ class ZkScheduler(Scheduler):
         self._send = self.inner.apply_async
         self._busy_since: float | None = None  # boottime a leader's tick began, while it runs
         self._skew_said = float("-inf")  # monotonic time of the last clock-skew warning
+        self._next_look = float("-inf")  # monotonic time of the next schedule announcement or comparison
+        self._standby_ledger: Ledger | None = None  # a standby's, for its presence node only
         self._watchdog: threading.Thread | None = None
         self._advance = self.inner.reserve  # the inner scheduler's own reserve, called after a send
         if not lazy:
@@ -155,6 +161,7 @@ class ZkScheduler(Scheduler):
         term = election.term()
         if term is None:
             self._adopted = None
+            self._announce_standby()
             election.wait(self.max_interval)
             return 0
         if self._adopted != term:
@@ -162,6 +169,9 @@ class ZkScheduler(Scheduler):
                 self._adopt_failures += 1
                 return min(5.0, RETRY * 2 ** self._adopt_failures)
             self._adopted, self._adopt_failures = term, 0
+        if clock.monotonic() >= self._next_look:
+            self._next_look = clock.monotonic() + LOOK_EVERY
+            self._compare_schedules()
         if not election.held():
             return RETRY  # suspended: doubt, send nothing, keep every due tick due
         self._retry = False
@@ -215,7 +225,9 @@ class ZkScheduler(Scheduler):
             return False
         unsure, self._unsure = self._unsure, {}
         now = self.app.now()
-        own = self.ledger.measure_skew(self.me, self._now_s)
+        self.ledger.announce(self.me, self._presence(leading=True), self._now_s, fresh=True)
+        own = self.ledger.last_skew
+        self._next_look = clock.monotonic()  # compare the schedules at once
         if skew_to_say(own, 0):
             logger.warning("beat: zklock: this beat's clock differs from ZooKeeper's by %+.1fs; records of other "
                            "beats are read on ZooKeeper's clock", own)
@@ -378,6 +390,47 @@ class ZkScheduler(Scheduler):
             self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
         except Exception:
             pass
+
+    def _presence(self, leading: bool) -> bytes:
+        return json.dumps({"entries": sorted(self.inner.schedule), "leading": leading}).encode()
+
+    def _announce_standby(self) -> None:
+        """A standby says which entries it has (once a minute): the leader compares them with its
+        own (:meth:`_compare_schedules`).  ZooKeeper unreachable: said at the next turn."""
+        client = self.election.client
+        if client is None or clock.monotonic() < self._next_look:
+            return
+        self._next_look = clock.monotonic() + LOOK_EVERY
+        if self._standby_ledger is None or self._standby_ledger.client is not client:
+            self._standby_ledger = Ledger(client, self.path, self._session_timeout() / 3)
+        self._standby_ledger.announce(self.me, self._presence(leading=False), self._now_s)
+
+    def _look_soon(self, _event=None) -> None:
+        """A beat joined or left the group (a watch): compare the schedules at the next tick."""
+        self._next_look = float("-inf")
+
+    def _compare_schedules(self) -> None:
+        """Warn of entries a standby has and this leader does not (a rolling deploy that added
+        one): nobody sends them until a beat that has them leads.  Counted in
+        ``zklock_beat_entries_unknown_to_leader``."""
+        try:
+            others = self.ledger.others(self.me, watch=self._look_soon)
+        except Exception as exc:
+            logger.debug("beat: zklock: cannot read the other beats' schedules: %r", exc)
+            return
+        mine = set(self.inner.schedule)
+        missing: dict[str, list[str]] = {}
+        for beat, data in others.items():
+            try:
+                entries = json.loads(data or b"{}").get("entries") or []
+            except (ValueError, AttributeError):
+                continue
+            for name in set(entries) - mine:
+                missing.setdefault(name, []).append(unquote(beat))
+        metrics.beat_unknown_entries(self.group, len(missing))
+        for name, beats in sorted(missing.items()):
+            logger.warning("beat: zklock: entry %r is in the schedule of %s but not in this leader's (%s): it is not "
+                           "sent while this beat leads", name, ", ".join(sorted(beats)), self.me)
 
     def _now_s(self) -> float:
         """This beat's clock as its schedule reads it (``app.now()``), in seconds."""

@@ -157,7 +157,7 @@ def test_a_leader_whose_clock_runs_a_minute_ahead_is_said_and_does_not_stop_its_
         beats = []
         for i, skew in enumerate(("60", "0")):
             name = f"kbeat{i + 1}-{procs.tag}"
-            argv = [sys.executable, "-m", "celery", "-A", "tests.apps.skewed_beat", "beat", "-s",
+            argv = [sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "beat", "-s",
                     os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
             b = Proc(name, argv, {**procs.env, "BEAT_CLOCK_SKEW": skew}, os.path.join(procs.logdir, f"{name}.log")).start()
             procs.items.append(b)
@@ -176,5 +176,47 @@ def test_a_leader_whose_clock_runs_a_minute_ahead_is_said_and_does_not_stop_its_
                            what="the next beat's first tick")[0]["at"]
         assert first - killed <= bound + 1.0, f"the next beat sent {first - killed:.1f}s after the kill"
         assert "differed from this beat's by +60" in beats[1].log_tail(100000)
+    finally:
+        procs.stop_all()
+
+
+def test_an_entry_only_a_standby_has_is_said_and_status_tells_leading_and_places(beat_env, zk_server, tmp_path):
+    """Three beats; the last two have an entry the leader has not (a rolling deploy that added
+    it): the leader warns, naming it (before: never sent, silently).  ``celery zklock status``
+    says since when the leader leads (not when it joined: before, "active (33.7 s)" for a beat
+    that had led for 2.5 s) and each standby's place in line."""
+    import subprocess
+
+    from examples.beat_elected import app as m
+
+    m.store.reset()
+    procs = Procs(beat_env, str(tmp_path))
+    try:
+        beats = []
+        for i, extra in enumerate(("", "nightly-report", "nightly-report")):
+            name = f"ebeat{i + 1}-{procs.tag}"
+            argv = [sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "beat", "-s",
+                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
+            b = Proc(name, argv, {**procs.env, "BEAT_EXTRA_ENTRY": extra}, os.path.join(procs.logdir, f"{name}.log")).start()
+            procs.items.append(b)
+            beats.append(b)
+            wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
+            if i == 0:
+                wait_until(lambda: "is now the active scheduler" in b.log_tail(20000), 30, what="the first to lead")
+                time.sleep(3.0)  # it led for a while: its join and its lead differ
+        joined = time.monotonic()
+        said = wait_until(lambda: "'nightly-report' is in the schedule of" in beats[0].log_tail(100000), 15,
+                          what="the leader's warning of an entry it lacks")
+        assert said
+        time.sleep(max(0.0, joined + 12.0 - time.monotonic()))  # the standbys joined 12 s ago at least
+        os.kill(beats[0].pid, 9)
+        wait_until(lambda: "is now the active scheduler" in beats[1].log_tail(100000), 20, what="the next to lead")
+        time.sleep(1.0)
+        out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "zklock", "status"],
+                             env=procs.env, capture_output=True, text=True, timeout=60).stdout
+        active = next(line for line in out.splitlines() if "active" in line and "leads since" in line)
+        led_for = float(active.split("(")[1].split("s)")[0])
+        assert led_for < 8.0, out  # it joined over 12 s ago, and leads for a few seconds only
+        assert "#1 in line" in out, out
     finally:
         procs.stop_all()
