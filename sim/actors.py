@@ -114,7 +114,7 @@ def _brief(value) -> str:
 class Worker:
     """A Celery worker: its lock agent (real), its main process and pool processes (models)."""
 
-    def __init__(self, run, name: str, settings: dict, pools: int) -> None:
+    def __init__(self, run, name: str, settings: dict, pools: int, main_class=None) -> None:
         self.run = run
         self.world: World = run.world
         self.name = name
@@ -132,7 +132,9 @@ class Worker:
             return original(wait, cohort, slot, token)
 
         self.agent.requests.on_granted = on_granted
-        self.main = MainProcess(self)
+        self.pool_count = pools
+        self.killed_at: float | None = None  # killed whole (a held-aside scenario's fault)
+        self.main = (main_class or MainProcess)(self)
         self.pools = [PoolProcess(self, i) for i in range(pools)]
         self.dead_pools: list = []
         self.client.on_send = self._sending
@@ -377,6 +379,11 @@ class PoolProcess:
         self.phase = "claiming"
         self.held = self.lost = False
         self.claim_no += 1
+        if req.get("on_start") is not None:  # the real main process: Celery's on_accepted (the ack)
+            req["on_start"](self)
+        if req.get("bypassed"):  # marked by the real main process: it locks in-process, never claims
+            self.world.log(f"{self.proc.name}: {req['id']} bypassed: locks in-process")
+            return self._lock_in_process()
         carry = req.pop("carry", None)  # taken off the request, as agent_lock.carried_grant does
         if carry is not None and starts_on_carried(self._send, req["id"], carry):
             self.world.log(f"{self.proc.name}: starts {req['id']} on its carried grant")
@@ -468,6 +475,8 @@ class PoolProcess:
             return self._release()
         self.phase = "holding"
         self._note()
+        if self.req.get("on_body") is not None:
+            self.req["on_body"](self)
         # Mostly short bodies (a hot key's handoffs), now and then a long one (its lease ages).
         long = self.rng.random() < self.worker.long_share
         hold = self.rng.choice(self.worker.long_holds) if long else self.rng.choice((0.0, 0.001, 0.003, 0.01, 0.03))
@@ -558,6 +567,8 @@ class InProcessLock:
             return self._finish()
         self.holding = True
         self.pool.worker.run.checks.granted_peer(self.pool.proc.name, self.path, self.attempt, self.client)
+        if self.pool.req.get("on_body") is not None:
+            self.pool.req["on_body"](self.pool)
         self.world.at(self.world.now + 0.05, f"{self.pool.proc.name}.inproc-body", self._finish, proc=self.pool.proc)
 
     def belief(self):

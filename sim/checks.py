@@ -38,6 +38,11 @@ TOLD_WITHIN = 1.0
 #: How long a contender must have queued before a worker is expected to have seen it
 #: (a watch's event and one children read, through the agent's event thread).
 NOTICE = 0.15
+#: Held aside (broker scenarios): a killed worker's message is back in its queue within its
+#: lease, a sweep (held_lease.SWEEP_EVERY; the model's other sweeper runs at least as often)
+#: and this margin.
+SWEPT_WITHIN = 0.5
+SWEEP_EVERY = 1.0
 
 
 class Violation(BaseException):  # not swallowed by an "except Exception" in the code under test
@@ -225,6 +230,67 @@ class Checks:
             self.fail(f"{owner} kept {path} for {now - streak[2]:.3f} s through {mine} while {waiting[0]} "
                       f"waited behind it (zklock_cohort_hold={settings.cohort_hold})")
 
+    # ------------------------------------------------------------------ held aside (a broker model)
+    def body_started(self, pool, delivery) -> None:
+        """A pool process starts the body of the task of ``delivery`` (held-aside scenarios):
+        never twice per task id, but where the failure semantics say it may (a worker that
+        stalled, or was killed, between a delivery's hand-over, its lease checked, and its
+        acknowledgement, while a sweep took the message back)."""
+        broker = self.run.broker
+        msg = delivery.msg
+        runs = broker.bodies.setdefault(msg.task_id, [])
+        runs.append((self.world.now, pool.proc.name, delivery))
+        if len(runs) == 1:
+            return
+        for earlier in msg.deliveries:
+            if earlier is delivery or not earlier.restored_while_handed:
+                continue
+            main = earlier.worker.main
+            killed = earlier.worker.killed_at
+            stalled = any(a <= earlier.restored_at and b >= earlier.handed_at for a, b in main.stalls)
+            if stalled or (killed is not None and killed <= earlier.restored_at):
+                return  # the stated window
+        self.fail(f"task {msg.task_id}'s body runs twice: on {runs[0][1]} at {runs[0][0]:.3f} and now on "
+                  f"{pool.proc.name}; its deliveries: {msg.deliveries}")
+
+    def held_step(self) -> None:
+        """Every 0.25 s: no message of a killed worker stays unacknowledged in Redis past
+        its lease, a sweep and a margin (past the visibility timeout, for one the worker
+        took in its very last turn, before it could lease it)."""
+        broker = self.run.broker
+        now = self.world.now
+        for delivery in broker.current.values():
+            worker = delivery.worker
+            if worker.killed_at is None:
+                continue
+            leased = delivery.leased or delivery.turn < worker.main.turns_at_death
+            bound = (worker.settings.session_timeout if leased else broker.visibility_timeout) + SWEEP_EVERY + SWEPT_WITHIN
+            if now - worker.killed_at > bound:
+                self.fail(f"{delivery.msg.task_id} stranded: its message is still unacknowledged in Redis "
+                          f"{now - worker.killed_at:.2f} s after {worker.name} was killed (bound {bound:.2f} s; "
+                          f"score {broker.index.get(delivery.msg.tag, 0) - broker.wall():.2f} s from now): {delivery}")
+
+    def held_at_end(self) -> list[str]:
+        """Once drained: every task published ran (none lost), nothing is left in Redis or
+        held aside.  Lost as in plain Celery: a task acknowledged by a worker killed before
+        its body began."""
+        broker = self.run.broker
+        problems = []
+        if broker.queue or broker.unacked:
+            problems.append(f"Redis still has {len(broker.queue)} queued and {len(broker.unacked)} unacknowledged "
+                            f"message(s): {list(broker.current.values())[:2] or [m.task_id for m in broker.queue][:3]}")
+        for task_id, msg in broker.messages.items():
+            if broker.bodies.get(task_id):
+                continue
+            excused = [d for d in msg.deliveries if d.acked_at is not None and d.worker.killed_at is not None
+                       and d.worker.killed_at >= d.acked_at]
+            if not excused:
+                problems.append(f"task {task_id} lost: its body never ran; deliveries {msg.deliveries}")
+        for worker in self.run.workers:
+            if worker.killed_at is None and worker.main.alive and worker.main.step.aside:
+                problems.append(f"{worker.name} still holds aside {sorted(worker.main.step.aside)[:5]}")
+        return problems
+
     # ------------------------------------------------------------------ place kept
     def deleting(self, worker, path: str) -> None:
         """``worker``'s client sends a delete of its node at ``path``."""
@@ -260,8 +326,8 @@ class Checks:
                     problems.append(f"{pool.proc.name} still {pool.phase} ({pool.req and pool.req['id']})")
             if problems:
                 break
-            if worker.stopped_at is None:  # a stopped agent (its main process was killed) kept
-                problems += self._agent_leaks(worker)  # nothing: only the server's side is judged
+            if worker.stopped_at is None and worker.killed_at is None:  # a stopped agent (its main process
+                problems += self._agent_leaks(worker)  # was killed) kept nothing: only the server's side is judged
             session = worker.client._session_id
             left = [p for p, n in self.server.nodes.items() if n.owner == session and session is not None]
             if left:
@@ -270,6 +336,8 @@ class Checks:
                        for p, holders in table.items() if session in holders]
             if watches:
                 problems.append(f"{worker.name}: watches of its session left on the server: {watches[:3]}")
+        if not problems and self.run.broker is not None:
+            problems += self.held_at_end()
         if problems:
             self.fail("at quiescence: " + "; ".join(problems[:4]))
 
@@ -294,5 +362,5 @@ class Checks:
 
     def orphans(self) -> None:
         for worker in self.run.workers:
-            if worker.stopped_at is None:
+            if worker.stopped_at is None and worker.killed_at is None:
                 self.fail(f"{worker.name}: its main and pool processes are gone and the agent still runs")

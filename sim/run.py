@@ -72,7 +72,34 @@ SCENARIOS = {
                        "cversion_start": (2**31 - 40, -40)},
     "main-paused-cut-off": {"workers": 2, "pools": 2, "keys": 1, "rate": 60.0, "peers": 0, "session": 1.0,
                             "plan": [("main-paused-cut-off", 1.0, 1.5), ("main-paused-cut-off", 3.5, 1.5)]},
+    # The worker's main process for real (worker_queue.WaitOutsidePool, held_lease) against a
+    # Redis broker model (sim/broker.py, sim/celery_main.py): three workers on one hot key,
+    # the tasks published to one queue, another worker's sweeps at random moments.  w2, then
+    # w3, is killed whole with requests held aside: their leases lapse, a sweep puts them
+    # back, the others run them.  A plan entry's fourth field names the worker (an index).
+    "held-aside-killed": {"workers": 3, "pools": 3, "keys": 1, "rate": 40.0, "peers": 0, "session": 2.0,
+                          "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "redis",
+                          "plan": [("worker-killed", 1.5, 0.0, 1), ("worker-killed", 3.5, 0.0, 2)]},
+
+    # w1, the queue's only consumer after w2 is killed, stalls twice for one and a half and
+    # two sessions: its leases lapse, the sweeper puts its held messages back, and w1 meets
+    # them again when it thaws (a renewal, a verdict read first, or the same message
+    # redelivered to it: the order the seed draws).
+    "held-aside-stalled": {"workers": 2, "pools": 3, "keys": 1, "rate": 40.0, "peers": 0, "session": 2.0,
+                           "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "redis",
+                           "plan": [("worker-killed", 1.5, 0.0, 1), ("main-stalled", 2.0, 1.5, 0),
+                                    ("main-stalled", 5.0, 2.0, 0)]},
+    # The same stalls with another live consumer (w2), which fetches w1's swept-back messages
+    # before w1 thaws.
+    "held-aside-stalled-elsewhere": {"workers": 2, "pools": 3, "keys": 1, "rate": 40.0, "peers": 0, "session": 2.0,
+                                     "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "redis",
+                                     "plan": [("main-stalled", 2.0, 1.5, 0), ("main-stalled", 5.0, 2.0, 0)]},
 }
+
+#: Scenarios run with --scenario only (none now: the held-aside stalls joined SCENARIOS once
+#: their finding was fixed).
+NOT_IN_CI: dict = {}
+
 
 #: Virtual seconds of load, then of settling (faults healed) before the end checks.
 LOAD = 6.0
@@ -172,6 +199,15 @@ class Run:
             self.server.cversion_start = world.rng("cversion").choice(shape["cversion_start"])
         self.checks = Checks(self)
         world.checks.append(self.checks.step)
+        self.broker = None
+        main_class = None
+        if shape.get("broker"):  # the real main process against a broker model (held aside)
+            from . import celery_main
+            from .broker import RedisBroker
+
+            celery_main.install(world)
+            self.broker = RedisBroker(world, world.rng("broker").choice((10.0, 20.0)))
+            main_class = celery_main.CeleryMain
         ERRORS.records.clear()
         world.checks.append(self._no_errors)
         shape = self.shape = shape or {}
@@ -184,7 +220,10 @@ class Run:
                 "zklock_cohort_hold": rng.choice((0.05, 0.2, 0.5)),
                 "_session": _fixed(shape, "session", rng.choice((1.0, 2.0, 3.0, 30.0))),
             }
-            self.workers.append(Worker(self, f"w{i + 1}", settings, pools=_fixed(shape, "pools", rng.choice((1, 2, 3)))))
+            if main_class is not None:  # the lease of a held message is the session timeout
+                settings["zklock_session_timeout"] = settings["_session"]
+            self.workers.append(Worker(self, f"w{i + 1}", settings, pools=_fixed(shape, "pools", rng.choice((1, 2, 3))),
+                                       main_class=main_class))
         for worker in self.workers:
             worker.long_share = shape.get("long", worker.long_share)
             worker.long_holds = shape.get("long_holds", worker.long_holds)
@@ -197,6 +236,8 @@ class Run:
 
     # ------------------------------------------------------------------ the plan
     def _plan_load(self, rng) -> None:
+        if self.broker is not None:
+            return self._plan_published(rng)
         for worker in self.workers:
             t = rng.uniform(0.0, 0.3)
             rate = _fixed(self.shape, "rate", rng.choice((5.0, 20.0, 60.0)))
@@ -210,6 +251,30 @@ class Run:
                     self.world.at(t + rng.uniform(0.0, 0.5), f"{worker.name}.revoke", worker.main.revoke, rid,
                                   proc=worker.main.proc)
                 t += rng.expovariate(rate)
+
+    def _plan_published(self, rng) -> None:
+        """Tasks published to the broker's queue (any worker consumes them), a sweeper that is
+        another worker's restore_visible at random moments, and the held-aside checks."""
+        t = rng.uniform(0.0, 0.3)
+        rate = _fixed(self.shape, "rate", 40.0)
+        n = 0
+        while t < self.load:
+            n += 1
+            self.world.at(t, "producer", self.broker.publish, f"t{n}", rng.choice(self.keys))
+            t += rng.expovariate(rate)
+        sweeper = self.world.rng("sweeper")
+
+        def sweep() -> None:
+            self.broker.restore_visible()
+            self.world.at(self.world.now + sweeper.uniform(0.1, 1.0), "sweeper", sweep)
+
+        self.world.at(sweeper.uniform(0.1, 1.0), "sweeper", sweep)
+
+        def check() -> None:
+            self.checks.held_step()
+            self.world.at(self.world.now + 0.25, "checks.held", check)
+
+        self.world.at(0.25, "checks.held", check)
 
     def _plan_faults(self, rng) -> None:
         """Random faults (or the shape's plan); a fault the shrinker dropped is still drawn,
@@ -226,8 +291,10 @@ class Run:
             length = rng.choice((0.05, 0.3, timeout * 0.5, timeout * 0.8, timeout * 1.5))
             r = rng.random()
             if plan is not None:
-                kind, at, share = plan[index]
+                kind, at, share = plan[index][:3]
                 length = share * timeout
+                if len(plan[index]) > 3:
+                    worker = self.workers[plan[index][3]]
             self.faults.append(kind)
             if index not in drop:
                 self.world.at(at, "faults", self._fault, kind, worker, length, r)
@@ -268,6 +335,17 @@ class Run:
             # task with its grant, the pool processes living on: the task still reaches it.
             world.log(f"fault: {worker.main.proc.name} to be killed after its next carried handover")
             worker.main.die_after_carry = True
+        elif kind == "main-stalled":
+            # The worker's main process does not run (SIGSTOP, a swap storm): its agent and
+            # pool processes do, and so does every other worker.
+            world.log(f"fault: {worker.main.proc.name} stalled for {length:.2f} s")
+            worker.main.proc.pause(length)
+            worker.main.stalls.append((world.now, world.now + length))
+        elif kind == "worker-killed":
+            from .celery_main import kill_worker
+
+            if worker.killed_at is None and sum(1 for w in self.workers if w.killed_at is None) > 1:
+                kill_worker(worker)
         elif kind == "suspend":
             world.log(f"fault: host {worker.host.name} suspended for {length:.2f} s")
             worker.host.suspend(length)
@@ -336,7 +414,13 @@ class Run:
         self.checks.orphans()
 
     def _quiet(self) -> bool:
+        if self.broker is not None and not self.broker.drained():
+            return False
         for worker in self.workers:
+            if worker.killed_at is not None:
+                continue
+            if self.broker is not None and (worker.main.step.aside or worker.main.step.early):
+                return False
             if worker.main.alive and any(not r["done"] for r in worker.main.requests.values()):
                 return False
             if any(p.proc.alive and p.phase != "idle" for p in worker.pools):
@@ -349,7 +433,7 @@ class Run:
 def run_seed(seed: int, trace: bool = False, shape: dict | None = None, scenario: str | None = None):
     """Run one seed (of ``scenario``, if named); returns (violation or None, the run)."""
     if scenario is not None:
-        shape = {**SCENARIOS[scenario], **(shape or {})}
+        shape = {**{**SCENARIOS, **NOT_IN_CI}[scenario], **(shape or {})}
     from .checks import Violation
 
     run = Run(seed, trace=trace, shape=shape)
@@ -398,7 +482,8 @@ def main(argv=None) -> int:
     _reexec_with_fixed_hash()
     parser = argparse.ArgumentParser(prog="python -m sim.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, help="replay one seed and print its trace")
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), help="the directed scenario of --seed")
+    parser.add_argument("--scenario", choices=sorted({**SCENARIOS, **NOT_IN_CI}),
+                        help="the directed scenario of --seed")
     parser.add_argument("--drop", default="", help="with --seed: faults to leave out (a shrunk replay), e.g. 0,2")
     parser.add_argument("--load", type=float, help="with --seed: seconds of load (a shrunk replay)")
     parser.add_argument("--seeds", type=int, help=f"how many random seeds to run (default {CI_SEEDS}, the CI budget)")

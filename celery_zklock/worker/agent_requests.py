@@ -140,7 +140,7 @@ class Requests:
             # The same task id while we still wait for, or hold, its lock: a retry the body
             # published while holding it, or a redelivery.  The running one keeps its lock;
             # this one runs in-process (its claim will say "unknown"), still protected.
-            peer.send({"op": "bypass", "id": wait.id})
+            peer.send({"op": "bypass", "id": wait.id, "seq": wait.seq})
             return
         self.waits[wait.id] = wait
         if wait.deadline is not None:
@@ -196,7 +196,7 @@ class Requests:
         if not wait.queued:
             wait.queued = True
             if wait.watched:
-                wait.owner.send({"op": "queued", "id": wait.id, "position": position})
+                wait.owner.send({"op": "queued", "id": wait.id, "seq": wait.seq, "position": position})
 
     def on_next(self, wait: Wait, ours: bool = True, streak_left: float | None = None) -> None:
         """Every path but the last is held and only a holder is ahead of it on the last: the
@@ -216,7 +216,7 @@ class Requests:
             # queued, may tell it (ours=False).
             return
         wait.next_sent = True
-        wait.owner.send({"op": "next", "id": wait.id, "hold": expected, "ours": ours})
+        wait.owner.send({"op": "next", "id": wait.id, "seq": wait.seq, "hold": expected, "ours": ours})
 
     def on_slot_lost(self, wait: Wait) -> None:
         self.claims.push_state(wait)
@@ -257,7 +257,7 @@ class Requests:
         if verdict["verdict"] is Verdict.GRANTED:
             wait.granted_at = clock.monotonic()
         self.guards.decided(wait, verdict["verdict"])
-        answer = {"op": verdict["verdict"], "id": wait.id}
+        answer = {"op": verdict["verdict"], "id": wait.id, "seq": wait.seq}
         if wait.queued:
             answer["queued"] = True
         if verdict["verdict"] is Verdict.UNAVAILABLE:

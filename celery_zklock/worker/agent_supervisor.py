@@ -205,6 +205,8 @@ class AgentSupervisor:
         self.last_ping = time.monotonic()
         for msg in self.reader.feed(data):
             op = msg.get("op")
+            if not self._current(msg.get("id"), msg.get("seq")):
+                continue  # about a delivery that is gone (swept back to the broker and delivered again)
             if op in (Verdict.GRANTED, Verdict.TIMEOUT, Verdict.UNAVAILABLE, "bypass"):
                 # Only a grant that had to queue jumps the pool's queue: its key is
                 # contended, and tasks behind it wait for its release.

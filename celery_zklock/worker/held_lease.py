@@ -52,6 +52,7 @@ class HeldLeases:
         self.held: dict[str, tuple[object, float]] = {}  # tag -> (channel, monotonic time leased; 0: not yet)
         self.failing = False  # the last renewal failed (logged once until one succeeds)
         self.new = False  # held since the last renewal (renew_new is due)
+        self.last_score = 0.0  # the score of the last renewal: each one's is higher
 
     def hold(self, req) -> bool:
         """Lease ``req``'s message from the next :meth:`renew` on; True if it is a Redis one."""
@@ -100,15 +101,19 @@ class HeldLeases:
         return lost
 
     def _renew(self, channel, tags: list[str]) -> list:
-        score = time.time() - channel.visibility_timeout + self.lease
+        """One ``ZADD XX CH`` per tag, in one round trip: 1 where the message is still held
+        unacknowledged (its score moved), 0 where Redis no longer has it (XX adds nothing).
+        Why ZADD and no read: kombu prefixes the keys of the commands it uses itself
+        (``global_keyprefix``), ZADD among them, and ZSCORE not.  The score grows at every
+        renewal, so CH never reads an unchanged score as a missing member."""
+        score = self.last_score = max(time.time() - channel.visibility_timeout + self.lease, self.last_score + 0.001)
         key = channel.unacked_index_key
         with channel.conn_or_acquire() as client:
-            pipe = client.pipeline(transaction=True)  # MULTI: no sweep between the read and the write
+            pipe = client.pipeline(transaction=False)
             for tag in tags:
-                pipe.zscore(key, tag)
-                pipe.zadd(key, {tag: score}, xx=True)
+                pipe.zadd(key, {tag: score}, xx=True, ch=True)
             replies = pipe.execute()
-        return replies[0::2]
+        return [None if not changed else score for changed in replies]
 
     def ours(self, req) -> bool:
         """May ``req``, held aside, still run here?  Yes if its lease was renewed within half a

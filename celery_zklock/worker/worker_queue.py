@@ -178,6 +178,16 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         req.acknowledge()
         worker_state.reserved_requests.discard(req)
 
+    def _current(self, request_id, seq) -> bool:
+        """Is an answer of the agent's about the delivery of ``request_id`` we hold now?  Its
+        ``seq`` names the delivery it was asked for: a task id can come again (the same
+        message, swept back by Redis and delivered here again), and an answer about the old
+        delivery, read late, must not decide the new one."""
+        if seq is None:
+            return True
+        req = self.aside.get(request_id) or self.early.get(request_id)
+        return req is None or _seq(req) in (None, seq)
+
     def _lock_or_run(self, req) -> None:
         task = req.task
         if self.sock is None or task.acks_late or not req.id or not is_locked_task(task):

@@ -47,6 +47,9 @@ if os.environ.get("TEST_VISIBILITY"):
     # Redis's visibility timeout, and kombu's sweep every second (its default: every 100 s).
     app.conf.broker_transport_options = {"visibility_timeout": float(os.environ["TEST_VISIBILITY"]),
                                          "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+if os.environ.get("TEST_KEYPREFIX"):  # kombu's global_keyprefix: every broker key under a prefix
+    app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
+                                         "global_keyprefix": os.environ["TEST_KEYPREFIX"]}
 if os.environ.get("TEST_POOL_START_METHOD"):
     app.conf.worker_pool_start_method = os.environ["TEST_POOL_START_METHOD"]
 _r = redis.Redis.from_url(REDIS_URL)

@@ -149,16 +149,29 @@ def _runs(mod) -> dict:
     return runs
 
 
-def test_redis_never_delivers_a_held_request_again_past_its_visibility_timeout(mod, env):
+@pytest.mark.parametrize("prefix", ["", "zk-test:"], ids=["plain-keys", "global-keyprefix"])
+def test_redis_never_delivers_a_held_request_again_past_its_visibility_timeout(mod, env, prefix):
     """One worker (-c 2), 120 tasks of 100 ms on one key, Redis's visibility_timeout 8 s (and
     kombu's sweep every second): most wait aside far longer than 8 s.  Each runs once (before:
-    the sweep put the long-held ones back in the queue, and 25 of 120 ran twice)."""
+    the sweep put the long-held ones back in the queue, and 25 of 120 ran twice).  Also with
+    kombu's global_keyprefix, whose prefixed client a lease renewal must go through (a first
+    version read the unprefixed key, took every held message for swept back, and ran none)."""
     n = 120
     key = f"vis-{uuid.uuid4().hex[:6]}"
-    w = Worker({**env, "TEST_VISIBILITY": "8"}, "vis", concurrency=2).start(mod.app)
+    w = Worker({**env, "TEST_VISIBILITY": "8", "TEST_KEYPREFIX": prefix}, "vis", concurrency=2).start()
+    wait_until(lambda: " ready." in w.log(), 30, what="the worker's consumer")  # no ping: its keys are prefixed
     try:
-        for i in range(n):
-            mod.hold.delay(key, 100, i)
+        send = mod.hold
+        if prefix:  # the publisher uses the worker's prefix too
+            from kombu import Connection
+
+            conn = Connection(mod.app.conf.broker_url, transport_options={"global_keyprefix": prefix})
+            for i in range(n):
+                send.apply_async((key, 100, i), connection=conn)
+            conn.release()
+        else:
+            for i in range(n):
+                send.delay(key, 100, i)
         wait_until(lambda: len(_runs(mod)) >= n, 90, interval=0.5, what=f"all {n} to run")
         time.sleep(10.0)  # a copy swept back late would run by now
         runs = _runs(mod)
