@@ -390,6 +390,12 @@ MUTANTS = [
            "worker/worker_queue.py",
            "        return req is None or _seq(req) in (None, seq)\n",
            "        return True\n"),
+    Mutant("lease-ends-at-hand-over", "59. a held message's lease ends when it is handed to the pool, not when a pool "
+           "process takes it (its ack): one granted while every process is busy waits in the pool's queue unleased, "
+           "is swept back, delivered again and run twice (found by a real-broker test first: Redis out of reach twice)",
+           "worker/worker_queue.py",
+           "            metrics.record(\"waited\", req.task)\n\n    def _taken_back(",
+           "            metrics.record(\"waited\", req.task)\n        self.leases.let_go(req)\n\n    def _taken_back("),
 ]
 
 #: Planted bugs that wait for a finding's fix before a scenario can prove them (none now):

@@ -49,7 +49,8 @@ class HeldLeases:
 
     def __init__(self, lease: float) -> None:
         self.lease = lease
-        self.held: dict[str, tuple[object, float]] = {}  # tag -> (channel, monotonic time leased; 0: not yet)
+        self.held: dict[str, tuple[object, float, object]] = {}  # tag -> (channel, monotonic time leased (0: not
+        # yet), message): kept until the message is acknowledged, not only while it waits aside
         self.failing = False  # the last renewal failed (logged once until one succeeds)
         self.new = False  # held since the last renewal (renew_new is due)
         self.last_score = 0.0  # the score of the last renewal: each one's is higher
@@ -59,7 +60,7 @@ class HeldLeases:
         channel = redis_channel(getattr(getattr(req, "message", None), "channel", None))
         if channel is None:
             return False
-        self.held[req.message.delivery_tag] = (channel, 0.0)
+        self.held[req.message.delivery_tag] = (channel, 0.0, req.message)
         self.new = True
         return True
 
@@ -67,7 +68,12 @@ class HeldLeases:
         """Lease the messages held since the last renewal (one transaction for all that came
         in a turn of the event loop): until then a SIGKILL strands them for the timeout."""
         self.new = False
-        return self.renew([tag for tag, (_channel, leased) in self.held.items() if not leased])
+        return self.renew([tag for tag, (_channel, leased, _message) in self.held.items() if not leased])
+
+    def clear(self) -> None:
+        """The connection is gone (or stopping): its deliveries' leases end with it."""
+        self.held.clear()
+        self.new = False
 
     def let_go(self, req) -> None:
         self.held.pop(getattr(getattr(req, "message", None), "delivery_tag", None), None)
@@ -76,6 +82,9 @@ class HeldLeases:
         """Renew the leases of ``tags`` (all held, by default) in one transaction per channel;
         returns the tags Redis no longer holds as unacknowledged (swept back to their queue:
         no longer ours).  On a Redis error nothing is renewed, and nothing is said lost."""
+        for tag, (_channel, _leased, message) in list(self.held.items()):
+            if message.acknowledged:  # a pool process took it (or it was revoked): Redis is done with it
+                del self.held[tag]
         tags = list(self.held) if tags is None else [t for t in tags if t in self.held]
         by_channel: dict[int, tuple[object, list[str]]] = {}
         for tag in tags:
@@ -97,7 +106,7 @@ class HeldLeases:
                 if score is None:
                     lost.add(tag)
                 else:
-                    self.held[tag] = (channel, now)
+                    self.held[tag] = (channel, now, self.held[tag][2])
         return lost
 
     def _renew(self, channel, tags: list[str]) -> list:
@@ -126,7 +135,8 @@ class HeldLeases:
         if entry[1] and time.monotonic() - entry[1] < self.lease / 2:
             return True
         lost = self.renew([tag])
-        return tag not in lost and self.held[tag][1] > 0 and time.monotonic() - self.held[tag][1] < self.lease / 2
+        entry = self.held.get(tag)
+        return tag not in lost and entry is not None and entry[1] > 0 and time.monotonic() - entry[1] < self.lease / 2
 
     def sweep(self, channel) -> None:
         """Return lapsed messages (any worker's) to their queues now, with kombu's own sweep."""

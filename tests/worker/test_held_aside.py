@@ -88,8 +88,9 @@ def _rabbitmq_up() -> bool:
 def test_rabbitmq_cut_with_requests_held_aside_runs_each_once_and_says_what_went_back(mod, env, zk_client):
     """300 requests held aside on 3 keys (held by the test), the worker's broker connections
     cut twice, 3 s apart.  RabbitMQ takes back what a closed connection held unacked, and
-    the worker can no longer reject those deliveries: it must not say they "went back"
-    (before: every one counted), and each task must run exactly once, none lost."""
+    the worker can no longer reject those deliveries: it says it left them to the broker, not
+    that they "went back" (before: every one counted as returned), and each task runs exactly
+    once, none lost."""
     from kombu import Connection
 
     from tests.brokerproxy import BrokerProxy
@@ -123,8 +124,10 @@ def test_rabbitmq_cut_with_requests_held_aside_runs_each_once_and_says_what_went
             twice = sorted(t for t, c in runs.items() if c > 1)
             assert not twice, f"{len(twice)} ran more than once: {twice[:10]}"
             assert len(runs) == n
-            said = [int(x) for x in re.findall(RESTARTS, _whole_log(w))]
-            assert said and max(said) == 0, f"the worker said {said} went back on a cut connection"
+            log = _whole_log(w)
+            said = [int(x) for x in re.findall(RESTARTS, log)]
+            assert len(said) >= 2 and max(said) > 0, said  # held at each cut, and said to be left to the broker
+            assert not re.findall(r"connection restarts: [1-9]\d* waiting task\(s\) went back", log)
         finally:
             for lock in locks:
                 if lock.is_held():
@@ -134,7 +137,146 @@ def test_rabbitmq_cut_with_requests_held_aside_runs_each_once_and_says_what_went
             ch.queue_delete(queue)
 
 
-RESTARTS = r"the broker connection restarts: (\d+) waiting task\(s\) went back"
+
+
+def _whole_log(w) -> str:
+    with open(w.log_path, errors="replace") as f:
+        return f.read()
+
+
+def _runs(mod) -> dict:
+    runs: dict = {}
+    for r in history(mod, "hold"):
+        runs[r["tag"]] = runs.get(r["tag"], 0) + 1
+    return runs
+
+
+@pytest.mark.parametrize("prefix", ["", "zk-test:"], ids=["plain-keys", "global-keyprefix"])
+def test_redis_never_delivers_a_held_request_again_past_its_visibility_timeout(mod, env, prefix):
+    """One worker (-c 2), 120 tasks of 100 ms on one key, Redis's visibility_timeout 8 s (and
+    kombu's sweep every second): most wait aside far longer than 8 s.  Each runs once (before:
+    the sweep put the long-held ones back in the queue, and 25 of 120 ran twice).  Also with
+    kombu's global_keyprefix, whose prefixed client a lease renewal must go through (a first
+    version read the unprefixed key, took every held message for swept back, and ran none)."""
+    n = 120
+    key = f"vis-{uuid.uuid4().hex[:6]}"
+    w = Worker({**env, "TEST_VISIBILITY": "8", "TEST_KEYPREFIX": prefix}, "vis", concurrency=2).start()
+    wait_until(lambda: " ready." in w.log(), 30, what="the worker's consumer")  # no ping: its keys are prefixed
+    try:
+        send = mod.hold
+        if prefix:  # the publisher uses the worker's prefix too
+            from kombu import Connection
+
+            conn = Connection(mod.app.conf.broker_url, transport_options={"global_keyprefix": prefix})
+            for i in range(n):
+                send.apply_async((key, 100, i), connection=conn)
+            conn.release()
+        else:
+            for i in range(n):
+                send.delay(key, 100, i)
+        wait_until(lambda: len(_runs(mod)) >= n, 90, interval=0.5, what=f"all {n} to run")
+        time.sleep(10.0)  # a copy swept back late would run by now
+        runs = _runs(mod)
+        twice = sorted(t for t, c in runs.items() if c > 1)
+        assert not twice, f"{len(twice)} of {n} ran twice: {twice[:10]}"
+    finally:
+        w.stop(timeout=30)
+
+
+def test_redis_a_killed_workers_held_requests_run_elsewhere_within_seconds(mod, env):
+    """Two workers (-c 2), 150 tasks of 40 ms on one key, one worker's whole process group
+    SIGKILLed 2 s in, Redis's default visibility timeout (1 hour).  Every task runs within
+    the lease (the session timeout, 4 s here) and a few seconds (before: 42 of 150 waited for
+    the hour).  A task the killed worker had started may run again (at least once, as in plain
+    Celery): none other does."""
+    n = 150
+    key = f"kill-{uuid.uuid4().hex[:6]}"
+    a = Worker(env, "leasea", concurrency=2).start(mod.app)
+    b = Worker(env, "leaseb", concurrency=2).start(mod.app)
+    try:
+        for i in range(n):
+            mod.hold.delay(key, 40, i)
+        held = wait_until(lambda: _waiting_aside(a, mod) >= 20 and _waiting_aside(a, mod), 20, interval=0.1,
+                          what="the first worker holding requests aside")
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        lost_at_most = 3  # acknowledged in the killed worker: running (-c 2), and one next in line there
+        wait_until(lambda: len(_runs(mod)) >= n - lost_at_most, 30, interval=0.25,
+                   what=f"all {n} but {lost_at_most} to run after a worker's SIGKILL")
+        print(f"all ran {time.monotonic() - killed:.1f}s after the kill; it held {held} aside")
+        twice = [t for t, c in _runs(mod).items() if c > 1]
+        assert len(twice) <= 2, f"{len(twice)} ran twice: {twice}"  # at most what -c 2 was running
+    finally:
+        a.stop(timeout=5)
+        b.stop(timeout=30)
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq", "redis"])
+def test_repeated_broker_outages_while_tasks_run_lose_nothing(mod, env, broker):
+    """430 tasks of 50 ms on 3 keys flowing through one worker (-c 2): the broker is out of
+    its reach for 3 s, and again 3 s after it reconnected (tasks running, granted, next in line
+    and held aside at each cut).  Each task runs, none twice but one that began as its connection
+    dropped, as in plain Celery.  On Redis the worker survives the second outage (before: it
+    exited, "Unrecoverable error", while kombu closed a channel it had already let go of, and
+    372 of 430 never ran); RabbitMQ's run lost none either way here (the issue saw 69 lost)."""
+    from kombu import Connection
+
+    from tests.brokerproxy import BrokerProxy
+
+    if broker == "rabbitmq" and not _rabbitmq_up():
+        pytest.skip("no RabbitMQ at 127.0.0.1:5672")
+    keys = [f"cut2-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    queue = f"held-{uuid.uuid4().hex[:8]}"
+    if broker == "rabbitmq":
+        port, direct = RABBITMQ_PORT, f"amqp://guest:guest@127.0.0.1:{RABBITMQ_PORT}//"
+        through = f"amqp://guest:guest@127.0.0.1:{{}}//"
+    else:
+        url = env["TEST_REDIS_URL"]
+        port, direct = int(url.rsplit(":", 1)[1].split("/")[0]), url
+        through = "redis://127.0.0.1:{}/" + (url.rsplit("/", 1)[1] if url.count("/") > 2 else "0")
+    n = 430
+    with BrokerProxy(port) as proxy, Connection(direct) as conn:
+        worker_env = {**env, "TEST_BROKER_URL": through.format(proxy.port)}
+        w = Worker(worker_env, f"cut2{broker}", concurrency=2, extra=["-Q", queue, "-E"]).start()  # events: each wait answered
+        try:
+            wait_until(lambda: " ready." in w.log(), 30, what="the worker's consumer")
+            ids = [mod.hold.apply_async((keys[i % 3], 50, i), queue=queue, connection=conn).id for i in range(n)]
+            time.sleep(1.5)
+            cuts = [time.time()]
+            proxy.outage(3.0)
+            wait_until(lambda: len(re.findall(RESTARTS, _whole_log(w))) >= 1, 30, what="a consumer restart")
+            wait_until(lambda: "Connected to " in _whole_log(w).split("restarts:")[-1], 30, what="a reconnection")
+            time.sleep(3.0)
+            cuts.append(time.time())
+            proxy.outage(3.0)
+            # Allowed lost, as in plain Celery on Redis: a message whose BRPOP ran on the server
+            # while its reply was lost with the connection (kombu's Redis transport takes a
+            # message off the queue before it is in its unacknowledged set): never received.
+            def unexplained() -> list[int]:
+                log = _whole_log(w)
+                return [t for t in set(range(n)) - set(_runs(mod)) if broker == "rabbitmq" or f"[{ids[t]}] received" in log]
+
+            wait_until(lambda: len(_runs(mod)) >= n or (len(_runs(mod)) >= n - 2 and not unexplained()), 60,
+                       interval=0.5, what=f"all {n} to run")
+            print(f"ran {len(_runs(mod))} of {n}; never received (lost in a BRPOP's reply): "
+                  f"{sorted(set(range(n)) - set(_runs(mod)))}")
+            time.sleep(2.0)
+            # Allowed twice, as in plain Celery: a task whose first run began as a connection
+            # dropped (its acknowledgement, sent as it began, was lost with the connection).
+            first = {}
+            for r in history(mod, "hold"):
+                first[r["tag"]] = min(first.get(r["tag"], r["start"]), r["start"])
+            twice = sorted(t for t, c in _runs(mod).items() if c > 1 and not any(abs(first[t] - c) < 0.3 for c in cuts))
+            assert not twice, f"{len(twice)} ran more than once: {[(t, ids[t]) for t in twice[:10]]}"
+            assert w.alive(), w.log_tail(3000)
+        finally:
+            w.stop(timeout=30)
+        if broker == "rabbitmq":
+            with conn.channel() as ch:
+                ch.queue_delete(queue)
+
+
+RESTARTS = r"the broker connection restarts: (\d+) waiting task\(s\) left to the broker"
 
 
 def _whole_log(w) -> str:
