@@ -42,16 +42,23 @@ class TlsMaterial:
         if proc.returncode != 0:
             raise RuntimeError(f"openssl {' '.join(args)} failed: {proc.stderr[-2000:]}")
 
+    # The extensions RFC 5280 asks for, which Python >= 3.13's default context checks
+    # (ssl.VERIFY_X509_STRICT): a CA with keyUsage, certificates with an authority key id.
+    # Without them ``ssl.create_default_context`` (four_letter_word's TLS probe) refused the
+    # CA ("CA cert does not include key usage extension"), and a TLS server never came up.
     def _ca(self, cert: str, key: str, name: str) -> None:
         self._openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                      "-days", "2", "-subj", f"/CN={name}")
+                      "-days", "2", "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
+                      "-addext", "keyUsage=critical,keyCertSign,cRLSign")
 
     def _signed(self, cert: str, key: str, ca: str, ca_key: str, name: str, san: str | None = None) -> None:
         csr = f"{cert}.csr"
         self._openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
         ext = f"{cert}.ext"
         with open(os.path.join(self.workdir, ext), "w") as f:
-            f.write(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
+            f.write("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+                    "extendedKeyUsage=serverAuth,clientAuth\nsubjectKeyIdentifier=hash\n"
+                    "authorityKeyIdentifier=keyid,issuer\n" + (f"subjectAltName={san}\n" if san else ""))
         self._openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
                       "-days", "2", "-extfile", ext)
 
