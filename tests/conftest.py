@@ -46,6 +46,8 @@ def redis_client(redis_server):
 WHOLE_DIRS = ("tests/docker", "tests/faults")
 LONG_FIRST = [
     "tests/faults",
+    "tests/worker/test_held_aside.py",
+    "tests/beat/test_beat_broker.py",
     "tests/test_bench_smoke.py",
     "tests/docker",
     "tests/test_celery_pools.py",

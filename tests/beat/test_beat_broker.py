@@ -23,6 +23,17 @@ from tests.polling import wait_until
 SESSION = 2.0  # the test ZooKeeper's tickTime is 200 ms
 
 
+def _beat(procs: Procs, name: str, app: str = "examples.beat_elected.app", **env: str) -> Proc:
+    """A ``celery beat`` of ``app`` with ZkScheduler, ``env`` added to the run's, once it has
+    joined its group's election."""
+    argv = [sys.executable, "-m", "celery", "-A", app, "beat", "-s", os.path.join(procs.logdir, f"{name}-schedule"),
+            "-l", "info"]
+    b = Proc(name, argv, {**procs.env, **env}, os.path.join(procs.logdir, f"{name}.log")).start()
+    procs.items.append(b)
+    wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
+    return b
+
+
 @pytest.fixture
 def beat_env(zk_server, redis_server):
     run_id = uuid.uuid4().hex[:8]
@@ -58,14 +69,7 @@ def test_a_leader_stalled_in_its_publish_gives_way_and_its_late_tick_does_not_ru
         wait_ready(m.app, [w])
         beats = []
         for i, proxy in enumerate(proxies):
-            name = f"bbeat{i + 1}-{procs.tag}"
-            argv = [sys.executable, "-m", "celery", "-A", "examples.beat_elected.app", "beat", "-s",
-                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
-            env = {**procs.env, "BROKER_URL": f"redis://127.0.0.1:{proxy.port}/{db}"}
-            b = Proc(name, argv, env, os.path.join(procs.logdir, f"{name}.log")).start()
-            procs.items.append(b)
-            beats.append(b)
-            wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
+            beats.append(_beat(procs, f"bbeat{i + 1}-{procs.tag}", BROKER_URL=f"redis://127.0.0.1:{proxy.port}/{db}"))
 
         def sent() -> list[dict]:
             return [json.loads(x) for x in r.lrange(m.store.key("sent"), 0, -1)]
@@ -115,12 +119,7 @@ def test_a_publish_retried_after_its_reply_was_lost_runs_once(beat_env, redis_se
         try:
             w = procs.worker("examples.beat_elected.app", "beatrw", 2, loglevel="info")
             wait_ready(m.app, [w])
-            name = f"rbeat-{procs.tag}"
-            argv = [sys.executable, "-m", "celery", "-A", "examples.beat_elected.app", "beat", "-s",
-                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
-            b = Proc(name, argv, {**procs.env, "BROKER_URL": f"redis://127.0.0.1:{proxy.port}/{db}"},
-                     os.path.join(procs.logdir, f"{name}.log")).start()
-            procs.items.append(b)
+            _beat(procs, f"rbeat-{procs.tag}", BROKER_URL=f"redis://127.0.0.1:{proxy.port}/{db}")
 
             def runs() -> list[dict]:
                 return [json.loads(x) for x in r.lrange(m.store.key("runs"), 0, -1)]
@@ -156,13 +155,7 @@ def test_a_leader_whose_clock_runs_a_minute_ahead_is_said_and_does_not_stop_its_
         wait_ready(m.app, [w])
         beats = []
         for i, skew in enumerate(("60", "0")):
-            name = f"kbeat{i + 1}-{procs.tag}"
-            argv = [sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "beat", "-s",
-                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
-            b = Proc(name, argv, {**procs.env, "BEAT_CLOCK_SKEW": skew}, os.path.join(procs.logdir, f"{name}.log")).start()
-            procs.items.append(b)
-            beats.append(b)
-            wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
+            beats.append(_beat(procs, f"kbeat{i + 1}-{procs.tag}", "tests.apps.beat_host", BEAT_CLOCK_SKEW=skew))
 
         def sent() -> list[dict]:
             return [json.loads(x) for x in r.lrange(m.store.key("sent"), 0, -1)]
@@ -194,13 +187,8 @@ def test_an_entry_only_a_standby_has_is_said_and_status_tells_leading_and_places
     try:
         beats = []
         for i, extra in enumerate(("", "nightly-report", "nightly-report")):
-            name = f"ebeat{i + 1}-{procs.tag}"
-            argv = [sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "beat", "-s",
-                    os.path.join(procs.logdir, f"{name}-schedule"), "-l", "info"]
-            b = Proc(name, argv, {**procs.env, "BEAT_EXTRA_ENTRY": extra}, os.path.join(procs.logdir, f"{name}.log")).start()
-            procs.items.append(b)
+            b = _beat(procs, f"ebeat{i + 1}-{procs.tag}", "tests.apps.beat_host", BEAT_EXTRA_ENTRY=extra)
             beats.append(b)
-            wait_until(lambda: "joined the election" in b.log_tail(20000), 30, what=f"{name} in the election")
             if i == 0:
                 wait_until(lambda: "is now the active scheduler" in b.log_tail(20000), 30, what="the first to lead")
                 time.sleep(3.0)  # it led for a while: its join and its lead differ
