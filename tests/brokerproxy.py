@@ -24,6 +24,7 @@ class _Pipe:
         self.server = socket.create_connection((proxy.host, proxy.port_to))
         self.closed = False
         self.cut_at_reply = False  # a command was passed on whose reply is lost: cut when it comes
+        self.hold_replies = False  # a command was passed on whose reply waits until the cut
 
     def start(self) -> None:
         for src, dst in ((self.client, self.server), (self.server, self.client)):
@@ -40,8 +41,15 @@ class _Pipe:
                     break
                 if src is self.server and self.cut_at_reply:
                     break  # the reply is lost with the connection: the command ran
+                if src is self.server and self.hold_replies:
+                    while not self.closed:  # the reply waits here until the connection is cut
+                        self.proxy.flowing.wait(0.05)
+                        threading.Event().wait(0.05)
+                    break
                 if src is self.client and self.proxy.take_lost_reply(data):
                     self.cut_at_reply = True
+                if src is self.client and self.proxy.take_held_reply(data):
+                    self.hold_replies = True
                 dst.sendall(data)
         except OSError:
             pass
@@ -78,6 +86,8 @@ class BrokerProxy:
         self.down = False
         self._lose: bytes | None = None
         self.replies_lost = 0
+        self._hold: bytes | None = None
+        self.replies_held = 0
         threading.Thread(target=self._accept, daemon=True, name="broker-proxy-accept").start()
 
     def _accept(self) -> None:
@@ -104,6 +114,21 @@ class BrokerProxy:
         broker, which runs it; its reply is lost, the connection cut as it comes back."""
         with self._guard:
             self._lose = marker
+
+    def hold_reply(self, marker: bytes) -> None:
+        """The next command whose bytes contain ``marker`` reaches the broker, which runs it; its
+        reply (and all after it on that connection) waits until :meth:`cut`: a client blocked
+        on a command that ran."""
+        with self._guard:
+            self._hold = marker
+
+    def take_held_reply(self, data: bytes) -> bool:
+        with self._guard:
+            if self._hold is not None and self._hold in data:
+                self._hold = None
+                self.replies_held += 1
+                return True
+        return False
 
     def take_lost_reply(self, data: bytes) -> bool:
         with self._guard:

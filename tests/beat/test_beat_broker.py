@@ -208,3 +208,54 @@ def test_an_entry_only_a_standby_has_is_said_and_status_tells_leading_and_places
         assert "#1 in line" in out, out
     finally:
         procs.stop_all()
+
+
+def test_a_deposed_leader_whose_publish_is_retried_after_the_next_leaders_tick_does_not_run_it(beat_env, redis_server,
+                                                                                                 zk_server, tmp_path):
+    """Two beats, each through its own proxies to Redis and ZooKeeper.  The leader's tick N
+    reaches Redis and runs, but its reply is held; the leader is cut from ZooKeeper too, and
+    steps down; the standby leads and sends tick N+1.  Then the held broker connection resets,
+    and the old leader's publish retry sends tick N again, after N+1: it does not run (before:
+    it ran a second time)."""
+    from examples.beat_elected import app as m
+    from tests.tcpproxy import TcpProxy
+
+    m.store.reset()
+    r = m.store.r
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    db = redis_server.url.rsplit("/", 1)[1] if redis_server.url.count("/") > 2 else "0"
+    brokers = [BrokerProxy(port) for _ in range(2)]
+    zks = [TcpProxy.to(zk_server.hosts) for _ in range(2)]
+    procs = Procs(beat_env, str(tmp_path))
+    try:
+        w = procs.worker("examples.beat_elected.app", "beatdw", 2, loglevel="info")
+        wait_ready(m.app, [w])
+        beats = [_beat(procs, f"dbeat{i + 1}-{procs.tag}", BROKER_URL=f"redis://127.0.0.1:{brokers[i].port}/{db}",
+                       ZKLOCK_HOSTS=zks[i].hosts) for i in range(2)]
+
+        def sent() -> list[dict]:
+            return [json.loads(x) for x in r.lrange(m.store.key("sent"), 0, -1)]
+
+        def runs() -> list[dict]:
+            return [json.loads(x) for x in r.lrange(m.store.key("runs"), 0, -1)]
+
+        wait_until(lambda: len(runs()) >= 3, 30, what="three ticks run")
+        leader = next(i for i, b in enumerate(beats) if b.pid == sent()[-1]["pid"])
+        brokers[leader].hold_reply(b"LPUSH")
+        wait_until(lambda: brokers[leader].replies_held, 10, what="the leader's tick with its reply held")
+        held_seq = sent()[-1]["seq"]
+        zks[leader].hold()  # and cut off from ZooKeeper: it loses the election
+        other = beats[1 - leader]
+        wait_until(lambda: [s for s in sent() if s["pid"] == other.pid], 20, what="the next leader's tick")
+        wait_until(lambda: [x for x in runs() if x["seq"] > held_seq], 10, what="a later tick to run")
+        brokers[leader].cut()  # the held connection resets: the old leader's publish is retried
+        time.sleep(4.0)
+        zks[leader].release_held()
+        seqs = Counter(x["seq"] for x in runs())
+        assert not [s for s, n in seqs.items() if n > 1], f"ticks run twice: {seqs}"
+        assert seqs[held_seq] == 1
+        assert f"beat tick {held_seq} of refresh-exchange-rates" in w.log_tail(200000), "the retry never came"
+    finally:
+        procs.stop_all()
+        for p in (*brokers, *zks):
+            p.close()
