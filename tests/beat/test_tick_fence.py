@@ -72,6 +72,7 @@ def test_a_tick_published_twice_or_late_runs_once_at_the_workers(mod, env):
     lost reply), tick 3 of the new term, then the deposed leader's tick 2, late: ticks 1 and 3
     run once each, tick 2 never; a locked task's tick is fenced the same way.  Without the
     fence all four copies ran."""
+    mod._r.delete("history", "arrivals")  # rows of other modules' tests on this Redis
     ws = [Worker(env, f"fence{i}", concurrency=2).start(mod.app) for i in (1, 2)]
     try:
         first = str(uuid.uuid4())

@@ -77,12 +77,13 @@ def test_result_backend_down_while_tasks_wait_for_the_lock(scenario):
 def test_a_broker_reconnect_lets_go_of_a_grant_celery_dropped_unrun(scenario):
     """A request granted its lock while the pool's only process is busy waits in Celery's
     semaphore; a broker reconnection clears that (``Consumer.on_close``: the message comes
-    back from the broker, here after the visibility timeout).  Promise: its grant goes with
+    back from the broker as its lease lapses: zklock_session_timeout later, 10 s here, after
+    the worker has reconnected).  Promise: its grant goes with
     it, so the next task on the key runs once the process frees, not after the dropped
     request's redelivery; and the dropped request still runs, once, when it comes back.
     Before the fix the key stayed held by nobody until then (with more workers, the
     redelivery went elsewhere and the key stayed held for good)."""
-    conf = json.dumps({"result_backend_always_retry": True})
+    conf = json.dumps({"result_backend_always_retry": True, "zklock_session_timeout": 10.0})
     w = scenario.worker("a", concurrency=1, FAULTS_VISIBILITY="15", FAULTS_CONF=conf)
     busy = scenario.send(A.step, "busy", 3000, queue=w.queue)
     wait_until(lambda: scenario.events(busy.id, "begin"), 30, what="the busy task to take the only process")
