@@ -17,14 +17,17 @@ import socket
 import threading
 
 
+LOSE, HOLD = "lose", "hold"  # what becomes of a command's reply (BrokerProxy.lose_reply, hold_reply)
+
+
 class _Pipe:
     def __init__(self, proxy: "BrokerProxy", client: socket.socket) -> None:
         self.proxy = proxy
         self.client = client
         self.server = socket.create_connection((proxy.host, proxy.port_to))
         self.closed = False
-        self.cut_at_reply = False  # a command was passed on whose reply is lost: cut when it comes
-        self.hold_replies = False  # a command was passed on whose reply waits until the cut
+        self.gone = threading.Event()  # set by close(): a held reply waits for it
+        self.reply_fate: str | None = None  # LOSE or HOLD: what becomes of the reply of a command passed on
 
     def start(self) -> None:
         for src, dst in ((self.client, self.server), (self.server, self.client)):
@@ -39,17 +42,12 @@ class _Pipe:
                 self.proxy.flowing.wait()
                 if self.closed:
                     break
-                if src is self.server and self.cut_at_reply:
-                    break  # the reply is lost with the connection: the command ran
-                if src is self.server and self.hold_replies:
-                    while not self.closed:  # the reply waits here until the connection is cut
-                        self.proxy.flowing.wait(0.05)
-                        threading.Event().wait(0.05)
-                    break
-                if src is self.client and self.proxy.take_lost_reply(data):
-                    self.cut_at_reply = True
-                if src is self.client and self.proxy.take_held_reply(data):
-                    self.hold_replies = True
+                if src is self.server and self.reply_fate is not None:
+                    if self.reply_fate == HOLD:
+                        self.gone.wait()  # the reply waits here until the connection is cut
+                    break  # and is lost with the connection: the command ran
+                if src is self.client:
+                    self.reply_fate = self.reply_fate or self.proxy.armed_for(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -59,6 +57,7 @@ class _Pipe:
         if self.closed:
             return
         self.closed = True
+        self.gone.set()
         for s in (self.client, self.server):
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -84,10 +83,8 @@ class BrokerProxy:
         self.port = self._listener.getsockname()[1]
         self.accepted = 0
         self.down = False
-        self._lose: bytes | None = None
-        self.replies_lost = 0
-        self._hold: bytes | None = None
-        self.replies_held = 0
+        self._armed: tuple[str, bytes] | None = None  # (fate, marker) for the next command carrying it
+        self.replies = {LOSE: 0, HOLD: 0}
         threading.Thread(target=self._accept, daemon=True, name="broker-proxy-accept").start()
 
     def _accept(self) -> None:
@@ -112,31 +109,34 @@ class BrokerProxy:
     def lose_reply(self, marker: bytes) -> None:
         """The next command whose bytes contain ``marker`` (e.g. ``b"LPUSH"``) reaches the
         broker, which runs it; its reply is lost, the connection cut as it comes back."""
-        with self._guard:
-            self._lose = marker
+        self._arm(LOSE, marker)
 
     def hold_reply(self, marker: bytes) -> None:
         """The next command whose bytes contain ``marker`` reaches the broker, which runs it; its
         reply (and all after it on that connection) waits until :meth:`cut`: a client blocked
         on a command that ran."""
-        with self._guard:
-            self._hold = marker
+        self._arm(HOLD, marker)
 
-    def take_held_reply(self, data: bytes) -> bool:
+    def _arm(self, fate: str, marker: bytes) -> None:
         with self._guard:
-            if self._hold is not None and self._hold in data:
-                self._hold = None
-                self.replies_held += 1
-                return True
-        return False
+            self._armed = (fate, marker)
 
-    def take_lost_reply(self, data: bytes) -> bool:
+    def armed_for(self, data: bytes) -> str | None:
+        """The armed fate, if ``data`` (a client's bytes) carries its marker: taken once."""
         with self._guard:
-            if self._lose is not None and self._lose in data:
-                self._lose = None
-                self.replies_lost += 1
-                return True
-        return False
+            if self._armed is None or self._armed[1] not in data:
+                return None
+            fate, self._armed = self._armed[0], None
+            self.replies[fate] += 1
+            return fate
+
+    @property
+    def replies_lost(self) -> int:
+        return self.replies[LOSE]
+
+    @property
+    def replies_held(self) -> int:
+        return self.replies[HOLD]
 
     def forget(self, pipe: _Pipe) -> None:
         with self._guard:
