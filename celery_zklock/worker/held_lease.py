@@ -52,7 +52,7 @@ class HeldLeases:
         self.held: dict[str, tuple[object, float, object]] = {}  # tag -> (channel, monotonic time leased (0: not
         # yet), message): kept until the message is acknowledged, not only while it waits aside
         self.failing = False  # the last renewal failed (logged once until one succeeds)
-        self.new = False  # held since the last renewal (renew_new is due)
+        self.fresh: list[str] = []  # tags held since the last renewal_new (it is due while any)
         self.last_score = 0.0  # the score of the last renewal: each one's is higher
 
     def hold(self, req) -> bool:
@@ -61,19 +61,24 @@ class HeldLeases:
         if channel is None:
             return False
         self.held[req.message.delivery_tag] = (channel, 0.0, req.message)
-        self.new = True
+        self.fresh.append(req.message.delivery_tag)
         return True
+
+    @property
+    def new(self) -> bool:
+        """Messages held since the last :meth:`renew_new`: it is due."""
+        return bool(self.fresh)
 
     def renew_new(self) -> set[str]:
         """Lease the messages held since the last renewal (one transaction for all that came
         in a turn of the event loop): until then a SIGKILL strands them for the timeout."""
-        self.new = False
-        return self.renew([tag for tag, (_channel, leased, _message) in self.held.items() if not leased])
+        fresh, self.fresh = self.fresh, []
+        return self.renew(fresh)  # not a walk over every held message: this runs on the event loop's hot path
 
     def clear(self) -> None:
         """The connection is gone (or stopping): its deliveries' leases end with it."""
         self.held.clear()
-        self.new = False
+        self.fresh = []
 
     def let_go(self, req) -> None:
         self.held.pop(getattr(getattr(req, "message", None), "delivery_tag", None), None)
@@ -82,10 +87,13 @@ class HeldLeases:
         """Renew the leases of ``tags`` (all held, by default) in one transaction per channel;
         returns the tags Redis no longer holds as unacknowledged (swept back to their queue:
         no longer ours).  On a Redis error nothing is renewed, and nothing is said lost."""
-        for tag, (_channel, _leased, message) in list(self.held.items()):
-            if message.acknowledged:  # a pool process took it (or it was revoked): Redis is done with it
-                del self.held[tag]
-        tags = list(self.held) if tags is None else [t for t in tags if t in self.held]
+        if tags is None:  # the periodic renewal of all: drop what a pool process took (or was revoked)
+            for tag, (_channel, _leased, message) in list(self.held.items()):
+                if message.acknowledged:
+                    del self.held[tag]
+            tags = list(self.held)
+        else:  # a few, on the event loop's hot path: no walk over every held message
+            tags = [t for t in tags if t in self.held]
         by_channel: dict[int, tuple[object, list[str]]] = {}
         for tag in tags:
             channel = self.held[tag][0]
