@@ -270,7 +270,10 @@ def test_repeated_broker_outages_while_tasks_run_lose_nothing(mod, env, broker):
             for r in history(mod, "hold"):
                 first[r["tag"]] = min(first.get(r["tag"], r["start"]), r["start"])
             twice = sorted(t for t, c in _runs(mod).items() if c > 1 and not any(abs(first[t] - c) < 0.3 for c in cuts))
-            assert not twice, f"{len(twice)} ran more than once: {[(t, ids[t]) for t in twice[:10]]}"
+            starts = {t: [round(r["start"] - cuts[0], 3) for r in history(mod, "hold") if r["tag"] == t] for t in twice}
+            assert not twice, (f"{len(twice)} ran more than once (starts, s after the first cut; the second cut at "
+                               f"{cuts[1] - cuts[0]:.3f}): {[(t, ids[t], starts[t]) for t in twice[:10]]}\n"
+                               + "\n".join(line for t in twice[:3] for line in _whole_log(w).splitlines() if ids[t] in line))
             assert w.alive(), w.log_tail(3000)
         finally:
             w.stop(timeout=30)
