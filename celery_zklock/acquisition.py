@@ -26,7 +26,7 @@ from .engine.client import get_client
 from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
 from .errors import LockTimeout, LockUnavailable
-from .redelivery import Redelivery
+from .redelivery import Redelivery, ran_before, redelivered
 from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
 from .worker.agent_link import Verdict
@@ -55,7 +55,8 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
         task_id=req.id, retries=req.retries or 0, task=task.name, worker=req.hostname,
         holders=task.lock_max_holders if task.lock_max_holders > 1 else None,
     ).to_bytes()
-    copies = Redelivery(task, client, req.id, req.retries or 0, enabled=bool(task.acks_late and not direct))
+    copies = Redelivery(task, client, req.id, req.retries or 0, enabled=bool((task.acks_late or redelivered(req)) and not direct),
+                        flagged=redelivered(req))
 
     counted_waiting = [False]  # in the zklock_waiting gauge until the wait ends
 
@@ -95,12 +96,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
             _store_started(task)
         if acquired and copies.finished_elsewhere():
             lock.release()
-            logger.warning(
-                "task %s already finished under lock %s (this is a redelivered copy): not running it again",
-                req.id, label,
-            )
-            outcomes.lock_event(task, "task-lock-duplicate", key=label)
-            raise Ignore()
+            _not_again(task, label)
         if not acquired:
             if not client.connected:
                 return Taken(None, waited, outcomes.unavailable(task, 
@@ -162,7 +158,19 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
             lock.abandon()
             outcomes.unavailable(task, LockUnavailable(f"lock {label!r} could not be confirmed before the run: {why}"),
                               opts, label, False)
+    if redelivered(task.request) and ran_before(task, task.request.id):
+        # Its first delivery was taken by a pool process (and acknowledged there, an
+        # acknowledgement lost with a connection) and ran: this copy must not run it again.
+        lock.release()
+        _not_again(task, label)
     return Taken(lock, waited)
+
+
+def _not_again(task, label) -> None:
+    logger.warning("task %s already finished under lock %s (this is a redelivered copy): not running it again",
+                   task.request.id, label)
+    outcomes.lock_event(task, "task-lock-duplicate", key=label)
+    raise Ignore()
 
 
 def _store_started(task) -> None:

@@ -10,11 +10,18 @@ original is done runs only if the original left no final state.
 A copy is recognised by its node's :class:`~celery_zklock.engine.identity.Identity`: the same
 task id *and* attempt (``retries``).  A retry published by the body while it still holds
 the lock has the same task id but is the next attempt: new work, not a copy.
+
+An acks-early task is acknowledged as its pool process takes it, so the broker delivers it
+again only when that acknowledgement was lost with a connection: the first delivery may have
+begun, and may have run already.  A delivery the broker flags ``redelivered`` is therefore a
+possible copy too, and once granted its lock it runs only if its first delivery left no
+final state (:func:`earlier_run`).
 """
 
 from __future__ import annotations
 
 import time
+from enum import Enum
 
 from celery import states
 from celery.backends.base import DisabledBackend
@@ -22,11 +29,61 @@ from celery.utils.log import get_task_logger
 
 from .engine import znodes
 from .engine.identity import Identity
+from .states import SKIPPED
 
 logger = get_task_logger("celery_zklock")
 
 #: How long a redelivered copy waits for its original's final state to be stored.
 RESULT_GRACE = 2.0
+
+
+def redelivered(request) -> bool:
+    """Did the broker flag this delivery as a redelivery (RabbitMQ's requeue of an
+    unacknowledged message, kombu's restore of a Redis one)?"""
+    return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
+
+
+class Earlier(Enum):
+    """What the result backend says of an earlier delivery of the same attempt."""
+
+    FINISHED = "finished"  # it ran to a final state (or was skipped): a copy must not run
+    RUNNING = "running"  # it began (STARTED), and its final state may be about to be stored
+    UNKNOWN = "unknown"  # nothing says it began: it never did, or no state was kept
+
+
+def earlier_run(state: str | None) -> Earlier:
+    """Read a stored state as news of an earlier delivery.  ``RETRY`` says nothing: it is
+    also what the previous attempt left, before this attempt first ran.  ``LOCK_WAITING``
+    says nothing either: a request held aside and given back to the broker stored it."""
+    if state in states.READY_STATES or state == SKIPPED:
+        return Earlier.FINISHED
+    if state == states.STARTED:
+        return Earlier.RUNNING
+    return Earlier.UNKNOWN
+
+
+def ran_before(task, task_id: str, seen: bool = False) -> bool:
+    """A copy holding its lock: did an earlier delivery of it already reach a final state?
+
+    Celery stores a run's final state just *after* its ``__call__`` (and so its release)
+    returns, so a copy granted at that moment waits up to :data:`RESULT_GRACE` for it when
+    the original was ``seen`` ahead in the queue or is STARTED.  Without a result backend we
+    cannot tell, and run the copy (at-least-once, as Celery promises): losing the work would
+    be worse than repeating it."""
+    if task.ignore_result or isinstance(task.backend, DisabledBackend):
+        return False
+    deadline = time.monotonic() + RESULT_GRACE
+    while True:
+        try:
+            earlier = earlier_run(task.backend.get_state(task_id))
+        except Exception as exc:
+            logger.warning("cannot read the state of task %s (%r); running the redelivered copy", task_id, exc)
+            return False
+        if earlier is Earlier.FINISHED:
+            return True
+        if (earlier is Earlier.UNKNOWN and not seen) or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def delivery_of(contender) -> tuple | None:
@@ -38,11 +95,12 @@ def delivery_of(contender) -> tuple | None:
 class Redelivery:
     """The copy checks of one task run; inert unless the task is ``acks_late``."""
 
-    def __init__(self, task, client, task_id: str | None, retries: int, enabled: bool) -> None:
+    def __init__(self, task, client, task_id: str | None, retries: int, enabled: bool, flagged: bool = False) -> None:
         self.task = task
         self.client = client
         self.delivery = (task_id, retries) if enabled and task_id else None
         self.seen = False  # a copy of ours was seen ahead of us
+        self.flagged = flagged  # the broker flagged this delivery redelivered
 
     def queued_behind_original(self, lock) -> bool:
         """On having to wait: are we a copy queued behind our original?  (Monitoring only.)"""
@@ -104,28 +162,11 @@ class Redelivery:
             return False
 
     def finished_elsewhere(self) -> bool:
-        """Having waited behind our original: did it already reach a final state?
-
-        Without a result backend we cannot tell, and run the copy (at-least-once, as
-        Celery's acks_late promises): losing the work would be worse than repeating it.
-        """
-        task = self.task
-        if not self.seen or task.ignore_result or isinstance(task.backend, DisabledBackend):
+        """Holding the lock: did our original already reach a final state (:func:`ran_before`)?
+        Asked only of a copy: one seen behind its original, or flagged redelivered."""
+        if self.delivery is None or not (self.seen or self.flagged):
             return False
-        task_id = self.delivery[0]
-        # Celery stores the original's result just *after* its __call__ (and so its
-        # release) returns: give that write a moment to land before deciding.
-        deadline = time.monotonic() + RESULT_GRACE
-        while True:
-            try:
-                if task.backend.get_state(task_id) in states.READY_STATES:
-                    return True
-            except Exception as exc:
-                logger.warning("cannot read the state of task %s (%r); running the redelivered copy", task_id, exc)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        return ran_before(self.task, self.delivery[0], seen=self.seen)
 
 
 def wait_nodes_gone(client, nodes: list[str]) -> None:
