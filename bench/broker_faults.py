@@ -329,6 +329,49 @@ class Bench:
                     self.drop_queue(broker, conn, queue)
 
 
+    def stalled_cut(self, kind: str, broker: str) -> dict:
+        """The broker connection stalls 1.5 s while tasks run (acknowledgements wait in the
+        proxy), then is out of reach 2 s: the acknowledgements sent as pool processes took
+        tasks are lost, and the broker delivers those tasks again (Redis at visibility 8 s)."""
+        from kombu import Connection
+
+        from tests.brokerproxy import BrokerProxy
+
+        self.fresh()
+        n, queue = 300, f"stall-{uuid.uuid4().hex[:8]}"
+        target = self.redis.port if broker == "redis" else RABBIT[1]
+        extra = {"TEST_VISIBILITY": "8"} if broker == "redis" else {}
+        with BrokerProxy(target) as proxy:
+            url, direct = self.broker_urls(broker, proxy.port)
+            with Connection(direct, transport_options={"visibility_timeout": 8.0} if extra else {}) as conn:
+                w = self.worker(kind, "stall", url, queue, extra_env=extra)
+                try:
+                    keys = [f"st{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+                    self.publish(kind, broker, queue, conn, n, keys, 30)
+                    deadline = time.monotonic() + 30
+                    while len(self.runs()) < 20 and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    proxy.stall()
+                    time.sleep(1.5)
+                    proxy.outage(2.0)
+                    proxy.resume()
+                    last_change, count, start = time.monotonic(), len(self.runs()), time.monotonic()
+                    while time.monotonic() - start < 60:
+                        time.sleep(0.5)
+                        runs = self.runs()
+                        if len(runs) != count:
+                            count, last_change = len(runs), time.monotonic()
+                        elif time.monotonic() - last_change >= 15:
+                            break
+                    runs = self.runs()
+                    text = w.log_tail(10_000_000)
+                    return {"never": n - len(runs), "twice": sum(1 for c in runs.values() if c > 1),
+                            "copies": text.count("this is a redelivered copy): not running it again")}
+                finally:
+                    w.stop(timeout=30)
+                    self.drop_queue(broker, conn, queue)
+
+
 def _why(w) -> str:
     """The worker's last CRITICAL line (why it exited), shortened."""
     try:
@@ -346,6 +389,9 @@ def _vals(rows: list[dict], key: str, fmt=str) -> str:
 
 def _secs(v) -> str:
     return "> 90 s" if v is None else "all before the kill" if v < 0 else f"{v:.1f} s"
+
+
+STALLED = "broker stalled 1.5 s, then out of reach 2 s (1 worker -c 2, 300 x 30 ms, 3 keys)"
 
 
 def table(results: dict, repeats: int, meta: list[str]) -> str:
@@ -387,6 +433,10 @@ def table(results: dict, repeats: int, meta: list[str]) -> str:
         row(broker, f, "of them stranded in the broker (unacked)", "stranded")
         row(broker, f, "ran twice", "twice")
         row(broker, f, "of them began within 0.3 s of a cut", "twice_at_cut")
+        f = STALLED
+        row(broker, f, "ran twice", "twice")
+        row(broker, f, "redelivered copies recognised, not run", "copies")
+        row(broker, f, "never ran", "never")
     lines += ["", *meta, ""]
     return "\n".join(lines)
 
@@ -423,6 +473,9 @@ def main(argv=None) -> int:
                     res["held"] = f"{res['held']}/{res['ran_before']}" if kind == "zklock" else f"-/{res['ran_before']}"
                     log(f"run {rep + 1} {name} worker SIGKILL {kind}: {res}")
                     results.setdefault((name, "whole worker SIGKILLed (2 workers -c 2, 150 x 40 ms, 1 key)", kind), []).append(res)
+                    res = bench.stalled_cut(kind, broker)
+                    log(f"run {rep + 1} {name} stalled cut {kind}: {res}")
+                    results.setdefault((name, STALLED, kind), []).append(res)
                     res = bench.outages(kind, broker)
                     log(f"run {rep + 1} {name} outages {kind}: {res}")
                     results.setdefault((name, "broker out of reach 3 s, twice, 3 s apart (1 worker -c 2, 430 x 50 ms, 3 keys)", kind), []).append(res)

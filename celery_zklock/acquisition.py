@@ -132,7 +132,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
     if decided is not Verdict.GRANTED:
         try:
             if decided is Verdict.TIMEOUT:
-                outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders") or []), opts, waited, False)
+                outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders")), opts, waited, False)
             outcomes.unavailable(task, LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
                               opts, label, False)
         except Retry:
@@ -180,9 +180,9 @@ def _store_started(task) -> None:
         logger.warning("could not store state %s for task %s: %r", STARTED, task.request.id, exc)
 
 
-def _holders(lock) -> list[str | None]:
-    """Who holds the lock, for the timeout message; best effort."""
+def _holders(lock) -> list[str | None] | None:
+    """Who holds the lock, for the timeout message; None when they cannot be read."""
     try:
         return [c.identifier for lk in lock.locks for c in lk.contenders() if c.holder]
     except Exception:
-        return []
+        return None

@@ -19,19 +19,25 @@ class LockTimeout(ZkLockError):
     """The lock could not be had within the timeout.
 
     ``key`` is the lock key (or keys) and ``holders`` the identifiers of whoever held it
-    when we gave up, so "who holds the lock?" is answered in the error itself.
+    when we gave up, so "who holds the lock?" is answered in the error itself: ``None`` when
+    they could not be read, empty when none was left by the time they were read.
     """
 
     def __init__(self, key: object = None, timeout: float | None = None, holders: list[str] | None = None) -> None:
         self.key = key
         self.timeout = timeout
-        self.holders = list(holders or [])
+        self.holders = None if holders is None else list(holders)
         # args are the constructor's: Celery's JSON result backend rebuilds cls(*args).
         super().__init__(key, timeout, self.holders)
 
     def __str__(self) -> str:
-        held_by = ", ".join(self.holders) if self.holders else "unknown"
-        return f"lock {self.key!r} not acquired within {self.timeout}s (held by: {held_by})"
+        if self.holders is None:
+            held_by = "its holders could not be read"
+        elif not self.holders:
+            held_by = "no holder was left when they were read"
+        else:
+            held_by = "held by: " + ", ".join(self.holders)
+        return f"lock {self.key!r} not acquired within {self.timeout}s ({held_by})"
 
 
 class LockLost(ZkLockError):

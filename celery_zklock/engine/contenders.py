@@ -45,8 +45,8 @@ def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> l
 
 
 def holders_async(client: KazooClient, path: str, max_holders: int, callback) -> None:
-    """``callback(identifiers)`` of the holders of ``path``, read without blocking (an empty
-    list when they cannot be read).  Why not :func:`contenders`: the lock agent reports who
+    """``callback(identifiers)`` of the holders of ``path``, read without blocking (``None``
+    when they cannot be read; an empty list when nobody holds it).  Why not :func:`contenders`: the lock agent reports who
     held a key when a request timed out, and that report must never make the verdict wait
     for an unreachable ZooKeeper, nor cost a blocked thread per timeout."""
     from .kazoo_compat import on_all_ready, on_ready
@@ -54,8 +54,10 @@ def holders_async(client: KazooClient, path: str, max_holders: int, callback) ->
     def listed(result) -> None:
         try:
             names = znodes.sort_contenders(result.get())[:max_holders]
+        except NoNodeError:
+            names = []  # nobody queues on it any more
         except Exception:
-            names = []
+            return callback(None)
         reads = [client.get_async(f"{path}/{name}") for name in names]
 
         def read() -> None:
@@ -70,5 +72,5 @@ def holders_async(client: KazooClient, path: str, max_holders: int, callback) ->
         on_all_ready(reads, read)
 
     if not client.connected:
-        return callback([])
+        return callback(None)
     on_ready(client.get_children_async(path), listed)

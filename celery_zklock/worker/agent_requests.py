@@ -21,6 +21,17 @@ from .lease_clock import lease_clock
 
 #: How long a timeout's verdict waits for the report of who holds the key (s).
 HOLDERS_WITHIN = 0.5
+#: The error of a request whose deadline passed while the agent was cut off from ZooKeeper.
+UNREACHABLE_AT_DEADLINE = "ZooKeeper was unreachable when the lock's wait ended: the lock could not be decided"
+
+
+def at_deadline(connected: bool) -> Verdict:
+    """A request's deadline passed: a timeout only if ZooKeeper can say the key is busy.  Cut
+    off, nothing says so (its holders may be gone, or nobody holds it): that is an outage,
+    and ``on_lock_unavailable`` applies, never ``on_lock_timeout`` (a try-once singleton sent
+    during an outage, or just after one before the agent reconnected, was skipped)."""
+    return Verdict.TIMEOUT if connected else Verdict.UNAVAILABLE
+
 #: How long (s) past its lease window a grant carried to the pool is kept for its claim when
 #: the main process leaves first: the claim was sent inside the window, and may still be on
 #: its way through this agent's event loop.
@@ -181,15 +192,19 @@ class Requests:
 
     def on_timed_out(self, wait: Wait, path: str) -> None:
         """Free what it took, then say who holds the key: read asynchronously, and waited
-        for at most :data:`HOLDERS_WITHIN` (a timeout is told on time, ZooKeeper or not)."""
+        for at most :data:`HOLDERS_WITHIN` (a timeout is told on time, ZooKeeper or not;
+        holders ``None``: they could not be read).  Cut off from ZooKeeper, the verdict is
+        an outage instead (:func:`at_deadline`)."""
         wait.current = None
         self.let_go(wait)
+        if at_deadline(self.client.connected) is Verdict.UNAVAILABLE:
+            return self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": UNREACHABLE_AT_DEADLINE})
 
         def told(holders) -> None:
             self.monitor.timers.cancel(bound)
             self._tell_verdict(wait, {"verdict": Verdict.TIMEOUT, "holders": holders})
 
-        bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, [])
+        bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, None)
         holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))
 
     def on_queued(self, wait: Wait, position: int) -> None:

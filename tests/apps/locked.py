@@ -95,6 +95,15 @@ def hold_skip(key, ms=0):
     return "ran"
 
 
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0, on_lock_timeout="skip", lock_retry_countdown=0.5,
+          lock_max_retries=40)
+def try_once(key):
+    """A try-once singleton (the nightly job's options): skipped when busy, retried when the
+    lock cannot be decided (``on_lock_unavailable``'s default)."""
+    _record("try_once", key, None, time.time(), time.time())
+    return "ran"
+
+
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0.2, on_lock_timeout="retry",
           lock_retry_countdown=0.3, lock_max_retries=20, bind=True)
 def hold_retry(self, key, ms=0):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
+
 from celery_zklock import FairLock
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker.agent_link import Connection
@@ -103,11 +105,13 @@ def test_a_reserved_wait_past_its_deadline_is_not_queued_again_when_the_handoff_
     host.run(lambda: cohort.idle)
 
 
-def test_a_wait_on_a_new_key_while_zookeeper_is_unreachable_times_out(zk_server, tmp_path):
+@pytest.mark.parametrize("timeout", [0.5, 0.0], ids=["timeout", "try-once"])
+def test_a_wait_while_zookeeper_is_unreachable_ends_unavailable_at_its_deadline(zk_server, tmp_path, timeout):
     """Cut off from ZooKeeper, a request on a key the agent has no node for: its create
-    waits for the connection, so no first answer will come to decide it.  Its deadline must
-    apply (``on_lock_timeout`` decides then), as ``FairLock`` gives up at its deadline when cut
-    off; until 2026-11-28 the request waited for as long as ZooKeeper stayed away."""
+    waits for the connection, so no first answer will come to decide it.  Its deadline
+    ends the wait (as ``FairLock`` gives up at its deadline when cut off), and the verdict is
+    ``unavailable`` (``on_lock_unavailable`` decides), never ``timeout``: nothing says the key
+    is busy (before: a try-once singleton sent during an outage was skipped as busy)."""
     from celery_zklock.config import ZkSettings
     from tests.tcpproxy import TcpProxy
     from tests.worker.test_late_claim import start_agent
@@ -119,8 +123,10 @@ def test_a_wait_on_a_new_key_while_zookeeper_is_unreachable_times_out(zk_server,
             proxy.hold()
             assert wait_for(lambda: not agent.client.connected, 5)
             key = f"/overdue/{uuid.uuid4().hex[:8]}-cut"
-            main.send({"op": "wait", "id": "w", "seq": 1, "paths": [key], "timeout": 0.5, "identity": "w"})
-            assert _answer(main, "timeout", "w", WITHIN) is not None, "no timeout while ZooKeeper is unreachable"
+            main.send({"op": "wait", "id": "w", "seq": 1, "paths": [key], "timeout": timeout, "identity": "w"})
+            answer = _answer(main, "unavailable", "w", WITHIN)
+            assert answer is not None, "no 'unavailable' while ZooKeeper is unreachable"
+            assert "unreachable" in answer["error"], answer
         finally:
             proxy.release_held()
             agent.stopped.set()

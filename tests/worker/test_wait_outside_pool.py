@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -327,3 +328,30 @@ def test_handoff_slots_never_take_every_process(mod, env):
             assert overlapping([(r["start"], r["end"]) for r in rows]) is None
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("wait_in", ["worker", "pool"])
+def test_a_zookeeper_outage_is_not_a_busy_lock(mod, env, wait_in):
+    """A try-once singleton (``lock_timeout=0``, ``on_lock_timeout="skip"``) sent while the
+    worker is cut off from ZooKeeper (6 s): it is not skipped as if the lock were busy.  It
+    follows ``on_lock_unavailable`` (retry), is counted and reported as unavailable, and runs
+    once ZooKeeper is back (before: it ended SKIPPED, ``held by: unknown``, and never ran)."""
+    proxy = TcpProxy.to(env["TEST_ZK_HOSTS"])
+    w = Worker({**env, "TEST_ZK_HOSTS": proxy.hosts, "TEST_ZK_WAIT_IN": wait_in}, f"outage{wait_in}",
+               concurrency=1, extra=["-E"]).start(mod.app)
+    try:
+        key = f"outage-{uuid.uuid4().hex[:6]}"
+        assert mod.try_once.delay(key).get(timeout=30) == "ran"  # the worker and its agent are up
+        proxy.hold()  # every ZooKeeper connection drops; reconnections are parked
+        time.sleep(1.0)
+        sent = mod.try_once.delay(key)
+        time.sleep(5.0)
+        assert sent.state != "SKIPPED", "an outage was reported as a busy lock"
+        proxy.release_held()
+        assert sent.get(timeout=60) == "ran"
+        log = w.log()
+        assert "not acquired within" not in log, "reported as a lock timeout"
+        assert re.search(r"ZooKeeper was unreachable|lost the ZooKeeper connection", log), log[-3000:]
+    finally:
+        w.stop()
+        proxy.close()
