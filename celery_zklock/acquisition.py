@@ -130,16 +130,19 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
         task.signature_from_request(task.request).apply_async()
         raise Ignore()
     if decided is not Verdict.GRANTED:
+        # Skipped or failed on its lock: its enqueue guard (left to this process by the
+        # agent) ends here, with the work deduped into it reported.
         try:
             if decided is Verdict.TIMEOUT:
-                outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders")), opts, waited, False)
+                skipped = outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders")), opts,
+                                             waited, False)
+                enqueue.finished(task, task.request, opts, ran=False, why=f"{decided.value}: skipped")
+                return Taken(None, waited, skipped)
             outcomes.unavailable(task, LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
-                              opts, label, False)
+                                 opts, label, False)
         except Retry:
             raise  # the retry took its enqueue guard over: publishes dedupe into it
         except BaseException as exc:
-            # Skipped or failed on its lock: its enqueue guard (left to this process by
-            # the agent) ends here, with the work deduped into it reported.
             enqueue.finished(task, task.request, opts, ran=False, why=f"{decided.value}: {type(exc).__name__}")
             raise
     lock = agent_lock.AgentLock(

@@ -85,8 +85,36 @@ def start(settings) -> None:
 
     _exporter = subprocess.Popen(
         [sys.executable, "-m", "celery_zklock.metrics", os.environ[ENV], str(settings.metrics_port), str(os.getpid())],
-        stdin=subprocess.DEVNULL, close_fds=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True,
     )
+    said = _first_line(_exporter, EXPORTER_START)
+    if said != READY:
+        _exporter.kill()
+        _exporter.wait()
+        _exporter, _metrics = None, None
+        raise ConfigurationError(
+            f"zklock_metrics_port {settings.metrics_port!r}: cannot serve metrics there ({said or 'no answer'}). "
+            "Each worker on a host needs its own port: set zklock_metrics_port per worker (for example from an "
+            "environment variable in its config), or leave it unset")
+
+
+#: How long (s) the worker waits for its exporter to say it serves (or why it cannot).
+EXPORTER_START = 10.0
+READY = "ready"
+
+
+def _first_line(proc, timeout: float) -> str:
+    """The exporter's one line on its stdout ("ready", or why not), or "" if none came in time.
+    Why a line and not a port probe: a port taken by another worker also answers a probe."""
+    import select
+
+    out = proc.stdout
+    try:
+        if not select.select([out], [], [], timeout)[0]:
+            return ""
+        return out.readline().decode("utf-8", "replace").strip()
+    finally:
+        out.close()  # the exporter writes nothing after its one line
 
 
 def tick_dropped(task_name: str, reason: str) -> None:
@@ -202,7 +230,12 @@ def main() -> int:
     host, _, port_s = port.rpartition(":")
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)
-    start_http_server(int(port_s), addr=host or "127.0.0.1", registry=registry)
+    try:
+        start_http_server(int(port_s), addr=host or "127.0.0.1", registry=registry)
+    except OSError as exc:  # the worker stops with this line (a port taken by another worker)
+        print(f"{host or '127.0.0.1'}:{port_s}: {exc.strerror or exc}", flush=True)
+        return 1
+    print(READY, flush=True)
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from . import metrics, prerun
+from . import metrics, prerun, signals
 from .config import ZkSettings, retry_delay
 from .errors import LockLost, LockTimeout, LockUnavailable
 from .interrupts import RunState
-from .states import SKIPPED
 
 logger = get_task_logger("celery_zklock")
 
@@ -33,16 +31,17 @@ def lost_error(task, label: Any, run_state: RunState) -> LockLost:
 def timed_out(task, exc: LockTimeout, opts: ZkSettings, waited: float, direct: bool) -> Any:
     prerun.fire(task)
     lock_event(task, "task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
+    signals.lock_timed_out.send(sender=task, task_id=task.request.id, key=exc.key, holders=exc.holders, wait=waited,
+                                policy=opts.on_timeout)
     if opts.on_timeout == "fail":
         logger.warning("%s; failing", exc)
         raise exc
     if opts.on_timeout == "skip":
+        # A skipped run returns None and ends SUCCESS, as a direct call does: Celery's ready
+        # states are a closed set, so a state of our own (SKIPPED) was never "finished" for
+        # get(), join(), groups or chords, which waited for it until their timeouts.
         logger.warning("%s; skipped (on_lock_timeout='skip')", exc)
-        if direct:
-            return None
-        if task.request.id and not task.ignore_result:
-            task.update_state(state=SKIPPED, meta={"key": exc.key, "holders": exc.holders, "timeout": exc.timeout})
-        raise Ignore()
+        return None
     raise _retry(task, exc, opts, f"lock timeout: {exc}")
 
 

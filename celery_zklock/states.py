@@ -4,7 +4,10 @@ Why a module: the task (in-pool waiting) and the worker's main process (waiting 
 lock agent) both store them, and neither may import the other.
 """
 
-SKIPPED = "SKIPPED"  # stored for a task skipped by on_lock_timeout="skip"
+#: Stored by earlier versions for a run skipped by on_lock_timeout="skip"; no longer stored (a
+#: skipped run ends SUCCESS with the result None, so Celery's APIs see it finished), kept so
+#: imports and results stored before still read.
+SKIPPED = "SKIPPED"
 LOCK_WAITING = "LOCK_WAITING"  # stored while a task waits in the lock queue (monitoring only)
 
 

@@ -115,15 +115,21 @@ def test_timeout_policy_fail_raises_lock_timeout_with_holder(mod, workers):
     blocker.get(timeout=30)
 
 
-def test_timeout_policy_skip_is_visible(mod, workers):
-    blocker = mod.report_pid.delay("ts", 1500)
+def test_a_skipped_run_is_finished_for_every_celery_api_that_waits(mod, workers):
+    """on_lock_timeout="skip": the run ends SUCCESS with the result None (what a direct call
+    returns), so ``get()``, ``ready()``, ``join()``, a group and a chord holding it finish at
+    once.  It says it was skipped in its WARNING line, its ``task-lock-timeout`` event and
+    ``zklock_timeouts_total`` (before: a state of ours, SKIPPED, which Celery never counts as
+    ready: ``get()`` and ``join()`` waited until their timeouts)."""
+    from celery import chord, group
+
+    blocker = mod.report_pid.delay("ts", 3000)
     time.sleep(0.4)
     r = mod.hold_skip.delay("ts")
-    deadline = time.time() + 20
-    while time.time() < deadline and r.state != "SKIPPED":
-        time.sleep(0.05)
-    assert r.state == "SKIPPED"
-    assert r.info["key"] == "k:ts"
+    assert r.get(timeout=10) is None
+    assert r.ready() and r.successful()
+    assert group(mod.hold_skip.s("ts"), mod.hold_skip.s("ts")).apply_async().join(timeout=10) == [None, None]
+    assert chord([mod.hold_skip.s("ts"), mod.plain_hold.s("ts-free", 0)])(mod.gather.s()).get(timeout=10)[0] is None
     blocker.get(timeout=30)
 
 

@@ -4,14 +4,14 @@ The classic misconfiguration: two ``celery beat`` processes run (say one per dep
 replica), so every tick is sent twice, and the job (2.2 s) outlasts its period (1 s).
 Without a lock the runs pile up and overlap.  With ``lock_key=None`` the task is a
 cluster-wide singleton; ``lock_timeout=0`` tries the lock once and ``on_lock_timeout="skip"``
-drops a tick that finds the job already running: the task ends in state ``SKIPPED``
-without running its body.
+drops a tick that finds the job already running: the task ends without running its body
+(SUCCESS, with the result None).
 
 Counters kept in Redis by this module, so a run can be checked:
 
 * ``sent``: ticks published, per beat process (``before_task_publish`` in the beat);
 * ``runs``: one record per body run (start, end, token, worker, concurrent runs seen);
-* ``skipped``: tasks that ended ``SKIPPED`` (``task_postrun`` reads the stored state).
+* ``skipped``: ticks skipped (celery_zklock's ``lock_timed_out`` signal, policy ``"skip"``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from celery import signals
 
 from celery_zklock import ZkLockedTask, current_lock
-from celery_zklock.task import SKIPPED
+from celery_zklock.signals import lock_timed_out
 from examples.common import Store, make_app
 
 app = make_app("beat_singleton")
@@ -63,8 +63,7 @@ def _count_tick(sender=None, headers=None, **_):
         pipe.execute()
 
 
-@signals.task_postrun.connect
-def _count_skip(sender=None, task_id=None, task=None, state=None, **_):
-    if task is not None and task.name == TASK and state == "IGNORED":
-        if task.AsyncResult(task_id).state == SKIPPED:
-            store.r.incr(store.key("skipped"))
+@lock_timed_out.connect
+def _count_skip(sender=None, policy=None, **_):
+    if sender is not None and sender.name == TASK and policy == "skip":
+        store.r.incr(store.key("skipped"))

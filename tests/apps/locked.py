@@ -95,6 +95,12 @@ def hold_skip(key, ms=0):
     return "ran"
 
 
+@app.task
+def gather(results):
+    """A chord's callback: what its header returned."""
+    return results
+
+
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=0, on_lock_timeout="skip", lock_retry_countdown=0.5,
           lock_max_retries=40)
 def try_once(key):
