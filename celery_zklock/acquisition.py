@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from celery.states import STARTED
 from celery.exceptions import Ignore, Retry
-from celery.utils.log import get_task_logger
+from .logs import task_logger
 from kazoo.exceptions import ConnectionClosedError
 
 from . import enqueue, metrics, outcomes, prerun
@@ -31,7 +31,7 @@ from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
 from .worker.agent_link import Verdict
 
-logger = get_task_logger("celery_zklock")
+logger = task_logger()
 
 
 class Taken(NamedTuple):

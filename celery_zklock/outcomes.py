@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery.utils.log import get_task_logger
+from .logs import task_logger
 
 from . import metrics, prerun, signals
 from .config import ZkSettings, retry_delay
 from .errors import LockLost, LockTimeout, LockUnavailable
 from .interrupts import RunState
 
-logger = get_task_logger("celery_zklock")
+logger = task_logger()
 
 
 def lost_error(task, label: Any, run_state: RunState) -> LockLost:
@@ -42,23 +42,24 @@ def timed_out(task, exc: LockTimeout, opts: ZkSettings, waited: float, direct: b
         # get(), join(), groups or chords, which waited for it until their timeouts.
         logger.warning("%s; skipped (on_lock_timeout='skip')", exc)
         return None
-    raise _retry(task, exc, opts, f"lock timeout: {exc}")
+    raise _retry(task, exc, opts)
 
 
 def unavailable(task, exc: LockUnavailable, opts: ZkSettings, label: Any, direct: bool) -> Any:
     prerun.fire(task)
-    logger.error("task not run (never unprotected): %s", exc)
     lock_event(task, "task-lock-unavailable", key=label, error=str(exc))
     if opts.on_unavailable == "fail" or direct:
+        logger.error("task not run (never unprotected): %s", exc)
         raise exc
-    raise _retry(task, exc, opts, str(exc))
+    raise _retry(task, exc, opts)
 
 
-def _retry(task, exc: Exception, opts: ZkSettings, why: str) -> Exception:
+def _retry(task, exc: Exception, opts: ZkSettings) -> Exception:
+    """Celery's retry, which logs one line ("retry: Retry in 0.5s: LockUnavailable(...)"),
+    naming the error: no line of ours beside it."""
     retries = task.request.retries or 0
     countdown = retry_delay(opts, retries)
     max_retries = task.max_retries if opts.max_retries is None else opts.max_retries
-    logger.info("retry %s in %.2fs: %s", retries + 1, countdown, why)
     return task.retry(exc=exc, countdown=countdown, max_retries=max_retries)
 
 

@@ -25,13 +25,13 @@ from enum import Enum
 
 from celery import states
 from celery.backends.base import DisabledBackend
-from celery.utils.log import get_task_logger
+from .logs import task_logger
 
 from .engine import znodes
 from .engine.identity import Identity
 from .states import SKIPPED
 
-logger = get_task_logger("celery_zklock")
+logger = task_logger()
 
 #: How long a redelivered copy waits for its original's final state to be stored.
 RESULT_GRACE = 2.0

@@ -22,7 +22,7 @@ from typing import Any
 
 from celery import Task
 from celery.exceptions import Retry
-from celery.utils.log import get_task_logger
+from .logs import task_logger
 
 from .worker import agent_lock, worker_loss
 
@@ -39,7 +39,7 @@ from .states import LOCK_WAITING, SKIPPED
 #: celery_zklock.states (``from celery_zklock.task import SKIPPED`` keeps working).
 __all__ = ["ZkLockedTask", "HeldLock", "current_lock", "lock_path", "lock_configured_tasks", "SKIPPED", "LOCK_WAITING"]
 
-logger = get_task_logger("celery_zklock")
+logger = task_logger()
 
 #: How long a pool process waits for its agent's verdict (already decided: a local round trip).
 _CLAIM_TIMEOUT = 5.0

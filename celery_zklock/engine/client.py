@@ -209,6 +209,52 @@ class RetrySummary(logging.Filter):
                 f"{time.monotonic() - self.started:.1f} s: {self.last or 'no answer'}")
 
 
+class OutageLog(logging.Filter):
+    """One WARNING when this process loses ZooKeeper and one INFO when it is back, with how
+    long and how many attempts failed, instead of kazoo's lines at every attempt (about two a
+    second per process through an outage).  Installed on the ``kazoo.client`` logger once a
+    client of this process has connected (a failed first connect says it in its error)."""
+
+    ATTEMPT = ("Connection dropped", "Connection time-out", "Cannot resolve")
+    NOISE = (*ATTEMPT, "Transition to CONNECTING", "Zookeeper connection lost", "Connecting to ", "Closing connection to")
+    BACK = "Zookeeper connection established"
+
+    def __init__(self, say: logging.Logger, clock=time.monotonic) -> None:
+        super().__init__()
+        self.say, self.clock = say, clock
+        self.since: float | None = None  # when the outage began (this process's clock)
+        self.attempts = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if record.levelno > logging.WARNING:
+            return True
+        if msg.startswith(self.ATTEMPT):
+            if self.since is None:
+                self.since, self.attempts = self.clock(), 0
+                self.say.warning("celery-zklock: ZooKeeper unreachable (%s); reconnecting, and saying so once it is "
+                                 "back", record.getMessage())
+            self.attempts += 1
+            return False
+        if msg.startswith(self.BACK) and self.since is not None:
+            self.say.info("celery-zklock: ZooKeeper reachable again after %.1f s (%d attempt(s) failed)",
+                          self.clock() - self.since, max(self.attempts - 1, 0))
+            self.since = None
+            return False
+        return not (self.since is not None and msg.startswith(self.NOISE))
+
+
+_outage_log: OutageLog | None = None
+
+
+def _report_outages() -> None:
+    """Install :class:`OutageLog` in this process, once."""
+    global _outage_log
+    if _outage_log is None:
+        _outage_log = OutageLog(logger)
+        logging.getLogger("kazoo.client").addFilter(_outage_log)
+
+
 def connect(settings: ZkSettings, handler=None, summarize_retries: bool = False) -> KazooClient:
     """A started client for ``settings``, or :class:`LockUnavailable` saying what to fix.
 
@@ -241,6 +287,7 @@ def connect(settings: ZkSettings, handler=None, summarize_retries: bool = False)
     if why:
         disconnect(client)
         raise LockUnavailable(f"connected to ZooKeeper at zklock_hosts={settings.hosts!r}, but {why}")
+    _report_outages()
     return client
 
 

@@ -318,7 +318,8 @@ def _deliveries(msg: dict):
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-agent] %(message)s")
+    level = int(sys.argv[2]) if len(sys.argv) > 2 else logging.WARNING  # the worker's (agent_supervisor)
+    logging.basicConfig(level=level, format="[%(asctime)s: %(levelname)s/zklock-agent] %(message)s")
     path = sys.argv[1]
     settings = from_wire(json.loads(sys.stdin.readline()))
     agent = Agent(settings, path)

@@ -12,6 +12,7 @@ the forking parent.  The messages: :mod:`celery_zklock.worker.agent_link`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -36,8 +37,9 @@ _agent: "AgentProcess | None" = None
 class AgentProcess:
     """The exec'd agent process, started before the pool forks, restarted if it dies."""
 
-    def __init__(self, settings: ZkSettings) -> None:
+    def __init__(self, settings: ZkSettings, loglevel: int = logging.WARNING) -> None:
         self.settings = settings
+        self.loglevel = loglevel  # the worker's (-l): the agent's lines are the worker's too
         self.path = socket_path()
         self.proc: subprocess.Popen | None = None
 
@@ -45,7 +47,7 @@ class AgentProcess:
         if os.path.exists(self.path):
             os.unlink(self.path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery_zklock.worker.agent", self.path],
+            [sys.executable, "-m", "celery_zklock.worker.agent", self.path, str(self.loglevel)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
         )
         self.proc.stdin.write((json.dumps(to_wire(self.settings)) + "\n").encode())  # may hold credentials: never argv
@@ -87,9 +89,17 @@ def start_agent(worker, settings: ZkSettings) -> bool:
     if settings.wait_in != "worker" or not pool.endswith(PROCESS_POOLS):
         os.environ.pop(ENV, None)
         return False
-    _agent = AgentProcess(settings)
+    _agent = AgentProcess(settings, _level_of(worker))
     _agent.start()
     return True
+
+
+def _level_of(worker) -> int:
+    """The worker's ``-l`` as a number (Celery keeps it as given: a name or a number)."""
+    level = getattr(worker, "loglevel", None)
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
+    return level if isinstance(level, int) else logging.WARNING
 
 
 def running() -> AgentProcess | None:

@@ -351,6 +351,14 @@ def test_a_zookeeper_outage_is_not_a_busy_lock(mod, env, wait_in):
         assert sent.get(timeout=60) == "ran"
         log = w.log()
         assert "not acquired within" not in log, "reported as a lock timeout"
+        assert "???[???]" not in log, "a line of the main process formatted as a task's"
+        # Each process says the outage once, and its end once (not kazoo's line per attempt).
+        assert "ZooKeeper unreachable" in log and "ZooKeeper reachable again after" in log, log[-3000:]
+        with open(w.log_path, errors="replace") as f:
+            during = f.read().split("ZooKeeper unreachable")[1].split("ZooKeeper reachable again")[0]
+        assert not re.search(r"\] (Connection dropped|Connecting to|Transition to CONNECTING)", during), during
+        retried = [line for line in log.splitlines() if sent.id in line and "etry" in line]
+        assert retried and all(" retry: Retry in " in line for line in retried), retried  # one line each: Celery's
         assert re.search(r"ZooKeeper was unreachable|lost the ZooKeeper connection", log), log[-3000:]
     finally:
         w.stop()
