@@ -1,8 +1,9 @@
 """Run the elected beat end to end: one worker, three ``celery beat`` processes with
 ``ZkScheduler`` sending a plain task every second; the active beat is taken down (SIGKILL,
 SIGSTOP past its session, or cut off from ZooKeeper), then the next.  Checks: every tick
-number was sent once and ran once, the next beat in line took over within the bound, and a
-beat taken down sent nothing after.
+number was sent once and ran once (but one a frozen leader sent late, after a later tick ran:
+the workers drop it), the next beat in line took over within the bound, and a beat taken down
+sent nothing after.
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ def run(report: Report, procs: Procs, faults: tuple[str, ...] = ("sigkill", "sig
     def runs() -> list[dict]:
         return [json.loads(x) for x in r.lrange(m.store.key("runs"), 0, -1)]
 
-    wait_until(lambda: len(runs()) >= len(ticks), 20)
+    def dropped() -> int:  # by the worker's tick fence (see below)
+        return len(re.findall(r"beat tick \d+ of \S+ \(task [^)]*\) not run", w.log_tail(500000)))
+
+    wait_until(lambda: len(runs()) + dropped() >= len(ticks), 20)
     ran = Counter(x["seq"] for x in runs())
     twice = sorted(s for s, n in Counter(seqs).items() if n > 1)
     logs = "\n".join(b.log_tail(200000) for b in beats)
@@ -117,10 +121,17 @@ def run(report: Report, procs: Procs, faults: tuple[str, ...] = ("sigkill", "sig
     report.check(NAME, "tick numbers sent twice", f"{len(twice)} of {len(seqs)}", not twice and bool(seqs))
     report.check(NAME, "tick numbers missing (each reported unconfirmed)", f"{len(gaps)} {gaps[:5]}",
                  set(gaps) <= unconfirmed)
-    report.check(NAME, "each tick ran once (plain task)", f"{sum(1 for s in set(seqs) if ran[s] == 1)}/{len(set(seqs))}",
-                 all(ran[s] == 1 for s in set(seqs)) and sum(ran.values()) == len(seqs))
+    # A tick a frozen leader had begun to send when it stopped may reach the worker after the
+    # next leader's later tick ran: the worker's tick fence drops it (logged), and the new leader
+    # reported it unconfirmed.  Such a tick runs never; every other runs exactly once.
+    stale = {int(x) for x in re.findall(r"beat tick (\d+) of \S+ \(task [^)]*\) not run: a later tick", w.log_tail(500000))}
+    unrun = {s for s in set(seqs) if ran[s] == 0}
+    report.check(NAME, "each tick ran once (plain task)",
+                 f"{sum(1 for s in set(seqs) if ran[s] == 1)}/{len(set(seqs))}"
+                 + (f" (not run, sent late by a stopped leader and dropped by the fence: {sorted(unrun)})" if unrun else ""),
+                 all(ran[s] <= 1 for s in set(seqs)) and unrun <= (stale & unconfirmed))
     report.metric(NAME, "due times skipped at handovers (reported in the log)", skipped)
-    say(f"{NAME}: {len(seqs)} ticks, each sent and run once, across {len(faults)} handover(s)")
+    say(f"{NAME}: {len(seqs)} ticks, each sent once and run at most once, across {len(faults)} handover(s)")
     return report
 
 
