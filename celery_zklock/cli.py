@@ -130,10 +130,16 @@ def local_waiters(app, timeout: float = 1.0) -> dict[str, list[dict]]:
 
 
 def add_local_waiters(report: dict, waiting: dict[str, list[dict]]) -> dict:
-    """Append workers' in-memory waiters to a :func:`lock_report`, after ZooKeeper's queue."""
+    """Append workers' in-memory waiters to a :func:`lock_report`, after ZooKeeper's queue.
+    A request that has a node of its own in ZooKeeper (a worker's node names the request it
+    was made for) is listed there, once: not again among its worker's in-memory waiters."""
     for path, rows in waiting.items():
         queue = report.setdefault(path, [])
+        listed = {r.get("task_id") for r in queue if r.get("task_id")}
         for row in sorted(rows, key=lambda r: -r["for_s"]):
+            if row["task_id"] in listed:
+                continue
+            listed.add(row["task_id"])
             queue.append({"node": None, "position": len(queue), "holder": False, "for_s": row["for_s"],
                           "task": row["task"], "task_id": row["task_id"], "worker": row["worker"],
                           "host": None, "pid": row["pid"], "data": None})

@@ -142,3 +142,32 @@ def test_watch_streams_lock_events_for_a_prefix(cli_env, zk_server):
     types = [e["type"] for e in events]
     assert types.count("task-lock-acquired") >= 1 and "task-lock-released" in types
     assert {e["uuid"] for e in events} <= {first.id, second.id}
+
+
+def test_status_lists_each_waiting_request_once(cli_env, zk_server, zk_client):
+    """Five requests for a key the test holds, waiting in a worker (its agent queues one node
+    for them in ZooKeeper, named after the first, and keeps the rest in memory): the status
+    lists each request once, the holder and all five (before: the first twice, once by its
+    node and once among its worker's in-memory waiters)."""
+    values, mod, w = cli_env
+    root = values["TEST_ZK_ROOT"]
+    key = f"once-{uuid.uuid4().hex[:6]}"
+    lock = FairLock(zk_client, key_path(root, f"k:{key}"), identifier="the test holds it")
+    assert lock.acquire(timeout=10)
+    try:
+        sent = [mod.hold.delay(key, 0, f"o{i}") for i in range(5)]
+
+        def report():
+            out = run_cli(zk_server, root, "status", f"k:{key}", "--json", redis_url=values["TEST_REDIS_URL"])
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout).get(key_path(root, f"k:{key}"), [])
+
+        rows = wait_until(lambda: (lambda r: r if len({x["task_id"] for x in r} - {None}) >= 5 else None)(report()), 20,
+                          what="all five waiters listed")
+        ids = [r["task_id"] for r in rows if r["task_id"]]
+        assert sorted(ids) == sorted(r.id for r in sent), rows  # each once
+        assert sum(1 for r in rows if r["holder"]) == 1
+    finally:
+        lock.release()
+    for r in sent:
+        r.get(timeout=30)
