@@ -11,6 +11,7 @@ thread of its own, so beat's loop never blocks on ZooKeeper.
 from __future__ import annotations
 
 import threading
+import time
 from enum import Enum
 from typing import Callable
 
@@ -23,6 +24,9 @@ from ..engine.lock import FairLock
 from ..errors import LockUnavailable
 
 logger = get_logger("celery.beat.zklock")
+#: How often (s) a beat that keeps failing to join its election says so (ZooKeeper's own
+#: outage and its end are logged once each, by engine.client.OutageLog).
+REFUSED_EVERY = 60.0
 
 
 class Role(Enum):
@@ -118,6 +122,7 @@ class Election:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         failures = 0
+        said_at = -REFUSED_EVERY  # joining fails (an outage): said at most once a REFUSED_EVERY
         while not self._closed.is_set():
             dead = self.client is not None and kazoo_compat.closed_for_good(self.client)
             if dead and not failures:
@@ -144,8 +149,12 @@ class Election:
             self._reason = ""
             try:
                 held = lock.acquire()
-            except Exception as exc:  # unavailable, refused: say so, wait, queue again
-                logger.error("beat: zklock: cannot join the election at %s: %s", self.path, exc)
+            except Exception as exc:  # unavailable, refused: say so (not every second), wait, queue again
+                if time.monotonic() - said_at >= REFUSED_EVERY:
+                    said_at = time.monotonic()
+                    logger.error("beat: zklock: cannot join the election at %s: %s; standing by (sending nothing), "
+                                 "trying again every %.0fs (said again in %.0fs if it still fails)", self.path, exc,
+                                 self._backoff(0), REFUSED_EVERY)
                 self._closed.wait(self._backoff(0))
                 continue
             if not held or self._closed.is_set():
