@@ -43,9 +43,16 @@ class Taken(NamedTuple):
 
 
 def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost,
-                    started: float) -> Taken:
+                    started: float, give_back: bool = False) -> Taken:
     """Wait for the lock in this process: held, or not (after a policy that returns
-    instead of raising, its value is the call's result)."""
+    instead of raising, its value is the call's result).
+
+    With ``give_back`` (a pool process of a worker whose lock agent queues for the same keys:
+    the agent did not know this request, or another delivery of its id waits there) the lock
+    is tried once and, if the key is busy, the request goes back to the broker instead of
+    waiting: the nodes ahead may be the agent's, granted to requests that need this very pool
+    process, and with every process waiting so, the worker ran nothing until ``lock_timeout``
+    (found by the soak)."""
     try:
         client = get_client(opts)
     except LockUnavailable as exc:
@@ -81,7 +88,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
     # error, the backend read, a signal) must not leave our node behind.
     try:
         try:
-            acquired = copies.acquire(lock, opts.timeout, task.lock_max_holders)
+            acquired = lock.acquire(timeout=0) if give_back else copies.acquire(lock, opts.timeout, task.lock_max_holders)
         except ConnectionClosedError as exc:  # the client closed for good (get_client replaces it next)
             lock.release()
             return Taken(None, time.monotonic() - started, outcomes.unavailable(
@@ -97,6 +104,9 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
         if acquired and copies.finished_elsewhere():
             lock.release()
             _not_again(task, label)
+        if not acquired and give_back and client.connected:
+            lock.release()
+            return Taken(None, waited, _given_back(task, label))
         if not acquired:
             if not client.connected:
                 return Taken(None, waited, outcomes.unavailable(task, 
@@ -167,6 +177,27 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
         lock.release()
         _not_again(task, label)
     return Taken(lock, waited)
+
+
+#: Seconds a request given back to the broker by a pool process waits there (its key was busy).
+GIVE_BACK_COUNTDOWN = 0.5
+
+
+class GivenBack(Ignore):
+    """This run ended unrun because its request went back to the broker: like a retry, the
+    new message carries on its enqueue guard (it is not ended here)."""
+
+
+def _given_back(task, label) -> None:
+    """Publish the request again, as it is (same id, arguments and retry count, what a
+    warm shutdown does with one next in line), and end this run unrun: the next delivery
+    waits for its lock in the worker, where no pool process waits."""
+    logger.info("task %s: lock %s is busy and this worker's lock agent does not queue this delivery: back to the "
+                "broker (in %.1fs), so that no pool process waits for a lock", task.request.id, label,
+                GIVE_BACK_COUNTDOWN)
+    outcomes.lock_event(task, "task-lock-given-back", key=label)
+    task.signature_from_request(task.request).apply_async(countdown=GIVE_BACK_COUNTDOWN)
+    raise GivenBack()
 
 
 def _not_again(task, label) -> None:

@@ -35,7 +35,8 @@ logger = logging.getLogger("celery_zklock.cli")
 
 #: The lock events workers send with ``-E`` (``task-lock-*``), as ``watch`` shows them.
 LOCK_EVENTS = ("task-lock-waiting", "task-lock-acquired", "task-lock-released", "task-lock-timeout",
-               "task-lock-lost", "task-lock-unavailable", "task-lock-duplicate", "task-lock-reentered")
+               "task-lock-lost", "task-lock-unavailable", "task-lock-duplicate", "task-lock-reentered",
+               "task-lock-given-back")
 
 
 def _client(settings):

@@ -200,9 +200,11 @@ class ZkLockedTask(Task):
         guarded = nested is None and not direct
         try:
             taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else call.label,
-                                                nested.take if nested else call.paths, on_lost, started)
-        except Retry:
-            raise  # the retry took its enqueue guard over: publishes dedupe into it
+                                                nested.take if nested else call.paths, on_lost, started,
+                                                give_back=(nested is None and not direct and not self.acks_late
+                                                           and bool(req.id) and agent_lock.beside_agent()))
+        except (Retry, acquisition.GivenBack):
+            raise  # the retry (or the request given back) took its enqueue guard over: publishes dedupe into it
         except BaseException as exc:
             if guarded:  # ends unrun
                 enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)

@@ -191,6 +191,13 @@ class AgentLink:
             self._turn.notify_all()
 
 
+def beside_agent() -> bool:
+    """Does this pool process belong to a worker whose lock agent queues for the same keys?
+    Then a lock taken here must never be waited for: the agent's nodes ahead may be granted
+    to requests that need this very process (acquisition.lock_in_process, ``give_back``)."""
+    return bool(os.environ.get(ENV))
+
+
 def link() -> AgentLink | None:
     """This process's link to its worker's agent; None when tasks lock in-process."""
     global _link

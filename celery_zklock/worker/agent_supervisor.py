@@ -24,7 +24,7 @@ import time
 from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
-from .agent_link import ENV, LineReader, Verdict, encode, socket_path
+from .agent_link import ENV, HEARTBEAT, LineReader, Verdict, encode, socket_path
 
 logger = get_logger("celery_zklock.worker")
 
@@ -32,6 +32,12 @@ logger = get_logger("celery_zklock.worker")
 PROCESS_POOLS = ("prefork", "solo")
 
 _agent: "AgentProcess | None" = None
+
+
+def not_listening(since_last_check: float) -> bool:
+    """Did the liveness check (every ``2 * HEARTBEAT``) come so late that this process itself
+    was not running?  Then no silence of the agent's was observed."""
+    return since_last_check > max(1.0, 8 * HEARTBEAT)
 
 
 class AgentProcess:
@@ -280,7 +286,14 @@ class AgentSupervisor:
     def _check_agent(self) -> None:
         if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
             self._readable()  # pings may be waiting behind a long task (solo pool)
-        silent = time.monotonic() - self.last_ping
+        now = time.monotonic()
+        if not_listening(now - getattr(self, "last_check", now)):
+            # This process itself did not run (the whole worker SIGSTOPped, a swap storm, a
+            # long task in a solo pool): the agent's silence was not heard, not proven.  It
+            # is judged from now on (before: a worker resumed after a stop killed its agent).
+            self.last_ping = now
+        self.last_check = now
+        silent = now - self.last_ping
         if self.sock is not None and silent > max(2.0, _agent.settings.session_timeout / 3) and _agent.alive:
             logger.error("celery-zklock: the lock agent has been silent for %.1fs; killing it", silent)
             _agent.kill()  # its socket closes: _readable sees the end and restarts it

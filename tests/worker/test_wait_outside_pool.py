@@ -363,3 +363,24 @@ def test_a_zookeeper_outage_is_not_a_busy_lock(mod, env, wait_in):
     finally:
         w.stop()
         proxy.close()
+
+
+def test_a_whole_worker_stopped_and_resumed_keeps_its_agent(mod, env):
+    """The whole worker (main process, pool and lock agent) SIGSTOPped for 5 s, then resumed:
+    its agent was silent only because everything was stopped, so it is not killed, and tasks
+    run on through it (before: the main process's liveness check, first to run after the stop,
+    killed a healthy agent, and locks held through it were lost)."""
+    w = Worker(env, "wholestop", concurrency=2).start(mod.app)
+    try:
+        key = f"ws-{uuid.uuid4().hex[:6]}"
+        assert mod.hold.delay(key, 10, "before").get(timeout=30) is not None
+        agent = w.agent_pid()
+        os.killpg(w.proc.pid, signal.SIGSTOP)
+        time.sleep(5.0)
+        os.killpg(w.proc.pid, signal.SIGCONT)
+        assert mod.hold.delay(key, 10, "after").get(timeout=30) is not None
+        time.sleep(1.0)
+        assert w.agent_pid() == agent, "the agent was replaced"
+        assert "killing it" not in w.log(), w.log()[-2000:]
+    finally:
+        w.stop()
