@@ -26,7 +26,7 @@ from typing import Any
 
 from .config import load_settings
 from .errors import ConfigurationError
-from .options import LOCK_OPTIONS, is_locked_task
+from .options import LOCK_OPTIONS, is_locked_task, suggest_option
 
 
 def lock_tasks(app, base: type) -> list[str]:
@@ -45,8 +45,8 @@ def lock_tasks(app, base: type) -> list[str]:
         options = dict(options)
         for name in options:
             if name not in LOCK_OPTIONS:
-                close = difflib.get_close_matches(name, LOCK_OPTIONS, n=1, cutoff=0.6)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                meant = suggest_option(name)
+                hint = f" Did you mean {meant!r}?" if meant else ""
                 raise ConfigurationError(f"zklock_tasks[{pattern!r}]: unknown lock option {name!r}.{hint} "
                                          f"Known: {', '.join(LOCK_OPTIONS)}")
         matched = [n for n in registered if fnmatch.fnmatchcase(n, pattern)]

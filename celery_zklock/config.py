@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,12 +60,15 @@ def _positive(value: Any) -> float:
     return float(value)
 
 
-def _non_negative_or_none(value: Any) -> float | None:
+def _wait(value: Any) -> float | None:
+    """A lock wait: seconds >= 0, or ``math.inf`` for no limit (the one documented spelling: a
+    task option's None means "the setting applies").  No limit is None from here on; the
+    setting also takes None for it, as it always did."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError("must be a number of seconds >= 0, or None to wait without limit")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError("must be a number of seconds >= 0, or math.inf for no limit")
+    return None if value == math.inf else float(value)
 
 
 def _non_negative(value: Any) -> float:
@@ -203,7 +207,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_root", "/celery-zklock", _root, "Znode under which lock keys live."),
         Setting("zklock_session_timeout", 10.0, _positive, "ZooKeeper session timeout (s): bound on how long a dead worker's lock survives."),
         Setting("zklock_connect_timeout", 10.0, _positive, "How long a worker process waits for ZooKeeper before the task follows zklock_on_unavailable."),
-        Setting("zklock_timeout", 60.0, _non_negative_or_none, "Default seconds a task waits in the lock queue (0 = try once, None = no limit).", "lock_timeout"),
+        Setting("zklock_timeout", 60.0, _wait, "Default seconds a task waits in the lock queue (0 = try once, math.inf = no limit).", "lock_timeout"),
         Setting("zklock_on_timeout", "retry", _choice(TIMEOUT_POLICIES), "Default policy when the lock is not had in time.", "on_lock_timeout"),
         Setting("zklock_on_lost", "fail", _choice(LOST_POLICIES), "Default policy when a held lock is lost mid-run.", "on_lock_lost"),
         Setting("zklock_on_unavailable", "retry", _choice(UNAVAILABLE_POLICIES), "What a task does when ZooKeeper is unreachable (it never runs unprotected).", "on_lock_unavailable"),

@@ -72,7 +72,8 @@ class _KeyFormatter(string.Formatter):
 
 
 def key_text(value: Any, where: str = "lock key") -> str:
-    """Text of one value in a key: UUID canonical form, Decimal normalised, bytes hex.
+    """Text of one value in a key: UUID canonical form, a number by its value
+    (:func:`number_text`), bytes hex.
 
     Only values whose text is the same in every process are accepted.  ``None``, a
     container, or an object without its own ``__str__`` (its text would be its memory
@@ -82,6 +83,7 @@ def key_text(value: Any, where: str = "lock key") -> str:
     """
     import decimal
     import enum
+    import numbers
     import uuid
 
     if isinstance(value, enum.Enum):  # before str/int: a str- or int-mixin member is both
@@ -89,13 +91,13 @@ def key_text(value: Any, where: str = "lock key") -> str:
     if isinstance(value, str):
         return str.__str__(value)  # a str subclass's own __str__ must not change the key
     if isinstance(value, bool):
+        return str(value)  # a flag, not a number: "True", as JSON keeps true apart from 1
+    if isinstance(value, int):
         return str(value)
-    if isinstance(value, (int, float)):
-        return str(value)
+    if isinstance(value, (float, decimal.Decimal, numbers.Real)):
+        return number_text(value, where)
     if isinstance(value, uuid.UUID):
         return str(value)
-    if isinstance(value, decimal.Decimal):
-        return format(value.normalize(), "f")
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).hex()
     if value is None:
@@ -112,6 +114,42 @@ def key_text(value: Any, where: str = "lock key") -> str:
             f"return or format a str, int, UUID or Decimal instead"
         )
     return text
+
+
+def number_text(value: Any, where: str = "lock key") -> str:
+    """One text per number, whatever its type, so that equal numbers lock one key.
+
+    ``3``, ``3.0``, ``Decimal("3.00")`` and ``numpy.int64(3)`` are all ``3`` (``buy(3)`` and
+    ``buy(3.0)`` must not run side by side); ``1.5`` and ``Decimal("1.50")`` are ``1.5``: a
+    float as its shortest text, a Decimal normalised, never in exponent form (``1e-07`` is
+    ``0.0000001``), ``-0.0`` is ``0``.  A whole float keys by its exact value (``1e23`` as
+    ``int(1e23)``, which equals it).  Another real type (numpy's floats, ``Fraction``) keys as
+    the float it converts to.  Ints keep their text, and a Decimal's does not depend on the
+    thread's decimal context.  NaN and infinities raise ConfigurationError: NaN equals
+    nothing, not even itself.  ``bool`` is no number here (:func:`key_text`).
+    """
+    import decimal
+    import numbers
+
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))  # int and numpy's ints
+    if isinstance(value, numbers.Rational) and value.denominator == 1:
+        return str(int(value))  # a whole Fraction, exactly
+    if isinstance(value, decimal.Decimal):
+        d = value
+    else:
+        try:
+            f = value if isinstance(value, float) else float(value)  # numpy's floats, Fraction
+        except OverflowError:
+            f = float("inf")
+        d = decimal.Decimal(f) if f.is_integer() else decimal.Decimal(float.__repr__(f))
+    if not d.is_finite():
+        raise ConfigurationError(f"{where}: got {value!r}; a number in a key must be a finite number "
+                                 f"(NaN equals nothing, not even itself)")
+    if d.is_zero():
+        return "0"
+    exact = decimal.Context(prec=len(d.as_tuple().digits), Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+    return format(d.normalize(exact), "f")
 
 
 #: ``<Foo object at 0x7f...>``: text that differs in every process.

@@ -95,6 +95,12 @@ def _app(tasks: dict) -> Celery:
         ({"proj.billing.sync_acount": {"lock_key": "a"}},
          r"'proj.billing.sync_acount' matches no registered task. Did you mean 'proj.billing.sync_account'"),
         ({"proj.billing.sync_account": {"lock_keys": "a"}}, r"unknown lock option 'lock_keys'. Did you mean 'lock_key'"),
+        # an option without its lock_ prefix, or under its setting's name: the option meant
+        ({"proj.billing.sync_account": {"key": "acct:{account_id}"}}, r"unknown lock option 'key'. Did you mean 'lock_key'"),
+        ({"proj.billing.sync_account": {"lock_key": "a", "on_timeout": "skip"}},
+         r"unknown lock option 'on_timeout'. Did you mean 'on_lock_timeout'"),
+        ({"proj.billing.sync_account": {"lock_key": "a", "zklock_on_lost": "interrupt"}},
+         r"unknown lock option 'zklock_on_lost'. Did you mean 'on_lock_lost'"),
         ({"proj.billing.sync_account": {"lock_key": "acct:{acount_id}"}}, r"acount_id"),
         ({"proj.billing.sync_account": {"lock_key": "a", "lock_timeout": -1}}, r"lock_timeout"),
         ({"proj.billing.*": {"lock_key": "a"}}, r"'proj.billing.locked' is a ZkLockedTask already"),

@@ -372,3 +372,291 @@ def test_a_bad_key_field_names_the_parameters_at_registration():
     with pytest.raises(ConfigurationError) as info:
         app.finalize()
     assert "names {order}, which is not a parameter" in str(info.value) and "order_id" in str(info.value)
+
+
+# ------------------------------------------------------------------ issue 61, item 6
+# A lock option written without its ``lock_`` prefix (``key=``, ``timeout=``), with the prefix
+# misplaced (``lock_on_timeout=``) or under its setting's name (``zklock_timeout=``): Celery
+# keeps it as a plain task attribute and the lock ignores it, so ``key="sku:{sku_id}"`` made
+# one lock for every SKU.  Refused at registration, naming the option meant.
+@pytest.mark.parametrize(
+    "options, meant",
+    [
+        # the key, the holders and the policies: refused on any ZkLockedTask
+        ({"key": "sku:{sku_id}"}, {"key": "lock_key"}),
+        ({"key": lambda sku_id, qty=1: f"sku:{sku_id}"}, {"key": "lock_key"}),
+        ({"max_holders": 2}, {"max_holders": "lock_max_holders"}),
+        ({"on_timeout": "skip"}, {"on_timeout": "on_lock_timeout"}),
+        ({"on_lost": "interrupt"}, {"on_lost": "on_lock_lost"}),
+        ({"on_unavailable": "fail"}, {"on_unavailable": "on_lock_unavailable"}),
+        ({"retry_countdown": 2}, {"retry_countdown": "lock_retry_countdown"}),
+        ({"enqueue_until": "finish"}, {"enqueue_until": "lock_enqueue_until"}),
+        # one-word names (a task may use ``timeout`` for itself): refused beside lock options (a task may use ``timeout`` for itself): refused beside lock options
+        ({"lock_key": "sku:{sku_id}", "timeout": 5}, {"timeout": "lock_timeout"}),
+        ({"lock_timeout": 5, "enqueue": "dedupe"}, {"enqueue": "lock_enqueue"}),
+        ({"lock_key": "sku:{sku_id}", "enqueue_until": "finish"}, {"enqueue_until": "lock_enqueue_until"}),
+        ({"lock_key": "sku:{sku_id}", "enqueue_unrun": "report"}, {"enqueue_unrun": "lock_enqueue_unrun"}),
+        ({"lock_key": "sku:{sku_id}", "reentrant": False}, {"reentrant": "lock_reentrant"}),
+        ({"lock_key": "sku:{sku_id}", "retry_countdown": 2}, {"retry_countdown": "lock_retry_countdown"}),
+        ({"on_lock_timeout": "skip", "timeout": 0}, {"timeout": "lock_timeout"}),
+        # both mistakes at once are both named
+        ({"key": "sku:{sku_id}", "timeout": 5}, {"key": "lock_key", "timeout": "lock_timeout"}),
+        # the prefix misplaced, or the setting's name used as the option's
+        ({"lock_on_timeout": "skip"}, {"lock_on_timeout": "on_lock_timeout"}),
+        ({"lock_on_lost": "interrupt"}, {"lock_on_lost": "on_lock_lost"}),
+        ({"zklock_timeout": 5}, {"zklock_timeout": "lock_timeout"}),
+        ({"zklock_on_timeout": "skip"}, {"zklock_on_timeout": "on_lock_timeout"}),
+        ({"zklock_on_unavailable": "fail"}, {"zklock_on_unavailable": "on_lock_unavailable"}),
+    ],
+)
+def test_an_option_without_its_lock_prefix_is_refused_with_the_option_meant(options, meant):
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, **options)
+    def buy(sku_id, qty=1):
+        return qty
+
+    with pytest.raises(ConfigurationError) as info:
+        app.finalize()
+    message = str(info.value)
+    assert "buy" in message
+    for name, option in meant.items():
+        assert f"{name!r}" in message and f"did you mean {option!r}" in message.lower(), message
+        assert f"{option}=" in message, message  # what to write instead
+
+
+def test_an_option_without_its_prefix_is_refused_in_class_form_and_beside_inherited_options():
+    with pytest.raises(ConfigurationError, match="Did you mean 'lock_key'"):
+        type("Buy", (ZkLockedTask,), {"key": "sku:{sku_id}", "run": lambda self, sku_id: sku_id})
+
+    class PerSku(ZkLockedTask):  # an app's own base: the lock options live there
+        lock_key = "sku:{sku_id}"
+
+    app = make_app()
+
+    @app.task(base=PerSku, shared=False, timeout=5)
+    def buy(sku_id):
+        return sku_id
+
+    with pytest.raises(ConfigurationError, match="Did you mean 'lock_timeout'"):
+        app.finalize()
+
+
+@pytest.mark.parametrize(
+    "attributes",
+    [
+        {"timeout": 30},  # a task's own attribute (an HTTP timeout its body reads): no lock option beside it
+        {"enqueue": True},
+        {"reentrant": "yes"},
+        # Celery's own options, never a lock option's bare name
+        {"lock_key": "sku:{sku_id}", "max_retries": 3, "retry_backoff": True, "retry_backoff_max": 60},
+    ],
+)
+def test_a_tasks_own_attributes_are_kept(attributes):
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, **attributes)
+    def buy(sku_id):
+        return sku_id
+
+    app.finalize()
+    task = app.tasks[buy.name]
+    for name, value in attributes.items():
+        assert getattr(task, name) == value
+
+
+def test_methods_named_like_bare_options_are_the_tasks_own():
+    class Fetch(ZkLockedTask):
+        lock_key = "url:{url}"
+        lock_timeout = 5
+
+        def run(self, url):
+            return url
+
+        def key(self):  # a method is never an option: options are values
+            return "k"
+
+        def on_timeout(self, soft, timeout):
+            return None
+
+        @property
+        def timeout(self):
+            return 30
+
+    assert Fetch().key() == "k" and Fetch().timeout == 30
+
+
+def test_a_plain_celery_task_may_use_any_name():
+    app = make_app()
+
+    @app.task(shared=False, key="sku", timeout=5, on_timeout="skip")
+    def buy(sku_id):
+        return sku_id
+
+    app.finalize()
+    assert app.tasks[buy.name].key == "sku"
+
+
+def test_each_option_has_its_own_bare_name_and_three_are_words_a_task_may_use():
+    from celery_zklock.options import _OWN_WORDS, BARE_OPTIONS, LOCK_OPTIONS
+
+    assert sorted(BARE_OPTIONS.values()) == sorted(LOCK_OPTIONS)  # no two differ only by "lock"
+    assert _OWN_WORDS == {"timeout", "enqueue", "reentrant"}
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [("on_timeout", "on_lock_timeout"), ("on_lost", "on_lock_lost"), ("lock_on_timeout", "on_lock_timeout"),
+     ("zklock_on_timeout", "on_lock_timeout"), ("key", "lock_key"), ("zklock_timeout", "lock_timeout")],
+)
+def test_the_suggestion_is_the_option_meant_not_the_nearest_spelling(name, hint):
+    from celery_zklock.options import suggest_option
+
+    assert suggest_option(name) == hint
+
+
+# ------------------------------------------------------------------ numbers in keys
+class _Fraction:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        # equal numbers of different types lock one key
+        (3, "3"),
+        (3.0, "3"),
+        (decimal.Decimal("3"), "3"),
+        (decimal.Decimal("3.00"), "3"),
+        (decimal.Decimal("3E+0"), "3"),
+        (_Size.BIG, "3"),
+        (0, "0"),
+        (0.0, "0"),
+        (-0.0, "0"),
+        (decimal.Decimal("-0.00"), "0"),
+        (-7, "-7"),
+        (-7.0, "-7"),
+        (1.5, "1.5"),
+        (decimal.Decimal("1.50"), "1.5"),
+        (2.0 ** 53, "9007199254740992"),
+        (1e22, "10000000000000000000000"),
+        (1e23, str(int(1e23))),  # the float's exact value, as int(1e23) == 1e23
+        (1e-07, "0.0000001"),
+        (decimal.Decimal("1E-7"), "0.0000001"),
+        (decimal.Decimal("12345678901234567890.123456789"), "12345678901234567890.123456789"),  # > 28 digits: exact
+        # ints and Decimals as before: their keys do not move
+        (10, "10"),
+        (10 ** 30 + 1, "1000000000000000000000000000001"),
+        (decimal.Decimal("100"), "100"),
+        (decimal.Decimal("1.500"), "1.5"),
+        # bool is a flag, not a number: True stays "True" (JSON keeps true apart from 1)
+        (True, "True"),
+        (False, "False"),
+    ],
+)
+def test_a_number_keys_by_its_value_whatever_its_type(value, text):
+    def buy(sku_id):
+        pass
+
+    assert compile_key("sku:{sku_id}", buy, "t.buy").keys((value,), {}) == [f"sku:{text}"]
+    assert compile_key(lambda sku_id: sku_id, buy, "t.buy").keys((value,), {}) == [text]
+
+
+def test_buy_3_and_buy_3_point_0_lock_one_znode():
+    app = make_app()
+
+    @app.task(base=ZkLockedTask, shared=False, lock_key="sku:{sku_id}")
+    def buy(sku_id):
+        return sku_id
+
+    app.finalize()
+    task = app.tasks[buy.name]
+    paths = {tuple(task.lock_paths(args, {})) for args in [(3,), (3.0,), (decimal.Decimal("3.0"),)]}
+    assert paths == {("/celery-zklock/sku:3",)}
+
+
+def test_other_number_types_key_like_the_builtin_ones():
+    import fractions
+
+    numpy = pytest.importorskip("numpy")
+
+    def buy(sku_id):
+        pass
+
+    spec = compile_key("sku:{sku_id}", buy, "t.buy")
+    for value, text in [(numpy.int64(3), "3"), (numpy.float64(3.0), "3"), (numpy.float32(3.0), "3"),
+                        (numpy.float64(1.5), "1.5"), (numpy.float32(1.5), "1.5"), (fractions.Fraction(6, 2), "3"),
+                        (fractions.Fraction(3, 2), "1.5"), (numpy.bool_(True), "True")]:
+        assert spec.keys((value,), {}) == [f"sku:{text}"], (type(value), value)
+
+
+def test_a_key_number_does_not_depend_on_the_decimal_context():
+    def buy(sku_id):
+        pass
+
+    spec = compile_key("sku:{sku_id}", buy, "t.buy")
+    with decimal.localcontext() as ctx:
+        ctx.prec = 3
+        assert spec.keys((decimal.Decimal("1.23456"),), {}) == ["sku:1.23456"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), decimal.Decimal("NaN"),
+                                   decimal.Decimal("sNaN"), decimal.Decimal("-Infinity")])
+@pytest.mark.parametrize("source", ["template", "callable"])
+def test_a_number_that_is_not_finite_is_no_key(value, source):
+    def buy(sku_id):
+        pass
+
+    spec = compile_key("sku:{sku_id}" if source == "template" else (lambda sku_id: sku_id), buy, "t.buy")
+    with pytest.raises(ConfigurationError, match="finite number"):
+        spec.keys((value,), {})
+
+
+# ------------------------------------------------------------------ "no limit", one spelling
+@pytest.mark.parametrize(
+    "make_error",
+    [
+        lambda: load_settings(make_app(zklock_timeout=-1).conf),
+        lambda: type("Buy", (ZkLockedTask,), {"lock_timeout": -1, "run": lambda self: None}),
+        lambda: type("Buy", (ZkLockedTask,), {"lock_timeout": "forever", "run": lambda self: None}),
+    ],
+    ids=["setting", "option", "option-str"],
+)
+def test_an_invalid_timeout_names_math_inf_for_no_limit(make_error):
+    with pytest.raises(ConfigurationError) as info:
+        make_error()
+    message = str(info.value)
+    assert "math.inf" in message and "None" not in message, message
+
+
+def test_math_inf_is_no_limit_for_the_setting_and_the_option_and_none_still_works_for_the_setting():
+    import math
+
+    assert load_settings(make_app(zklock_timeout=math.inf).conf).timeout is None
+    assert load_settings(make_app(zklock_timeout=None).conf).timeout is None  # accepted, not documented
+    app = make_app(zklock_timeout=5)
+
+    @app.task(base=ZkLockedTask, shared=False, lock_timeout=math.inf)
+    def buy():
+        return 1
+
+    @app.task(base=ZkLockedTask, shared=False, lock_timeout=None)  # None: the setting applies
+    def sell():
+        return 1
+
+    app.finalize()
+    assert app.tasks[buy.name].lock_options().timeout is None
+    assert app.tasks[sell.name].lock_options().timeout == 5
+
+
+def test_the_docs_spell_no_limit_one_way():
+    import pathlib
+    import re
+
+    from celery_zklock.config import SETTINGS
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name in ("lock_timeout", "zklock_timeout"):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
+        assert "`math.inf` = no limit" in row and not re.search(r"None`? = no limit", row), row
+    assert "math.inf = no limit" in SETTINGS["zklock_timeout"].help

@@ -30,6 +30,7 @@ from ..engine.client import connect
 from ..engine.identity import Identity
 from ..errors import ConfigurationError, LockUnavailable
 from ..keys import encode_key
+from ..worker import worker_loss
 from .election import Election, Role
 from .ledger import Ledger
 from .rules import (TickRecord, TickState, Verdict, Written, already_sent, handover, on_own_clock, skew_to_say,
@@ -84,6 +85,13 @@ class ZkScheduler(Scheduler):
     """Beat's scheduler for a group of beats: the elected one sends each tick once."""
 
     def __init__(self, app, *args, lazy: bool = False, **kwargs) -> None:
+        # A beat that is starting stops on a configuration error with the worker's one line
+        # ("celery-zklock: configuration error: ...") and a non-zero exit, not a traceback:
+        # Celery builds the scheduler for its banner, outside any handler of its own.
+        with worker_loss.configuration_exits():
+            self._setup(app, *args, lazy=lazy, **kwargs)
+
+    def _setup(self, app, *args, lazy: bool = False, **kwargs) -> None:
         settings = cached_settings(app)
         self.inner = inner_class(settings.beat_scheduler)(app, *args, lazy=lazy, **kwargs)
         super().__init__(app, max_interval=self.inner.max_interval, lazy=True)
