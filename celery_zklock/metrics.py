@@ -20,14 +20,26 @@ An elected beat (:mod:`celery_zklock.beat`) serves ``zklock_beat_leader`` and
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import sys
 import tempfile
 import time
 from typing import Any
 
+from .process_records import process_record, record_alive
+
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 _metrics: dict[str, Any] | None = None
 _exporter = None
+
+#: The multiprocess directory a worker makes when ``PROMETHEUS_MULTIPROC_DIR`` is unset: its
+#: name's start, and the record of the worker's main process in it ("<pid> <start time>"; not
+#: a ``*.db``: the collector reads only those), which marks it as made here, to be removed
+#: when that worker stops (by the worker, or by its exporter if the worker was killed), or by
+#: a later start once that worker is gone.  A directory the environment names is never removed.
+PREFIX, OWNER = "zklock-metrics-", "zklock-owner"
+_made: tuple[str, int] | None = None  # (the directory start() made, the process that made it)
 
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, float("inf"))
 
@@ -53,7 +65,7 @@ def start(settings) -> None:
     if settings.metrics_port is None or _metrics is not None:
         return
     if not os.environ.get(ENV):
-        os.environ[ENV] = tempfile.mkdtemp(prefix="zklock-metrics-")
+        os.environ[ENV] = _make_dir()
     try:
         import prometheus_client
         from prometheus_client import values
@@ -96,6 +108,57 @@ def start(settings) -> None:
             f"zklock_metrics_port {settings.metrics_port!r}: cannot serve metrics there ({said or 'no answer'}). "
             "Each worker on a host needs its own port: set zklock_metrics_port per worker (for example from an "
             "environment variable in its config), or leave it unset")
+
+
+def _make_dir() -> str:
+    """A new multiprocess directory, marked as this process's; first, remove those of workers
+    that were killed before they or their exporter could."""
+    global _made
+    import atexit
+
+    sweep()
+    path = tempfile.mkdtemp(prefix=PREFIX)
+    with open(os.path.join(path, OWNER), "w") as f:
+        f.write(process_record())
+    if _made is None:
+        atexit.register(leave_nothing_behind)  # a cold stop sends no worker_shutdown; a failed start neither
+    _made = (path, os.getpid())
+    return path
+
+
+def leave_nothing_behind() -> None:
+    """The worker stops (warm: ``worker_shutdown``; cold, or a failed start: at exit): remove
+    the directory :func:`start` made (its exporter, about to exit too, then serves nothing)."""
+    if _made is not None and _made[1] == os.getpid():
+        shutil.rmtree(_made[0], ignore_errors=True)
+
+
+def _owner_of(path: str) -> tuple[int, str] | None:
+    """The owner record (pid, start time) of a directory a worker made here, this user's; None
+    for any other (none from before records, nor one being made): never removed."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        with open(os.path.join(path, OWNER)) as f:
+            record = f.read()
+        pid, _ = record.split()
+        return int(pid), record
+    except (OSError, ValueError):
+        return None
+
+
+def sweep() -> None:
+    """Remove the multiprocess directories of workers killed along with their exporters."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        owner = _owner_of(os.path.join(root, name))
+        if owner is not None and owner[0] > 0 and not record_alive(owner[1]):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 #: How long (s) the worker waits for its exporter to say it serves (or why it cannot).
@@ -239,8 +302,15 @@ def main() -> int:
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
+            owner = _owner_of(path)
+            if owner is not None and owner[0] == parent:  # made by the worker, which is gone (killed?)
+                shutil.rmtree(path, ignore_errors=True)
             return 0
-        for name in os.listdir(path):  # gauges of pool processes that died: not "live" any more
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:  # the worker removed it as it stopped
+            return 0
+        for name in names:  # gauges of pool processes that died: not "live" any more
             pid = name.rsplit("_", 1)[-1].split(".")[0]
             if name.startswith("gauge_live") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 multiprocess.mark_process_dead(int(pid), path)

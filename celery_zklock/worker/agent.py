@@ -41,6 +41,10 @@ from .agent_requests import Requests
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
+#: Beside the socket, in the agent's private directory: the worker's owner record
+#: (:data:`celery_zklock.worker.agent_supervisor.OWNER`, the same name).
+OWNER = "owner"
+
 #: The agent's event thread is stuck (not merely busy) when work waits and none has been
 #: done for this long; its heartbeats then stop, and the worker restarts it.
 STUCK_AFTER = 1.0
@@ -154,6 +158,7 @@ class Agent:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(self.path)
         os.chmod(self.path, 0o600)
+        bound = os.lstat(self.path)  # our socket: removed at exit only if still this one
         server.listen(128)
         self.selector = selectors.DefaultSelector()
         self.selector.register(server, selectors.EVENT_READ, lambda _mask: self._accept(server))
@@ -165,7 +170,14 @@ class Agent:
         self.events.put((None, ()))
         loop.join(timeout=5.0)
         server.close()
+        if self._worker_gone():
+            leave_nothing_behind(self.path, bound)  # before the disconnect, which may take long
         disconnect(self.client)
+
+    def _worker_gone(self) -> bool:
+        """Does the agent stop because its worker's main process is gone (not to be restarted
+        by it: then the main process keeps the socket's path and directory for the next one)?"""
+        return (self.main_seen and self.main is None) or os.getppid() != self.parent
 
     def _accept(self, server: socket.socket) -> None:
         try:
@@ -309,6 +321,42 @@ class Agent:
     def _stop_if_orphaned(self) -> None:
         if self.main_seen and self.main is None and not self.claims.claimed and not self.kept:
             self.stopped.set()
+
+
+def leave_nothing_behind(path: str, bound: os.stat_result) -> None:
+    """The worker is gone and its agent exits: remove the socket it bound at ``path`` (not
+    another one there) and the private directory the worker made for it (the worker's stop
+    removes them too; after a SIGKILL of its main process only the agent can).  Only a
+    directory named as the worker names it (``zklock-agent-*``): never a test's."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        now = None
+    except OSError:
+        return
+    if now is not None:
+        if _identity(now) != _identity(bound):
+            return  # another agent's socket
+        try:
+            os.unlink(path)
+        except OSError:
+            return
+    folder = os.path.dirname(path)
+    if not os.path.basename(folder).startswith("zklock-agent-"):
+        return
+    try:
+        os.unlink(os.path.join(folder, OWNER))
+    except OSError:
+        pass
+    try:
+        os.rmdir(folder)  # not if anything else is in it
+    except OSError:
+        pass
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """A file's identity: its inode number alone is reused at once by the next file made."""
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _deliveries(msg: dict):

@@ -11,19 +11,23 @@ the forking parent.  The messages: :mod:`celery_zklock.worker.agent_link`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
+from ..process_records import process_record, record_alive
 from .agent_link import ENV, HEARTBEAT, LineReader, Verdict, encode, socket_path
 
 logger = get_logger("celery_zklock.worker")
@@ -32,6 +36,17 @@ logger = get_logger("celery_zklock.worker")
 PROCESS_POOLS = ("prefork", "solo")
 
 _agent: "AgentProcess | None" = None
+
+#: The agent's private directory (:func:`~.agent_link.socket_path`): its name's start, its socket's name.
+PREFIX, SOCKET = "zklock-agent-", "agent.sock"
+#: Beside the socket: the record (:func:`process_record`) of the worker's main process that
+#: made the directory, so that a later start tells a dead worker's directory from a live one's.
+#: (The agent removes it as it exits: ``celery_zklock.worker.agent.OWNER``, the same name.)
+OWNER = "owner"
+#: A directory from before owner records: removed only if its socket still refuses, the
+#: same socket, this many seconds after it first did (its worker may be restarting its agent).
+RECHECK = 0.3
+_at_exit: list = []  # leave_nothing_behind, once registered with atexit
 
 
 def not_listening(since_last_check: float) -> bool:
@@ -47,9 +62,11 @@ class AgentProcess:
         self.settings = settings
         self.loglevel = loglevel  # the worker's (-l): the agent's lines are the worker's too
         self.path = socket_path()
+        self.maker = os.getpid()  # only this process removes the directory (never a pool process)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        self._own_directory()
         if os.path.exists(self.path):
             os.unlink(self.path)
         self.proc = subprocess.Popen(
@@ -77,6 +94,25 @@ class AgentProcess:
         self.proc.stdout.close()
         os.environ[ENV] = self.path  # pool processes forked from now on find their agent
 
+    def _own_directory(self) -> None:
+        """The socket's directory, private to us, with our owner record: made again if something
+        removed it meanwhile (the path stays: pool processes forked earlier know only it)."""
+        folder = os.path.dirname(self.path)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise SystemExit(f"celery-zklock: {folder} (the lock agent's directory) is not this worker's own "
+                                 "private directory any more; the agent cannot listen there") from None
+        with open(os.path.join(folder, OWNER), "w") as f:
+            f.write(process_record())
+
+    def remove_directory(self) -> None:
+        """Remove the socket, the owner record and the directory (the worker stops)."""
+        if os.getpid() == self.maker:
+            _remove(os.path.dirname(self.path))
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -95,9 +131,118 @@ def start_agent(worker, settings: ZkSettings) -> bool:
     if settings.wait_in != "worker" or not pool.endswith(PROCESS_POOLS):
         os.environ.pop(ENV, None)
         return False
+    sweep()
     _agent = AgentProcess(settings, _level_of(worker))
+    if not _at_exit:
+        _at_exit.append(atexit.register(leave_nothing_behind))  # a cold stop sends no worker_shutdown
     _agent.start()
     return True
+
+
+def leave_nothing_behind() -> None:
+    """The worker stops (warm: ``worker_shutdown``; cold, or a start that failed: at exit):
+    remove its agent's socket and directory.  The agent may still run until this process has
+    gone (its listening socket stays open; nobody connects any more), and then exits."""
+    if _agent is not None:
+        _agent.remove_directory()
+
+
+def _listening(path: str) -> bool:
+    """Does a process accept connections on the Unix socket ``path``?  When in doubt, yes."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:  # a full backlog (EAGAIN), no permission: someone may be there
+        return True
+    finally:
+        probe.close()
+    return True
+
+
+def _stale(folder: str):
+    """What a start may remove of ``folder``: "dead" (its worker's main process is gone and
+    nothing listens on its socket), ("legacy", its socket's identity) (no owner record: from
+    before them; its socket refuses), or None (alive, being made, or not a directory a worker made)."""
+    try:
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        entries = set(os.listdir(folder))
+    except OSError:
+        return None
+    if not entries or not entries <= {SOCKET, OWNER}:
+        return None  # just made (empty), or holding what no worker puts there
+    sock = None
+    if SOCKET in entries:
+        try:
+            sock = os.lstat(os.path.join(folder, SOCKET))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return None
+        if sock is not None and not stat.S_ISSOCK(sock.st_mode):
+            return None
+    if OWNER in entries:
+        try:
+            with open(os.path.join(folder, OWNER)) as f:
+                record = f.read()
+        except OSError:
+            return None
+        if record_alive(record):
+            return None  # its worker lives (restarting its agent, perhaps)
+        if sock is not None and _listening(os.path.join(folder, SOCKET)):
+            return None  # the agent outlives its worker while pool processes hold locks through it
+        return "dead"
+    if sock is None or _listening(os.path.join(folder, SOCKET)):
+        return None
+    return ("legacy", sock.st_ino, sock.st_ctime_ns)  # an inode number alone is soon reused
+
+
+def _remove(folder: str) -> None:
+    for name in (SOCKET, OWNER):
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def sweep() -> list[str]:
+    """At a worker's start: remove the agent directories that workers killed outright (main
+    process and agent: neither could) left in the temporary directory.  Only directories named
+    as ours, of this user, holding only a socket and an owner record, whose worker is gone and
+    on whose socket nothing listens: never a live worker's (others may run on this host)."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    removed, legacy = [], []
+    for name in names:
+        folder = os.path.join(root, name)
+        verdict = _stale(folder)
+        if verdict == "dead":
+            _remove(folder)
+            removed.append(folder)
+        elif verdict is not None:
+            legacy.append((folder, verdict))
+    if legacy:
+        time.sleep(RECHECK)
+        for folder, verdict in legacy:
+            if _stale(folder) == verdict:
+                _remove(folder)
+                removed.append(folder)
+    if removed:
+        logger.info("celery-zklock: removed %d lock agent directory(ies) of workers that were killed", len(removed))
+    return removed
 
 
 def _level_of(worker) -> int:

@@ -26,7 +26,7 @@ from celery.worker.request import Request
 
 from .. import metrics
 
-from . import worker_queue
+from . import agent_supervisor, worker_queue
 
 logger = get_logger("celery_zklock.worker")
 
@@ -289,6 +289,19 @@ def _on_shutdown(**_):
     close_clients()
 
 
+def _on_worker_shutdown(**_):
+    """The worker's main process stops (warm; a cold stop and a failed start do the same at
+    exit): it leaves nothing behind, neither its agent's socket and directory nor the metrics
+    directory it made (the agent and the exporter exit once this process has gone)."""
+    try:
+        _on_shutdown()
+    finally:
+        try:
+            agent_supervisor.leave_nothing_behind()
+        finally:
+            metrics.leave_nothing_behind()
+
+
 def install() -> None:
     """Connect receivers at import time (works for fork and spawn start methods)."""
     global _installed
@@ -300,4 +313,4 @@ def install() -> None:
     signals.worker_init.connect(_on_worker_init, weak=False)
     signals.celeryd_after_setup.connect(_after_setup, weak=False)
     signals.worker_process_shutdown.connect(_on_shutdown, weak=False)
-    signals.worker_shutdown.connect(_on_shutdown, weak=False)
+    signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)
