@@ -39,6 +39,11 @@ def make_app(**conf):
     ],
 )
 def test_bad_task_options_fail_at_registration(options, message):
+    assert message in _registration_error(options)
+
+
+def _registration_error(options: dict) -> str:
+    """The ConfigurationError a locked task ``buy`` with ``options`` gets at registration."""
     app = make_app()
 
     @app.task(base=ZkLockedTask, shared=False, **options)
@@ -47,7 +52,7 @@ def test_bad_task_options_fail_at_registration(options, message):
 
     with pytest.raises(ConfigurationError) as info:
         app.finalize()
-    assert message in str(info.value)
+    return str(info.value)
     assert "opts.buy" in str(info.value) or "buy" in str(info.value)
 
 
@@ -410,15 +415,7 @@ def test_a_bad_key_field_names_the_parameters_at_registration():
     ],
 )
 def test_an_option_without_its_lock_prefix_is_refused_with_the_option_meant(options, meant):
-    app = make_app()
-
-    @app.task(base=ZkLockedTask, shared=False, **options)
-    def buy(sku_id, qty=1):
-        return qty
-
-    with pytest.raises(ConfigurationError) as info:
-        app.finalize()
-    message = str(info.value)
+    message = _registration_error(options)
     assert "buy" in message
     for name, option in meant.items():
         assert f"{name!r}" in message and f"did you mean {option!r}" in message.lower(), message

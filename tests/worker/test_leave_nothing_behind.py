@@ -29,6 +29,7 @@ from celery_zklock.worker import agent as agent_module
 from celery_zklock.worker import agent_supervisor
 from support.workers import Worker
 from tests.polling import wait_until
+from tests.worker.test_late_claim import _accepts
 from tests.test_celery_workers import env, mod  # noqa: F401  (module fixtures)
 
 
@@ -94,44 +95,25 @@ def _kill_group(w: Worker) -> None:
     w.proc.wait(10)
 
 
-def _accepts(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 # ---------------------------------------------------------------------- real workers
-def test_a_warm_stop_leaves_nothing_behind(mod, env):  # noqa: F811
-    w = _start(env, mod, "lnb-warm")
+@pytest.mark.parametrize("how", ["warm", "cold"])
+def test_a_stop_leaves_nothing_behind(mod, env, how):  # noqa: F811
+    w = _start(env, mod, f"lnb-{how}")
     try:
         made = Made(w)
         _one_task(mod)
-        w.stop(signal.SIGTERM)
-        assert w.proc.returncode == 0, w.log_tail()
-        assert made.left() == [], f"left behind after a warm stop: {made.left()}\n{w.log_tail()}"
-        wait_until(lambda: not _alive(made.agent_pid), 10, "the agent to exit")
-    finally:
-        w.kill()
-        _kill_group(w)
-
-
-def test_a_cold_stop_leaves_nothing_behind(mod, env):  # noqa: F811
-    w = _start(env, mod, "lnb-cold")
-    try:
-        made = Made(w)
-        _one_task(mod)
-        # Idle first: a SIGQUIT that lands while the main process reads a pool process's result
-        # can hang Celery's cold shutdown for good (its handler stops the pool from inside that
-        # read: _flush_outqueue waits for the rest of the message); then only the SIGKILL
-        # after Proc.stop's grace ends it, and nothing of the worker's can remove anything.
-        time.sleep(1.0)
-        w.stop(signal.SIGQUIT)
-        assert made.left() == [], f"left behind after a cold stop: {made.left()}\n{w.log_tail()}"
+        if how == "warm":
+            w.stop(signal.SIGTERM)
+            assert w.proc.returncode == 0, w.log_tail()
+        else:
+            # Idle first: a SIGQUIT that lands while the main process reads a pool process's
+            # result can hang Celery's cold shutdown for good (its handler stops the pool from
+            # inside that read: _flush_outqueue waits for the rest of the message); then only
+            # the SIGKILL after Proc.stop's grace ends it, and nothing of the worker's can
+            # remove anything.
+            time.sleep(1.0)
+            w.stop(signal.SIGQUIT)
+        assert made.left() == [], f"left behind after a {how} stop: {made.left()}\n{w.log_tail()}"
         wait_until(lambda: not _alive(made.agent_pid), 10, "the agent to exit")
     finally:
         w.kill()
