@@ -42,7 +42,7 @@ compat: setup
 
 # The deterministic simulator (sim/, docs/simulation.md): the real agent, cohort and engine
 # against a simulated ZooKeeper, with faults, on virtual time.  `make sim` runs the CI seeds
-# (about 90 s); `make sim SEEDS=100000` the long run; `make sim SEED=n` replays one seed with
+# (about 6 min); `make sim SEEDS=100000` the long run; `make sim SEED=n` replays one seed with
 # its trace.  `make sim-mutants` checks that every planted bug (sim/mutants.py) is found.
 sim: setup
 	$(PY) -m sim.run $(if $(SEED),--seed $(SEED),) $(if $(SEEDS),--seeds $(SEEDS),) $(if $(FIRST),--first $(FIRST),) \

@@ -26,7 +26,7 @@ from .engine.client import get_client
 from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
 from .errors import LockTimeout, LockUnavailable
-from .redelivery import Redelivery, ran_before, redelivered
+from .redelivery import Redelivery, publish_again, ran_before, redelivered
 from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
 from .worker.agent_link import Verdict
@@ -137,7 +137,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
         # process took it, so it goes back to the broker as a new message with the same
         # id, arguments and retry count (what Celery's retry publishes), and queues anew.
         logger.info("worker shutting down: task %s goes back to the broker (lock %s)", task.request.id, label)
-        task.signature_from_request(task.request).apply_async()
+        publish_again(task)
         raise Ignore()
     if decided is not Verdict.GRANTED:
         # Skipped or failed on its lock: its enqueue guard (left to this process by the
@@ -196,7 +196,7 @@ def _given_back(task, label) -> None:
                 "broker (in %.1fs), so that no pool process waits for a lock", task.request.id, label,
                 GIVE_BACK_COUNTDOWN)
     outcomes.lock_event(task, "task-lock-given-back", key=label)
-    task.signature_from_request(task.request).apply_async(countdown=GIVE_BACK_COUNTDOWN)
+    publish_again(task, countdown=GIVE_BACK_COUNTDOWN)
     raise GivenBack()
 
 

@@ -134,6 +134,7 @@ class Worker:
         self.agent.requests.on_granted = on_granted
         self.pool_count = pools
         self.killed_at: float | None = None  # killed whole (a held-aside scenario's fault)
+        self.stopping_at: float | None = None  # stopped warm (a held-aside scenario's fault)
         self.main = (main_class or MainProcess)(self)
         self.pools = [PoolProcess(self, i) for i in range(pools)]
         self.dead_pools: list = []
@@ -454,6 +455,8 @@ class PoolProcess:
         if verdict != "granted":
             if verdict == "unknown":
                 return self._lock_in_process()
+            if verdict == "shutdown" and self.req.get("on_shutdown") is not None:
+                self.req["on_shutdown"](self, self.req)
             return self._done()
         self.tokens, self.nodes = msg.get("tokens") or {}, msg.get("nodes") or {}
         self.held, self.lost = bool(msg.get("held")), bool(msg.get("lost"))
@@ -475,8 +478,8 @@ class PoolProcess:
             return self._release()
         self.phase = "holding"
         self._note()
-        if self.req.get("on_body") is not None:
-            self.req["on_body"](self)
+        if self.req.get("on_body") is not None and self.req["on_body"](self) is False:
+            return self._release()  # not run (a redelivered copy of a finished run): released at once
         # Mostly short bodies (a hot key's handoffs), now and then a long one (its lease ages).
         long = self.rng.random() < self.worker.long_share
         hold = self.rng.choice(self.worker.long_holds) if long else self.rng.choice((0.0, 0.001, 0.003, 0.01, 0.03))
@@ -493,6 +496,8 @@ class PoolProcess:
     def _release(self) -> None:
         self.phase = "releasing"
         self._note()
+        if self.req.get("body") is not None:
+            self.req["body"].released_at = self.world.now
         self.to_agent.send({"op": "release", "id": self.req["id"]})
         no = self.claim_no
         self.world.at(self.world.now + RELEASE_BOUND, f"{self.proc.name}.release-bound", self._release_bound, no,
@@ -512,6 +517,8 @@ class PoolProcess:
         self.phase = "idle"
         self.held = False
         self._note()
+        if req is not None and req.get("on_end") is not None:
+            req["on_end"](self, req)  # the result stored, after the release
         if req is not None:
             self.worker.main.thread.put(self.worker.main.finished, req)
         if self.worker.exiting_pools:
@@ -567,8 +574,8 @@ class InProcessLock:
             return self._finish()
         self.holding = True
         self.pool.worker.run.checks.granted_peer(self.pool.proc.name, self.path, self.attempt, self.client)
-        if self.pool.req.get("on_body") is not None:
-            self.pool.req["on_body"](self.pool)
+        if self.pool.req.get("on_body") is not None and self.pool.req["on_body"](self.pool) is False:
+            return self._finish()
         self.world.at(self.world.now + 0.05, f"{self.pool.proc.name}.inproc-body", self._finish, proc=self.pool.proc)
 
     def belief(self):
@@ -578,6 +585,9 @@ class InProcessLock:
 
     def _finish(self) -> None:
         self.holding = False
+        req = self.pool.req
+        if req is not None and req.get("body") is not None and self.pool.inprocess is self:
+            req["body"].released_at = self.world.now
         if self.attempt is not None:
             self.attempt.release()
         self.client.stop()

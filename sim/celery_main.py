@@ -3,31 +3,54 @@
 The held-aside scenarios (``sim/run.py``, shape ``broker``) run the production consumer
 step, :class:`celery_zklock.worker.worker_queue.WaitOutsidePool`, unchanged, with its link
 to the real agent the simulator already runs (``agent_supervisor``'s ``_connect``,
-``_readable``, ``Outbox``) and its Redis leases (``held_lease``), against a Redis broker
-model (:mod:`sim.broker`).  Around it, what Celery gives it, modelled:
+``_readable``, ``Outbox``) and its Redis leases (``held_lease``), against a broker model
+(:mod:`sim.broker`: Redis or RabbitMQ).  Around it, what Celery gives it, modelled:
 
 * the consumer ``c``: kombu's hub (``call_soon``, ``call_later``, ``call_repeatedly``,
   readers and writers) run as the process's event loop, one turn per simulated event, on
   the main process's clock, so a stalled main process runs nothing; the consumer's QoS
   (its window sent to the channel when ``qos.prev != qos.value``, as asynloop does); the
   prefork pool's books as ``pool_handoff`` reads them (the semaphore's ``value`` and
-  ``_waiting``, the outbound buffer); the task consumer's Redis channel;
+  ``_waiting``, the outbound buffer); the task consumer's channel and the connection's
+  default channel; Celery's worker state (``reserved_requests``, ``active_requests``), per
+  process;
 * a request per delivery (``id``, ``task``, ``message`` with ``delivery_tag``,
   ``channel``, ``ack``/``reject``, ``acknowledged``, ``delivery_info`` with the
-  ``redelivered`` flag), acknowledged when a pool process accepts it (Celery's
-  ``on_accepted`` for a task that is not ``acks_late``), read in the main process's loop;
+  ``redelivered`` flag), reserved as it is delivered, acknowledged when a pool process
+  accepts it (Celery's ``on_accepted`` for a task that is not ``acks_late``), read in the
+  main process's loop; an ack or reject on a lost connection raises, and Celery logs it;
 * Celery's own dispatch (``c.on_task_request``, the step's ``inner``): the semaphore, then
-  a free pool process (the simulator's pool process model, as in the other scenarios).
+  a free pool process (the simulator's pool process model, as in the other scenarios),
+  which checks a delivery flagged ``redelivered`` against the result store with the real
+  ``redelivery.earlier_run`` once it holds the lock (acquisition's ``claimed_lock``), and
+  stores the final state just after its lock's release;
+* a broker connection lost and made again (:meth:`CeleryMain.cut_connection`), in
+  ``Consumer.start``'s order: the broker's side (RabbitMQ requeues the unacknowledged
+  messages; Redis keeps them in ``unacked``), ``on_connection_error_after_connected`` (the
+  step's wrapper: ``no_restore_on_a_dead_channel``), ``c.on_close`` (the step's, around
+  Celery's: the semaphore's waiting requests dropped, reserved cut down to active), the
+  steps' ``stop`` with the blueprint in RUN, kombu closing the channel (a restore only with
+  ``do_restore``), the hub's readers and writers forgotten; the main process blocks for the
+  reconnection's gap (its host cannot reach the broker meanwhile: a pool process's publish
+  fails), then a new channel and QoS, the step's ``start`` and
+  ``register_with_event_loop``;
+* a warm shutdown (:meth:`CeleryMain.stop_warm`), with the connection lost as it begins or
+  not: ``c.on_close``, the blueprint in CLOSE, the step's ``stop`` (what it logs as gone back
+  is checked against what the broker took), no more consuming, the pool finishing its work
+  (a request next in line told "shutdown" is published back by its pool process), then
+  the main process exits; a worker killed whole (:func:`kill_worker`).
 
 Seams, all in the simulator (nothing in ``celery_zklock`` changes): the modules' ``time``,
-``socket`` and ``select`` are replaced by virtual ones; ``agent_supervisor._agent`` and
-``worker_queue._step`` (one per process in production) are set to the running worker's at
-every turn of its loop.  Each turn runs the hub's ``call_soon`` callbacks first (kombu's
-``_ready``), then its due timers, the agent's socket and the broker's socket (BRPOP) in an
-order the seed draws per turn: after a stall, any of them may come first.
+``socket`` and ``select`` are replaced by virtual ones; ``agent_supervisor._agent``,
+``worker_queue._step`` and Celery's ``reserved_requests`` and ``active_requests`` (one per
+process in production) are set to the running worker's at every turn of its loop.  Each
+turn runs the hub's ``call_soon`` callbacks first (kombu's ``_ready``), then its due timers,
+the agent's socket and the broker's socket in an order the seed draws per turn: after a
+stall, any of them may come first.
 
 Not modelled: the agent's death and restart (a kill of the agent fails the run), a Redis
-outage (renewals that fail), broker reconnections (``on_close``, ``stop``), RabbitMQ.
+outage seen by renewals alone (a reconnection's dead channel fails them), a broker
+unreachable at a warm shutdown (a pool process's publish back works then), heartbeats.
 """
 
 from __future__ import annotations
@@ -39,7 +62,14 @@ from types import SimpleNamespace
 from celery_zklock.worker import agent_supervisor, held_lease, worker_queue
 from celery_zklock.worker.agent_link import BYPASSED, CARRIED, LineReader, encode
 
-from .broker import EPOCH, Channel
+import logging
+
+from celery.bootsteps import CLOSE, RUN
+from celery.worker import state as worker_state
+
+from celery_zklock import redelivery
+
+from .broker import EPOCH, ConnectionLost, noticed
 from .world import Proc
 
 _world = None
@@ -78,6 +108,14 @@ class _SelectModule:
     @staticmethod
     def select(r, w, _x, _timeout=None):
         return [s for s in r if s.readable()], list(w), []
+
+
+_CELERY_STATE = (worker_state.reserved_requests, worker_state.active_requests)
+
+
+def uninstall() -> None:
+    """Celery's worker state as it was (the simulated workers set theirs at every turn)."""
+    worker_state.reserved_requests, worker_state.active_requests = _CELERY_STATE
 
 
 def install(world) -> None:
@@ -331,12 +369,13 @@ TASK = SimTask()
 
 
 class SimMessage:
-    """kombu's ``Message`` on the Redis channel."""
+    """kombu's ``Message`` on the channel it was delivered on (Redis or AMQP): an ack or
+    reject on a channel whose connection is gone raises (kombu's connection error)."""
 
-    def __init__(self, delivery, channel: Channel) -> None:
+    def __init__(self, delivery) -> None:
         self.delivery = delivery
-        self.delivery_tag = delivery.msg.tag
-        self.channel = channel
+        self.delivery_tag = delivery.tag
+        self.channel = delivery.channel
         self._state = "RECEIVED"
 
     @property
@@ -346,18 +385,13 @@ class SimMessage:
     def ack(self) -> None:
         if self.acknowledged:
             raise RuntimeError(f"Message already acknowledged with state: {self._state}")
-        self.channel.delivered.pop(self.delivery_tag, None)
-        self.channel.broker.ack(self.delivery_tag, self.delivery)
+        self.channel.ack(self.delivery)
         self._state = "ACK"
 
     def reject(self, requeue: bool = False) -> None:
         if self.acknowledged:
             raise RuntimeError(f"Message already acknowledged with state: {self._state}")
-        self.channel.delivered.pop(self.delivery_tag, None)
-        if requeue:
-            self.channel.broker.requeue(self.delivery_tag, self.delivery)
-        else:
-            self.channel.broker.ack(self.delivery_tag, self.delivery)
+        self.channel.reject(self.delivery, requeue)
         self._state = "REQUEUED" if requeue else "REJECTED"
 
 
@@ -369,21 +403,21 @@ class SimRequest:
         self.id = delivery.msg.task_id
         self.task = TASK
         self.path = delivery.msg.path
-        self.message = SimMessage(delivery, main.channel)
+        self.message = SimMessage(delivery)
         self.args = (delivery.msg.path,)
         self.kwargs: dict = {}
         self.request_dict = {"retries": 0}
         self.hostname = main.worker.name
         self.expires = None
         self.eventer = None
-        self.delivery_info = {"redelivered": delivery.msg.redelivered}
+        self.delivery_info = {"redelivered": delivery.redelivered}
         self.acknowledged = False
 
-    def acknowledge(self) -> None:  # Celery: a failed ack is logged, not raised
+    def acknowledge(self) -> None:  # Celery: a failed ack is logged, not raised (ack_log_error)
         if not self.acknowledged:
             try:
                 self.message.ack()
-            except RuntimeError:
+            except (RuntimeError, ConnectionError):
                 pass
             self.acknowledged = True
 
@@ -391,7 +425,7 @@ class SimRequest:
         if not self.acknowledged:
             try:
                 self.message.reject(requeue)
-            except RuntimeError:
+            except (RuntimeError, ConnectionError):
                 pass
             self.acknowledged = True
 
@@ -409,7 +443,7 @@ class SimRequest:
 class _QoS:
     """Celery's consumer QoS: ``value`` is Celery's window; ``update`` sends it (``callback``)."""
 
-    def __init__(self, channel: Channel, value: int) -> None:
+    def __init__(self, channel, value: int) -> None:
         self.value = value
         self.prev = None
         self.max_prefetch = None
@@ -455,21 +489,27 @@ class CeleryMain:
         self.requests: dict[str, dict] = {}  # every request handed to the pool (the end checks read it)
         self.hub = SimHub(self)
         self.thread = _PostToLoop(self)
-        self.channel = Channel(self.broker, worker)
+        # Celery's worker state (celery.worker.state), per process: set at every turn (enter)
+        self.reserved: set = set()  # task_reserved: delivered, not yet done
+        self.active: set = set()  # task_accepted: a pool process took it
         # BRPOP: Redis answers the blocked clients in turn; who reads first is a draw
-        rng = self.world.rng(f"{self.proc.name}.brpop")
-        self.channel.on_wake = lambda: self.alive and self.hub.wake(latency=rng.uniform(0.0001, 0.002))
+        self.brpop = self.world.rng(f"{self.proc.name}.brpop")
+        self.cuts = 0
+        self.stopping = False  # a warm shutdown began: no more consuming
+        self.cut_when_waiting: float | None = None  # a fault: cut the connection (for this long) when a
+        # granted request next waits for a pool process
+        self.unreachable_until = -1.0  # the broker cannot be reached from this host (a reconnection's gap)
         pools = worker.pool_count
         c = self.c = SimpleNamespace()
         c.hub = self.hub
-        c.qos = _QoS(self.channel, 4 * pools)  # worker_prefetch_multiplier 4
+        self._new_channel()
         c.pool = PreforkPool()
         c.pool.limit = pools
         c.pool._pool = SimpleNamespace(_processes=pools, outbound_buffer=deque())
         c.controller = SimpleNamespace(semaphore=_Semaphore(self))
         c.blueprint = SimpleNamespace(state=None, on_close=None)
-        c.on_close = lambda: None
-        c.task_consumer = SimpleNamespace(channel=self.channel)
+        c.on_close = self._celery_close
+        c.on_connection_error_after_connected = lambda exc: None  # Celery's: a warning
         c.on_task_request = self.to_pool
         self.peer = None
         self.to_agent = None
@@ -489,6 +529,78 @@ class CeleryMain:
         """This process's module state (one worker per process in production)."""
         agent_supervisor._agent = self.agent_process
         worker_queue._step = getattr(self, "step", None)
+        worker_state.reserved_requests = self.reserved
+        worker_state.active_requests = self.active
+
+    def _new_channel(self) -> None:
+        """The consumer's connection, channel and QoS (Celery makes a new QoS at each start
+        of its Tasks step: the window is sent on the new channel)."""
+        c = self.c
+        self.channel = self.broker.channel(self.worker)
+        self.channel.on_wake = lambda: self.alive and self.hub.wake(latency=self.brpop.uniform(0.0001, 0.002))
+        c.qos = _QoS(self.channel, 4 * self.worker.pool_count)  # worker_prefetch_multiplier 4
+        c.task_consumer = SimpleNamespace(channel=self.channel)
+        c.connection = SimpleNamespace(_default_channel=self.channel)
+
+    # a broker connection lost, and made again (celery/worker/consumer/consumer.py, Consumer.start)
+    def cut_connection(self, gap: float) -> None:
+        """The broker connection drops: the broker's side first (RabbitMQ requeues the
+        channel's unacknowledged messages; Redis keeps them in ``unacked``), then Celery's:
+        ``on_connection_error_after_connected`` (the step's wrapper: no restore on the dead
+        channel), ``c.on_close`` (the step's, around Celery's), the blueprint's restart (the
+        steps' ``stop`` with the blueprint still in RUN), kombu closing the channel, the hub
+        reset (its readers and writers forgotten); the main process then blocks in the
+        reconnection for ``gap`` and starts the steps again (``start``,
+        ``register_with_event_loop``)."""
+        if not self.alive or self.stopping or self.channel.dead:
+            return  # gone, stopping, or between a loss and its reconnection already
+        world = self.world
+        self.cuts += 1
+        world.log(f"fault: {self.worker.name}'s broker connection lost ({self.broker.kind}); back in {gap:.2f} s")
+        channel = self.channel
+        channel.turns_at_cut = self.hub.turns
+        self.broker.cut(channel)  # at once; Celery hears of it when its loop next runs
+        world.at(world.now, f"{self.proc.name}.lost", self._lost, channel, gap, proc=self.proc)
+
+    def _lost(self, channel, gap: float) -> None:
+        if not self.alive or self.stopping:
+            return
+        world = self.world
+        self.enter()
+        noticed(channel)
+        self.c.on_connection_error_after_connected(ConnectionLost("connection lost"))
+        self.c.on_close()
+        self.c.blueprint.state = RUN
+        self.step.stop(self.c)
+        self.broker.closed(channel)
+        self.hub.readers.clear()
+        self.hub.writers.clear()
+        self.proc.pause(gap)  # Connection step: ensure_connection blocks the main process
+        self.unreachable_until = world.now + gap  # for this host's pool processes too
+        world.at(world.now + gap, f"{self.proc.name}.reconnect", self._reconnected, proc=self.proc)
+
+    def _reconnected(self) -> None:
+        if not self.alive or self.stopping:
+            return
+        self.world.log(f"{self.proc.name}: broker connection made again")
+        self.enter()
+        self._new_channel()
+        self.step.start(self.c)
+        self.step.register_with_event_loop(self.c, self.hub)
+        self.hub.wake()
+
+    def _celery_close(self) -> None:
+        """Celery's ``Consumer.on_close``: the semaphore's waiting requests dropped, reserved
+        requests cut down to the active ones, the pool's unsent jobs flushed (the model
+        writes a job to a free process at once: none)."""
+        waiting = self.c.controller.semaphore._waiting
+        for _fn, args, _kw in list(waiting):
+            job = args[0].job
+            job["done"] = job["dropped"] = True
+            self.world.log(f"{self.proc.name}: drops {job['id']} (it waited for a pool process)")
+        waiting.clear()
+        self.reserved.clear()
+        self.reserved.update(self.active)
 
     # the agent's socket
     def attach(self, sock: SimSocket) -> None:
@@ -504,17 +616,20 @@ class CeleryMain:
 
     # the broker's socket
     def can_consume(self) -> bool:
-        return bool(self.broker.queue) and self.channel.room() > 0
+        return not self.stopping and bool(self.broker.queue) and self.channel.room() > 0
 
     def consume(self) -> None:
         """BRPOP's reply read: each message becomes a request, given to ``c.on_task_request``
         (the step's hook) as Celery's task strategy does."""
+        if self.stopping:
+            return
         for delivery in self.channel.fetch(self.hub.turns):
             req = SimRequest(self, delivery)
             delivery.req = req
+            self.reserved.add(req)  # Celery's task_reserved, before the strategy's handler
             if self.world.full_trace is not None:
                 self.world.log(f"{self.proc.name}: delivered {req.id} ({req.message.delivery_tag}"
-                               f"{', redelivered' if delivery.msg.redelivered else ''})")
+                               f"{', redelivered' if delivery.redelivered else ''})")
             self.c.on_task_request(req)
             if not self.alive:
                 return
@@ -530,7 +645,8 @@ class CeleryMain:
         job = {"id": req.id, "seq": getattr(req, "zklock_seq", None), "path": req.path, "verdict": "handed",
                "dispatched": True, "done": False, "carry": info.get(CARRIED), "nodes": nodes,
                "bypassed": bool(info.get(BYPASSED)), "creq": req,
-               "on_start": self._accepting, "on_body": self._body}
+               "on_start": self._accepting, "on_body": self._body, "on_end": self._stored,
+               "on_shutdown": self._published_back}
         req.job = job
         self.requests[f"{req.id}#{len(self.requests)}"] = job
         if self.world.full_trace is not None:
@@ -538,6 +654,9 @@ class CeleryMain:
                            f"{' (bypassed)' if job['bypassed'] else ''}{' with its grant' if job['carry'] else ''}")
         self.c.controller.semaphore._waiting.append((self._dispatch, (req,), {}))
         self.feed()
+        if self.cut_when_waiting is not None and self.c.controller.semaphore._waiting:
+            gap, self.cut_when_waiting = self.cut_when_waiting, None
+            self.world.at(self.world.now, f"{self.proc.name}.cut", self.cut_connection, gap, proc=self.proc)
 
     def feed(self) -> None:
         waiting = self.c.controller.semaphore._waiting
@@ -557,28 +676,121 @@ class CeleryMain:
         self.thread.put(self._accepted, job)
 
     def _accepted(self, job: dict) -> None:
+        if not job["done"]:
+            self.active.add(job["creq"])  # task_accepted
         job["creq"].acknowledge()
 
-    def _body(self, pool) -> None:
+    def _body(self, pool):
+        """The pool process holds the lock: its body begins, unless the delivery is flagged
+        redelivered and the result store says an earlier run finished (acquisition's
+        claimed_lock: ``ran_before``, whose reading is ``redelivery.earlier_run``)."""
         job = pool.req
         job["ran"] = True
-        self.run.checks.body_started(pool, job["creq"].delivery)
+        delivery = job["creq"].delivery
+        if delivery.redelivered:
+            earlier = redelivery.earlier_run(self.broker.state_of(job["id"]))
+            if earlier is redelivery.Earlier.FINISHED:
+                self.world.log(f"{pool.proc.name}: {job['id']} is a redelivered copy of a finished run: not run")
+                job["skipped"] = True
+                return False
+        job["body"] = self.run.checks.body_started(pool, delivery)
+        return True
+
+    def _stored(self, pool, job: dict) -> None:
+        """The pool process stores the body's final state, just after its lock's release."""
+        body = job.get("body")
+        if body is not None and body.stored_at is None:
+            body.stored_at = self.world.now
+            self.broker.store(job["id"], "SUCCESS")
 
     def finished(self, job: dict) -> None:
         """The pool is done with it: a task that did not succeed tells the step (Celery's
         failure path, worker_loss.LockAwareRequest); a free process takes the next job."""
         job["done"] = True
+        self.reserved.discard(job["creq"])  # task_ready
+        self.active.discard(job["creq"])
         if not job.get("ran"):
             self.enter()
             self.step.request_finished(job["creq"])
         self.feed()
 
+    def _published_back(self, pool, job: dict) -> None:
+        """Told "shutdown" next in line (the worker stops warm): the pool process publishes the
+        task back to the broker, a new message with the same id (acquisition: Verdict.SHUTDOWN)."""
+        if self.world.now < self.unreachable_until:  # apply_async raises: the task is lost
+            self.world.log(f"{pool.proc.name}: {job['id']} cannot be published back: the broker is out of reach")
+            return
+        self.world.log(f"{pool.proc.name}: {job['id']} goes back to the broker (the worker stops)")
+        self.broker.publish(job["id"], job["path"], copy=job["creq"].delivery.redelivered)  # redelivery.publish_again
+
+    # a warm shutdown (celery/bootsteps.py, Blueprint.stop)
+    def stop_warm(self, cut: bool) -> None:
+        """The worker stops warm (SIGTERM): the consumer's blueprint closes (``c.on_close``),
+        goes to CLOSE and stops its steps (the step's ``stop``: held requests rejected with
+        requeue, counted only if the broker took them), the pool finishes what it runs, then
+        the main process exits.  With ``cut``, the broker connection is lost just as the
+        shutdown begins: every reject fails, and what the step logs as gone back must say so
+        (issue 59 item 5)."""
+        if not self.alive or self.stopping:
+            return
+        world = self.world
+        world.log(f"fault: {self.worker.name} stops warm{' as its broker connection is lost' if cut else ''}")
+        self.enter()
+        if cut and not self.channel.dead:
+            self.channel.turns_at_cut = self.hub.turns
+            self.broker.cut(self.channel)  # the restore at the channel's close cannot reach the broker
+        self.stopping = True
+        self.worker.stopping_at = world.now
+        self.c.on_close()
+        self.c.blueprint.state = CLOSE
+        said = _Said()
+        logger = logging.getLogger("celery_zklock.worker")
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(said)
+        requeued = self.broker.requeued
+        try:
+            self.step.stop(self.c)
+        finally:
+            logger.removeHandler(said)
+            logger.setLevel(level)
+        self.run.checks.stopped(self.worker, said.returned, self.broker.requeued - requeued)
+        self.worker.exiting_pools = True
+        for pool in self.worker.pools:
+            pool.exit()
+        self._exit_when_idle()
+
+    def _exit_when_idle(self) -> None:
+        if not self.alive:
+            return
+        if any(p.proc.alive and p.phase != "idle" for p in self.worker.pools):
+            self.world.at(self.world.now + 0.1, f"{self.proc.name}.stopping", self._exit_when_idle, proc=self.proc)
+            return
+        self.world.log(f"{self.proc.name}: the pool is done: exits")
+        self.die()
+
     def die(self) -> None:
         if self.alive:
             self.alive = False
             self.proc.alive = False
+            if not self.channel.dead:  # the connection closes with the process
+                self.channel.turns_at_cut = self.hub.turns
+                self.broker.cut(self.channel)
             if self.peer is not None:
                 self.worker.gone(self)
+
+
+class _Said(logging.Handler):
+    """What the step's stop logs as gone back to the broker ("stopping: %d waiting task(s)
+    went back to the broker")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.returned: int | None = None
+
+    def emit(self, record) -> None:
+        if "went back to the broker" in str(record.msg) and record.args:
+            self.returned = int(record.args[0])
 
 
 def kill_worker(worker) -> None:

@@ -231,17 +231,53 @@ class Checks:
                       f"waited behind it (zklock_cohort_hold={settings.cohort_hold})")
 
     # ------------------------------------------------------------------ held aside (a broker model)
-    def body_started(self, pool, delivery) -> None:
-        """A pool process starts the body of the task of ``delivery`` (held-aside scenarios):
-        never twice per task id, but where the failure semantics say it may (a worker that
-        stalled, or was killed, between a delivery's hand-over, its lease checked, and its
-        acknowledgement, while a sweep took the message back)."""
+    def body_started(self, pool, delivery):
+        """A pool process starts the body of the task of ``delivery`` (held-aside scenarios).
+
+        Never from a delivery the worker held aside when it learnt that its broker connection
+        was lost (the broker has its message back: a copy runs from the next delivery).  Never twice per
+        task id, but where the failure semantics say it may:
+
+        * a Redis sweep took the message back between the delivery's hand-over (its lease
+          checked) and its acknowledgement, while its worker stalled or was killed there;
+        * a copy flagged ``redelivered`` whose earlier run had released its lock but not yet
+          stored its result (``redelivery.ran_before``'s window, the task not tracking
+          STARTED), or whose earlier run's process was killed mid-body;
+        * the first delivery, handed to the pool as its connection was lost (its ack lost, or
+          never sent), after a copy of it that ran first (acks-early: at least once).
+
+        Returns the run (the pool process notes its release and its stored result)."""
+        from .broker import BodyRun
+
         broker = self.run.broker
         msg = delivery.msg
+        now = self.world.now
+        if delivery.cut_at is not None and not delivery.handed_when_cut:
+            self.fail(f"{pool.proc.name} runs {msg.task_id} from a delivery held aside when its connection was lost "
+                      f"(at {delivery.cut_at:.3f}; the broker has its message back): {msg.deliveries}")
         runs = broker.bodies.setdefault(msg.task_id, [])
-        runs.append((self.world.now, pool.proc.name, delivery))
-        if len(runs) == 1:
-            return
+        run = BodyRun(now, pool.proc.name, delivery)
+        earlier, runs[:] = list(runs), runs + [run]
+        if not earlier or self._swept_while_handed(msg, delivery):
+            return run
+        for e in earlier:
+            if delivery.redelivered:
+                if e.stored_at is not None and e.stored_at <= now:
+                    self.fail(f"task {msg.task_id}'s body runs again on {pool.proc.name} from a redelivered copy, "
+                              f"after its run on {e.pool} stored its result at {e.stored_at:.3f}: {earlier}; "
+                              f"deliveries {msg.deliveries}")
+                if e.released_at is not None or self._died(e.pool):
+                    continue  # granted between the release and the store: the stated window
+            elif delivery.handed_when_cut and e.delivery.redelivered:
+                continue  # the copy ran first; this one was in the pool as its connection dropped
+            self.fail(f"task {msg.task_id}'s body runs twice: {e} and now on {pool.proc.name}; "
+                      f"deliveries {msg.deliveries}")
+        return run
+
+    def _died(self, pool_name: str) -> bool:
+        return any(p.proc.name == pool_name and not p.proc.alive for w in self.run.workers for p in w.dead_pools)
+
+    def _swept_while_handed(self, msg, delivery) -> bool:
         for earlier in msg.deliveries:
             if earlier is delivery or not earlier.restored_while_handed:
                 continue
@@ -249,36 +285,44 @@ class Checks:
             killed = earlier.worker.killed_at
             stalled = any(a <= earlier.restored_at and b >= earlier.handed_at for a, b in main.stalls)
             if stalled or (killed is not None and killed <= earlier.restored_at):
-                return  # the stated window
-        self.fail(f"task {msg.task_id}'s body runs twice: on {runs[0][1]} at {runs[0][0]:.3f} and now on "
-                  f"{pool.proc.name}; its deliveries: {msg.deliveries}")
+                return True
+        return False
 
     def held_step(self) -> None:
-        """Every 0.25 s: no message of a killed worker stays unacknowledged in Redis past
-        its lease, a sweep and a margin (past the visibility timeout, for one the worker
-        took in its very last turn, before it could lease it)."""
+        """Every 0.25 s: no message of a killed worker, or of a lost connection, stays
+        unacknowledged in the broker past its bound: Redis, its lease, a sweep and a margin
+        (past the visibility timeout, for one taken in the last turn before, not leased yet);
+        RabbitMQ, not at all (requeued as the connection closes)."""
         broker = self.run.broker
         now = self.world.now
-        for delivery in broker.current.values():
+        for delivery in broker.unacked_deliveries():
             worker = delivery.worker
-            if worker.killed_at is None:
+            channel = delivery.channel
+            if channel.dead:
+                since, turns = channel.dead_at, channel.turns_at_cut
+            elif worker.killed_at is not None:
+                since, turns = worker.killed_at, worker.main.turns_at_death
+            else:
                 continue
-            leased = delivery.leased or delivery.turn < worker.main.turns_at_death
+            if broker.kind != "redis":
+                self.fail(f"{delivery.msg.task_id} stranded: unacknowledged on a closed connection: {delivery}")
+            leased = delivery.leased or delivery.turn < turns
             bound = (worker.settings.session_timeout if leased else broker.visibility_timeout) + SWEEP_EVERY + SWEPT_WITHIN
-            if now - worker.killed_at > bound:
+            if now - since > bound:
                 self.fail(f"{delivery.msg.task_id} stranded: its message is still unacknowledged in Redis "
-                          f"{now - worker.killed_at:.2f} s after {worker.name} was killed (bound {bound:.2f} s; "
-                          f"score {broker.index.get(delivery.msg.tag, 0) - broker.wall():.2f} s from now): {delivery}")
+                          f"{now - since:.2f} s after {worker.name} was killed or lost its connection (bound "
+                          f"{bound:.2f} s; score {broker.index.get(delivery.tag, 0) - broker.wall():.2f} s from now): "
+                          f"{delivery}")
 
     def held_at_end(self) -> list[str]:
-        """Once drained: every task published ran (none lost), nothing is left in Redis or
-        held aside.  Lost as in plain Celery: a task acknowledged by a worker killed before
+        """Once drained: every task published ran (none lost), nothing is left in the broker
+        or held aside.  Lost as in plain Celery: a task acknowledged by a worker killed before
         its body began."""
         broker = self.run.broker
         problems = []
-        if broker.queue or broker.unacked:
-            problems.append(f"Redis still has {len(broker.queue)} queued and {len(broker.unacked)} unacknowledged "
-                            f"message(s): {list(broker.current.values())[:2] or [m.task_id for m in broker.queue][:3]}")
+        if not broker.drained():
+            problems.append(f"the broker still has {len(broker.queue)} queued and {len(broker.unacked_deliveries())} "
+                            f"unacknowledged message(s): {broker.unacked_deliveries()[:2] or [m.task_id for m in broker.queue][:3]}")
         for task_id, msg in broker.messages.items():
             if broker.bodies.get(task_id):
                 continue
@@ -290,6 +334,14 @@ class Checks:
             if worker.killed_at is None and worker.main.alive and worker.main.step.aside:
                 problems.append(f"{worker.name} still holds aside {sorted(worker.main.step.aside)[:5]}")
         return problems
+
+    def stopped(self, worker, said: int | None, took: int) -> None:
+        """A warm shutdown's stop: the number of waiting tasks it logs as gone back to the
+        broker is the number of rejects the broker took (issue 59 item 5): a reject on a lost
+        connection is not a task returned."""
+        if (said or 0) != took:
+            self.fail(f"{worker.name} stops and logs {said} waiting task(s) as gone back to the broker, which took "
+                      f"{took} back (its connection {'is lost' if worker.main.channel.dead else 'is up'})")
 
     # ------------------------------------------------------------------ place kept
     def deleting(self, worker, path: str) -> None:

@@ -192,17 +192,17 @@ MUTANTS = [
            "            elif False:\n",
            killer="tests/worker/test_expired_grant.py::test_a_request_that_expires_while_it_waits_stops_waiting"),
     Mutant("reconnect-keeps-grant", "28. a grant Celery dropped unrun at a broker reconnection (the request waited for "
-           "a pool process) is kept: nobody claims it, the key stays held until the message comes back",
+           "a pool process) is kept: nobody claims it, the key stays held until the message comes back (found by "
+           "tests/faults/test_broker_faults.py first; the simulator's held-aside-reconnect since)",
            "worker/agent.py",
            "                if wait is not None and wait.claimer is None:\n                    self._unless_claimed(wait)\n",
-           "                pass\n",
-           killer="tests/faults/test_broker_faults.py::test_a_broker_reconnect_lets_go_of_a_grant_celery_dropped_unrun"),
+           "                pass\n"),
     Mutant("reconnect-republishes-parked", "29. at a broker reconnection, requests parked next in line in pool processes "
-           "are told to publish themselves again, into the broker that has just gone: lost",
+           "are told to publish themselves again, into the broker that has just gone: lost (found by "
+           "tests/faults/test_broker_faults.py first; the simulator's held-aside-reconnect since)",
            "worker/worker_queue.py",
            "        if restarting:\n            return  # next in line in the pool: still listed (paths), still waiting for grants\n",
-           "",
-           killer="tests/faults/test_broker_faults.py::test_a_broker_outage_does_not_lose_requests_parked_next_in_line"),
+           ""),
     Mutant("finished-by-id", "30. the end of a delivery is told by task id alone: a retry with no countdown that "
            "waits already has its wait ended by its first delivery's end, and waits for good",
            "worker/agent_requests.py",
@@ -397,6 +397,27 @@ MUTANTS = [
            "            metrics.record(\"waited\", req.task)\n\n    def _taken_back(",
            "            metrics.record(\"waited\", req.task)\n        self.leases.let_go(req)\n\n    def _taken_back(",
            killer="tests/worker/test_held_aside.py::test_repeated_broker_outages_while_tasks_run_lose_nothing[redis]"),
+    # Broker reconnections and RabbitMQ (issue 59 item 6, scenarios held-aside-reconnect and
+    # held-aside-rabbitmq-cut):
+    Mutant("reconnect-keeps-held", "60. at a broker reconnection (stop with the blueprint in RUN) the requests held "
+           "aside are kept, their waits left in the agent: granted after the reconnection, they are handed to the "
+           "pool from the lost connection's deliveries, whose messages the broker has back (RabbitMQ requeued them "
+           "at once): run twice",
+           "worker/worker_queue.py",
+           "        held = [*self.fencing.values(), *self.aside.values()]\n",
+           "        if restarting:\n            return\n        held = [*self.fencing.values(), *self.aside.values()]\n"),
+    Mutant("success-unknown", "61. redelivery.earlier_run reads SUCCESS as saying nothing: the redelivered copy of an "
+           "acks-early task whose ack was lost with its connection (its body began in a pool process as the "
+           "connection dropped) runs again after the first run finished",
+           "redelivery.py",
+           "    if state in states.READY_STATES or state == SKIPPED:\n",
+           "    if state in states.READY_STATES - {states.SUCCESS} or state == SKIPPED:\n"),
+    Mutant("rejects-counted", "62. a warm shutdown's stop counts the rejects it attempted as tasks gone back to the "
+           "broker: with the connection lost as the shutdown begins, none went back, and the log says they did "
+           "(issue 59 item 5)",
+           "worker/worker_queue.py",
+           "            returned = sum(returned_to_broker(req) for req in held)\n",
+           "            returned = sum(returned_to_broker(req) or True for req in held)\n"),
 ]
 
 #: Planted bugs that wait for a finding's fix before a scenario can prove them (none now):

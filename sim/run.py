@@ -4,6 +4,7 @@
     python -m sim.run --seeds 100000       # the long run
     python -m sim.run --seed 4711          # replay one seed, with its trace
     python -m sim.run --first 500 --seeds 200
+    python -m sim.run --scenario held-aside-reconnect --seeds 50   # one directed scenario
 
 Each seed draws a scenario (workers, pool processes, keys, foreign contenders, settings,
 load and faults) and runs it on virtual time against the production code.  A violated
@@ -94,6 +95,28 @@ SCENARIOS = {
     "held-aside-stalled-elsewhere": {"workers": 2, "pools": 3, "keys": 1, "rate": 40.0, "peers": 0, "session": 2.0,
                                      "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "redis",
                                      "plan": [("main-stalled", 2.0, 1.5, 0), ("main-stalled", 5.0, 2.0, 0)]},
+    # Broker connections lost and made again (issue 59 item 6): three workers on one hot key,
+    # four times a run one worker's connection drops while it holds requests aside, has
+    # granted ones waiting for a pool process, next in line in the pool and running, and comes
+    # back 0.1 to 1 s later (Celery's on_close, the steps' stop and start, for real).  Redis
+    # keeps the lost connection's unacknowledged messages until their leases lapse: a sweep
+    # gives them back, flagged redelivered; one whose ack was lost with the connection comes
+    # back too, and its copy must not run if its first run finished (redelivery.earlier_run).
+    "held-aside-reconnect": {"workers": 3, "pools": 2, "keys": 2, "rate": 40.0, "peers": 0, "session": 2.0,
+                             "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "redis",
+                             "plan": [("broker-cut", 1.0, 0.05, 0), ("broker-cut", 2.2, 0.5, 1),
+                                      ("broker-cut", 3.4, 0.2, 0), ("broker-cut", 4.6, 0.1, 2),
+                                      ("broker-cut-waiting", 1.5, 0.1, 1), ("broker-cut-waiting", 3.0, 0.3, 2),
+                                      ("worker-stopped", 5.3, 1.0, 1)]},
+    # The same cuts against RabbitMQ: the lost connection's unacknowledged messages are
+    # requeued at once, flagged redelivered, to be delivered on new channels with new tags
+    # (often to another worker while the first delivery still runs in a pool process).
+    "held-aside-rabbitmq-cut": {"workers": 3, "pools": 2, "keys": 2, "rate": 40.0, "peers": 0, "session": 2.0,
+                                "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "rabbitmq",
+                                "plan": [("broker-cut", 1.0, 0.05, 0), ("broker-cut", 2.2, 0.5, 1),
+                                         ("broker-cut", 3.4, 0.2, 0), ("broker-cut", 4.6, 0.1, 2),
+                                         ("broker-cut-waiting", 1.5, 0.1, 1), ("broker-cut-waiting", 3.0, 0.3, 2),
+                                         ("worker-stopped", 5.3, 1.0, 1), ("worker-killed", 5.6, 0.0, 2)]},
 }
 
 #: Scenarios run with --scenario only (none now: the held-aside stalls joined SCENARIOS once
@@ -203,10 +226,14 @@ class Run:
         main_class = None
         if shape.get("broker"):  # the real main process against a broker model (held aside)
             from . import celery_main
-            from .broker import RedisBroker
+            from .broker import RabbitBroker, RedisBroker
 
             celery_main.install(world)
-            self.broker = RedisBroker(world, world.rng("broker").choice((10.0, 20.0)))
+            visibility_timeout = world.rng("broker").choice((10.0, 20.0))
+            if shape["broker"] == "rabbitmq":
+                self.broker = RabbitBroker(world)
+            else:
+                self.broker = RedisBroker(world, visibility_timeout)
             main_class = celery_main.CeleryMain
         ERRORS.records.clear()
         world.checks.append(self._no_errors)
@@ -268,7 +295,8 @@ class Run:
             self.broker.restore_visible()
             self.world.at(self.world.now + sweeper.uniform(0.1, 1.0), "sweeper", sweep)
 
-        self.world.at(sweeper.uniform(0.1, 1.0), "sweeper", sweep)
+        if self.broker.kind == "redis":  # RabbitMQ has no visibility timeout
+            self.world.at(sweeper.uniform(0.1, 1.0), "sweeper", sweep)
 
         def check() -> None:
             self.checks.held_step()
@@ -341,6 +369,23 @@ class Run:
             world.log(f"fault: {worker.main.proc.name} stalled for {length:.2f} s")
             worker.main.proc.pause(length)
             worker.main.stalls.append((world.now, world.now + length))
+        elif kind == "broker-cut":
+            # The worker's broker connection drops and is made again ``length`` later
+            # (celery_main.CeleryMain.cut_connection): Celery's on_close, the steps' stop and
+            # start, the broker's own treatment of the lost connection's unacknowledged messages.
+            if worker.killed_at is None:
+                worker.main.cut_connection(length)
+        elif kind == "broker-cut-waiting":
+            # The same, at the next moment a granted request of the worker waits for a pool
+            # process (Celery's on_close drops it: the agent must let go of its grant).
+            world.log(f"fault: {worker.name}'s broker connection to drop when a granted request waits for a process")
+            worker.main.cut_when_waiting = length
+        elif kind == "worker-stopped":
+            # A warm shutdown of the worker, with its broker connection lost as it begins when
+            # the plan's length is not 0 (celery_main.CeleryMain.stop_warm).
+            if worker.killed_at is None and sum(1 for w in self.workers if w.killed_at is None
+                                                and w.stopping_at is None) > 1:
+                worker.main.stop_warm(cut=length > 0)
         elif kind == "worker-killed":
             from .celery_main import kill_worker
 
@@ -419,6 +464,8 @@ class Run:
         for worker in self.workers:
             if worker.killed_at is not None:
                 continue
+            if worker.stopping_at is not None and not worker.main.alive:
+                continue  # stopped warm: the pool finished, the main process exited
             if self.broker is not None and (worker.main.step.aside or worker.main.step.early):
                 return False
             if worker.main.alive and any(not r["done"] for r in worker.main.requests.values()):
@@ -447,6 +494,11 @@ def run_seed(seed: int, trace: bool = False, shape: dict | None = None, scenario
         import traceback
 
         return f"the run crashed: {exc!r}\n{traceback.format_exc(limit=-6)}", run
+    finally:
+        if run.broker is not None:
+            from .celery_main import uninstall
+
+            uninstall()
     return None, run
 
 
@@ -464,6 +516,10 @@ def _schedules(args):
         while True:
             yield seed, None
             seed += 1
+    if args.scenario is not None:  # one directed scenario's seeds only
+        for seed in range(args.first, args.first + args.seeds):
+            yield seed, args.scenario
+        return
     for seed in range(args.first, args.first + args.seeds):
         yield seed, None
     for name in SCENARIOS if args.scenarios else ():
@@ -483,7 +539,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, help="replay one seed and print its trace")
     parser.add_argument("--scenario", choices=sorted({**SCENARIOS, **NOT_IN_CI}),
-                        help="the directed scenario of --seed")
+                        help="the directed scenario of --seed; without --seed, run --seeds seeds of it alone")
     parser.add_argument("--drop", default="", help="with --seed: faults to leave out (a shrunk replay), e.g. 0,2")
     parser.add_argument("--load", type=float, help="with --seed: seconds of load (a shrunk replay)")
     parser.add_argument("--seeds", type=int, help=f"how many random seeds to run (default {CI_SEEDS}, the CI budget)")
@@ -538,8 +594,10 @@ def main(argv=None) -> int:
             return 1
     elapsed = time.monotonic() - started
     if not args.quiet:
-        print(f"sim: {done} schedules ({args.seeds} random seeds from {args.first}"
-              f"{f', {len(SCENARIOS)} directed scenarios x {SCENARIO_SEEDS}' if args.scenarios else ''}) in "
+        what = (f"{args.seeds} seeds of scenario {args.scenario} from {args.first}" if args.scenario else
+                f"{args.seeds} random seeds from {args.first}"
+                f"{f', {len(SCENARIOS)} directed scenarios x {SCENARIO_SEEDS}' if args.scenarios else ''}")
+        print(f"sim: {done} schedules ({what}) in "
               f"{elapsed:.1f} s: {done / elapsed:.1f} schedules/s, {events / max(done, 1):.0f} events/schedule, "
               f"{faults / max(done, 1):.1f} faults/schedule; no violation")
         print("faults exercised: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))

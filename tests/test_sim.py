@@ -76,3 +76,24 @@ def test_a_violation_fails_the_run_and_names_its_seed(tmp_path):
     assert done.returncode == 1
     assert "VIOLATION at seed 1" in done.stdout and "make sim SEED=1" in done.stdout
     assert "tokens must increase" in done.stdout
+
+
+@pytest.mark.parametrize("name,scenario,says", [
+    ("reconnect-keeps-held", "held-aside-rabbitmq-cut", "held aside when its connection was lost"),
+    ("success-unknown", "held-aside-rabbitmq-cut", "from a redelivered copy, after its run"),
+    ("rejects-counted", "held-aside-rabbitmq-cut", "as gone back to the broker, which took 0 back"),
+    ("reconnect-keeps-grant", "held-aside-reconnect", "at quiescence"),
+    ("reconnect-republishes-parked", "held-aside-reconnect", "lost: its body never ran"),
+])
+def test_broker_reconnection_bugs_are_found_in_their_scenario(name, scenario, says, tmp_path):
+    """The main process's held-aside logic against a broker model that loses connections
+    (issue 59 item 6): each planted bug fails a few seeds of its directed scenario alone."""
+    import shutil
+
+    shutil.copytree(ROOT / "celery_zklock", tmp_path / "celery_zklock")
+    apply(next(m for m in MUTANTS if m.name == name), tmp_path / "celery_zklock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0"}
+    done = subprocess.run([sys.executable, "-m", "sim.run", "--scenario", scenario, "--seeds", "15", "--no-shrink"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"(scenario {scenario})" in done.stdout and says in done.stdout, done.stdout[:3000]

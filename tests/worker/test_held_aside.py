@@ -396,3 +396,24 @@ def test_a_pool_process_never_waits_behind_its_own_agent(mod, env, zk_client):
         if lock.is_held():
             lock.release()
         w.stop()
+
+
+def test_a_copy_published_again_keeps_its_mark(mod, env):
+    """A possible copy this library publishes again (a warm shutdown's request next in line, a
+    request a pool process gives back) keeps the mark of a redelivery in a header: the new
+    message is not flagged by the broker, and without the mark a copy whose first run finished
+    ran again (found by the simulator).  Here: a task runs; a message of the same id carrying
+    the mark is not run, and one without it (a new publish with the same id) is."""
+    from celery_zklock.redelivery import COPY_HEADER
+
+    w = Worker(env, "copymark", concurrency=1).start(mod.app)
+    try:
+        key = f"mark-{uuid.uuid4().hex[:6]}"
+        task_id = str(uuid.uuid4())
+        mod.hold.apply_async((key, 0, "first"), task_id=task_id).get(timeout=30)
+        mod.hold.apply_async((key, 0, "marked"), task_id=task_id, headers={COPY_HEADER: True})
+        wait_until(lambda: "this is a redelivered copy): not running it again" in _whole_log(w), 20, interval=0.1,
+                   what="the marked copy recognised")
+        assert "marked" not in {r["tag"] for r in history(mod, "hold")}
+    finally:
+        w.stop()
