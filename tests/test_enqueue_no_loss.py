@@ -193,7 +193,7 @@ def test_publishes_deduped_into_a_skipped_task_are_reported(worker, mod, zk):
     skipped = mod.skipping.delay(key, 0)  # lock_timeout 1 s, on_lock_timeout="skip", lock_enqueue_unrun="report"
     assert [mod.skipping.delay(key, 0).id for _ in range(3)] == [skipped.id] * 3
     _until(lambda: _guard(zk, mod, mod.skipping, key) is None, 15, "the skipped task's guard to end")
-    _until(lambda: f"{skipped.id}] ended unrun (timeout: Ignore); 3 publish(es) deduped into it"
+    _until(lambda: f"{skipped.id}] ended unrun (timeout: skipped); 3 publish(es) deduped into it"
            in open(worker.log_path).read(), 10, "the worker to report the deduped publishes")
     assert holder.get(timeout=20) == key
     assert mod.skipping.delay(key, 0).id != skipped.id  # free again: the next publish queues
