@@ -81,3 +81,15 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(README)}
     orphans = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
     assert orphans == [], "docs pages the README's Documentation table does not list"
+
+
+def test_the_docs_spell_no_limit_one_way():
+    import re
+
+    from celery_zklock.config import SETTINGS
+
+    readme = README.read_text()
+    for name in ("lock_timeout", "zklock_timeout"):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
+        assert "`math.inf` = no limit" in row and not re.search(r"None`? = no limit", row), row
+    assert "math.inf = no limit" in SETTINGS["zklock_timeout"].help

@@ -644,16 +644,3 @@ def test_math_inf_is_no_limit_for_the_setting_and_the_option_and_none_still_work
     app.finalize()
     assert app.tasks[buy.name].lock_options().timeout is None
     assert app.tasks[sell.name].lock_options().timeout == 5
-
-
-def test_the_docs_spell_no_limit_one_way():
-    import pathlib
-    import re
-
-    from celery_zklock.config import SETTINGS
-
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    for name in ("lock_timeout", "zklock_timeout"):
-        row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
-        assert "`math.inf` = no limit" in row and not re.search(r"None`? = no limit", row), row
-    assert "math.inf = no limit" in SETTINGS["zklock_timeout"].help
