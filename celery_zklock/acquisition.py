@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 
 from celery.states import STARTED
 from celery.exceptions import Ignore, Retry
-from .logs import task_logger
 from kazoo.exceptions import ConnectionClosedError
 
 from . import enqueue, metrics, outcomes, prerun
@@ -26,6 +25,7 @@ from .engine.client import get_client
 from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
 from .errors import LockTimeout, LockUnavailable
+from .logs import task_logger
 from .redelivery import Redelivery, publish_again, ran_before, redelivered
 from .states import LOCK_WAITING, stores_waiting
 from .worker import agent_lock
@@ -62,8 +62,9 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
         task_id=req.id, retries=req.retries or 0, task=task.name, worker=req.hostname,
         holders=task.lock_max_holders if task.lock_max_holders > 1 else None,
     ).to_bytes()
-    copies = Redelivery(task, client, req.id, req.retries or 0, enabled=bool((task.acks_late or redelivered(req)) and not direct),
-                        flagged=redelivered(req))
+    flagged = redelivered(req)
+    copies = Redelivery(task, client, req.id, req.retries or 0, enabled=bool((task.acks_late or flagged) and not direct),
+                        flagged=flagged)
 
     counted_waiting = [False]  # in the zklock_waiting gauge until the wait ends
 
@@ -114,7 +115,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
                     opts, label, direct,
                 ))
             timed_out = LockTimeout(label, opts.timeout, _holders(lock))
-            return Taken(None, waited, outcomes.timed_out(task, timed_out, opts, waited, direct))
+            return Taken(None, waited, outcomes.timed_out(task, timed_out, opts, waited))
     except BaseException:
         lock.release()
         raise
@@ -144,8 +145,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
         # agent) ends here, with the work deduped into it reported.
         try:
             if decided is Verdict.TIMEOUT:
-                skipped = outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders")), opts,
-                                             waited, False)
+                skipped = outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders")), opts, waited)
                 enqueue.finished(task, task.request, opts, ran=False, why=f"{decided.value}: skipped")
                 return Taken(None, waited, skipped)
             outcomes.unavailable(task, LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),

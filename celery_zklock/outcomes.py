@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .logs import task_logger
-
 from . import metrics, prerun, signals
 from .config import ZkSettings, retry_delay
 from .errors import LockLost, LockTimeout, LockUnavailable
 from .interrupts import RunState
+from .logs import task_logger
 
 logger = task_logger()
 
@@ -28,7 +27,7 @@ def lost_error(task, label: Any, run_state: RunState) -> LockLost:
     return LockLost(label, reason)
 
 
-def timed_out(task, exc: LockTimeout, opts: ZkSettings, waited: float, direct: bool) -> Any:
+def timed_out(task, exc: LockTimeout, opts: ZkSettings, waited: float) -> Any:
     prerun.fire(task)
     lock_event(task, "task-lock-timeout", key=exc.key, wait=round(waited, 6), holders=exc.holders, policy=opts.on_timeout)
     signals.lock_timed_out.send(sender=task, task_id=task.request.id, key=exc.key, holders=exc.holders, wait=waited,

@@ -25,10 +25,10 @@ from enum import Enum
 
 from celery import states
 from celery.backends.base import DisabledBackend
-from .logs import task_logger
 
 from .engine import znodes
 from .engine.identity import Identity
+from .logs import task_logger
 from .states import SKIPPED
 
 logger = task_logger()

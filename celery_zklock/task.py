@@ -22,8 +22,8 @@ from typing import Any
 
 from celery import Task
 from celery.exceptions import Retry
-from .logs import task_logger
 
+from .logs import task_logger
 from .worker import agent_lock, worker_loss
 
 from . import acquisition, by_config, config, enqueue, outcomes, prerun, signals
