@@ -36,14 +36,11 @@ from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
 from .agent_guards import GuardJobs
-from .agent_link import HEARTBEAT, Cancel, Connection
+from .agent_link import AGENT_DIR_PREFIX, HEARTBEAT, OWNER, Cancel, Connection
 from .agent_requests import Requests
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
-#: Beside the socket, in the agent's private directory: the worker's owner record
-#: (:data:`celery_zklock.worker.agent_supervisor.OWNER`, the same name).
-OWNER = "owner"
 
 #: The agent's event thread is stuck (not merely busy) when work waits and none has been
 #: done for this long; its heartbeats then stop, and the worker restarts it.
@@ -342,7 +339,7 @@ def leave_nothing_behind(path: str, bound: os.stat_result) -> None:
         except OSError:
             return
     folder = os.path.dirname(path)
-    if not os.path.basename(folder).startswith("zklock-agent-"):
+    if not os.path.basename(folder).startswith(AGENT_DIR_PREFIX):
         return
     try:
         os.unlink(os.path.join(folder, OWNER))

@@ -117,9 +117,15 @@ class Cancel(str, enum.Enum):
     FINISHED = "finished"  # the pool is done with it without claiming it
 
 
+#: The agent's private directory: its name's start, its socket's name, and beside the socket
+#: the record (process_records) of the worker's main process that made it, so that a later
+#: start tells a dead worker's directory from a live one's (the agent removes it as it exits).
+AGENT_DIR_PREFIX, SOCKET, OWNER = "zklock-agent-", "agent.sock", "owner"
+
+
 def socket_path() -> str:
     """A fresh socket path in a private directory (mode 0700), short enough for AF_UNIX."""
-    return os.path.join(tempfile.mkdtemp(prefix="zklock-agent-"), "agent.sock")
+    return os.path.join(tempfile.mkdtemp(prefix=AGENT_DIR_PREFIX), SOCKET)
 
 
 def encode(message: dict) -> bytes:

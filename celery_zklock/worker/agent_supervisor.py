@@ -28,7 +28,7 @@ from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
 from ..process_records import process_record, record_alive
-from .agent_link import ENV, HEARTBEAT, LineReader, Verdict, encode, socket_path
+from .agent_link import AGENT_DIR_PREFIX, ENV, HEARTBEAT, OWNER, SOCKET, LineReader, Verdict, encode, socket_path
 
 logger = get_logger("celery_zklock.worker")
 
@@ -37,12 +37,6 @@ PROCESS_POOLS = ("prefork", "solo")
 
 _agent: "AgentProcess | None" = None
 
-#: The agent's private directory (:func:`~.agent_link.socket_path`): its name's start, its socket's name.
-PREFIX, SOCKET = "zklock-agent-", "agent.sock"
-#: Beside the socket: the record (:func:`process_record`) of the worker's main process that
-#: made the directory, so that a later start tells a dead worker's directory from a live one's.
-#: (The agent removes it as it exits: ``celery_zklock.worker.agent.OWNER``, the same name.)
-OWNER = "owner"
 #: A directory from before owner records: removed only if its socket still refuses, the
 #: same socket, this many seconds after it first did (its worker may be restarting its agent).
 RECHECK = 0.3
@@ -222,7 +216,7 @@ def sweep() -> list[str]:
     on whose socket nothing listens: never a live worker's (others may run on this host)."""
     root = tempfile.gettempdir()
     try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith(AGENT_DIR_PREFIX)]
     except OSError:
         return []
     removed, legacy = [], []
