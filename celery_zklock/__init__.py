@@ -20,6 +20,7 @@ _EXPORTS = {
     "FairLock": "engine.lock",
     "MultiLock": "engine.lock",
     "KazooLock": "engine.kazoo_lock",
+    "ReadWriteLock": "engine.rwlock",
     "Contender": "engine.lock",
     "contenders": "engine.lock",
     "ZkLockError": "errors",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "LockLost": "errors",
     "LockUnavailable": "errors",
     "LockReentered": "errors",
+    "LockUpgradeRefused": "errors",
     "AlreadyQueued": "errors",
     "encode_key": "keys",
     "ZkLockedTask": "task",
@@ -65,9 +67,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     __version__: str
-    from .errors import AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable, ZkLockError
+    from .errors import (AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable,
+                         LockUpgradeRefused, ZkLockError)
     from .keys import encode_key
     from .engine.kazoo_lock import KazooLock
     from .engine.lock import Contender, FairLock, MultiLock, contenders
+    from .engine.rwlock import ReadWriteLock
     from .states import LOCK_WAITING, SKIPPED
     from .task import HeldLock, ZkLockedTask, current_lock, lock_configured_tasks, lock_path

@@ -72,6 +72,22 @@ class LockReentered(ZkLockError, RuntimeError):
                 "is turned off (lock_reentrant=False / FairLock(reentrant=False)): waiting would wait for itself")
 
 
+class LockUpgradeRefused(ZkLockError, RuntimeError):
+    """The holder of a read lock asked for its write lock: refused at once.  Why: its own read
+    node queues ahead of the writer's node it would create, so the write would wait for
+    itself; and two readers upgrading would each wait for the other.  Release the read lock
+    first, or take the write lock first and read under it (a downgrade)."""
+
+    def __init__(self, key: object = None) -> None:
+        self.key = key
+        super().__init__(key)
+
+    def __str__(self) -> str:
+        return (f"lock {self.key!r}: the read lock's holder may not take its write lock (an upgrade waits for "
+                f"itself, and two upgrading readers for each other); release the read lock first, or take "
+                f"the write lock first and read under it")
+
+
 class LockUnavailable(ZkLockError):
     """ZooKeeper could not be reached, so the task was not run (never run unprotected)."""
 

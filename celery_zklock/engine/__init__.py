@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 # Imported on first use (PEP 562), as the package's own names are: importing one engine
 # module (the worker-loss reaper's path) must not import the blocking API with it.
-_EXPORTS = {"FairLock": "lock", "MultiLock": "lock", "KazooLock": "kazoo_lock"}
+_EXPORTS = {"FairLock": "lock", "MultiLock": "lock", "KazooLock": "kazoo_lock", "ReadWriteLock": "rwlock"}
 
 __all__ = list(_EXPORTS)
 
@@ -31,3 +31,4 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from .kazoo_lock import KazooLock
     from .lock import FairLock, MultiLock
+    from .rwlock import ReadWriteLock

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, NamedTuple
 
-from .znodes import HALF_WRAP, SEQUENCE_WRAP, sequence_of
+from .znodes import HALF_WRAP, SEQUENCE_WRAP, is_shared, sequence_of
 
 
 class Decision(NamedTuple):
@@ -68,3 +68,35 @@ def gets_the_lock(children: Iterable[str], node: str, max_holders: int) -> Decis
     window = tuple(name for _, name in reversed(nearest[:max_holders]))
     soon = (nearest[max_holders][1],) if index > max_holders else ()
     return Decision(False, index, window, index == max_holders, soon)
+
+
+def reader_gets_the_lock(children: Iterable[str], node: str) -> Decision:
+    """Does the reader ``node`` hold (no exclusive node queues ahead of it), and whom to watch
+    (Curator's ``readLockPredicate``, kazoo's ``ReadLock``).
+
+    Readers ahead never block a reader: they share.  Every other node ahead does: a writer,
+    a mutex's holder or waiter, of any of the peers.  Why the *nearest* exclusive node
+    ahead, where Curator watches the first: it holds only once everyone ahead of it has
+    gone, so its departure usually frees us in one wake-up; watching the first wakes the
+    reader once per writer ahead.  One node watched, never the queue: no herd.  ``handoff``
+    when that node is the only one ahead, so that it holds and its departure frees us.
+    """
+    if not isinstance(children, (list, tuple, set, frozenset)):
+        children = list(children)
+    mine = sequence_of(node)
+    if mine is None or node not in children:
+        return Decision(False, None, (), False)
+    index, nearest = 0, None
+    origin = mine - HALF_WRAP
+    for name in children:
+        seq = sequence_of(name)
+        if seq is None:
+            continue
+        distance = (seq - origin) % SEQUENCE_WRAP - HALF_WRAP
+        if distance < 0:
+            index += 1
+            if not is_shared(name) and (nearest is None or distance > nearest[0]):
+                nearest = (distance, name)
+    if nearest is None:
+        return Decision(True, index, (), False)
+    return Decision(False, index, (nearest[1],), index == 1)

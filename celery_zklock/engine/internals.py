@@ -8,7 +8,9 @@ process can wait on thousands of keys with no thread per waiter; the blocking
 
 Protocol: each contender creates an EPHEMERAL_SEQUENTIAL child ``_c_<uuid>-lock-<seq>``;
 the ``max_holders`` lowest sequences hold (:func:`~celery_zklock.engine.driver.gets_the_lock`
-decides).  One acquisition is :class:`~celery_zklock.engine.attempt.machine.Attempt`, read
+decides).  A reader's child is ``_c_<uuid>-__READ__<seq>`` and a read/write lock's writer's
+``_c_<uuid>-__WRIT__<seq>`` (Curator's names): a reader holds while no exclusive node queues
+ahead of it (:func:`~celery_zklock.engine.driver.reader_gets_the_lock`).  One acquisition is :class:`~celery_zklock.engine.attempt.machine.Attempt`, read
 top to bottom; this module holds what stays the same across a lock's attempts.
 
 The fencing token is derived from our node's ``czxid``
@@ -26,6 +28,7 @@ from kazoo.client import KazooClient
 from . import kazoo_compat, znodes
 from .attempt.machine import Attempt
 from .attempt.state import RECENT, State
+from .driver import Decision, gets_the_lock, reader_gets_the_lock
 from .identity import Identity
 from .session import SessionMonitor, monitor_for
 
@@ -37,11 +40,13 @@ class LockInternals:
 
     def __init__(self, client: KazooClient, path: str, max_holders: int = 1, identifier: str | bytes | None = None,
                  on_lost: Callable[[], None] | None = None, suspended_grace: float | None = None,
-                 watch_when_run: bool = False) -> None:
+                 watch_when_run: bool = False, kind: znodes.NodeKind = znodes.NodeKind.MUTEX) -> None:
         if not isinstance(client, KazooClient):
             raise ValueError(f"client must be a kazoo KazooClient, got {type(client).__name__}")
         if isinstance(max_holders, bool) or not isinstance(max_holders, int) or max_holders < 1:
             raise ValueError(f"max_holders must be an int >= 1, got {max_holders!r}")
+        if kind is znodes.NodeKind.READ and max_holders != 1:
+            raise ValueError(f"a reader shares the lock with every reader: max_holders must be 1, got {max_holders!r}")
         if identifier is None:
             identifier = Identity.of_this_thread().to_bytes()
         if isinstance(identifier, str):
@@ -60,8 +65,15 @@ class LockInternals:
         # at the grant: the agent's grants may wait for a free pool process (issue 39).
         self.watch_when_run = watch_when_run
         self.monitor: SessionMonitor = monitor_for(client)
-        self.prefix = znodes.node_prefix(uuid.uuid4().hex)
+        self.kind = kind
+        self.prefix = znodes.node_prefix(uuid.uuid4().hex, kind)
         self._attempts = 0
+
+    def decide(self, children, node: str) -> Decision:
+        """The driver's rule for our kind of node: a reader's, or the holders' window."""
+        if self.kind is znodes.NodeKind.READ:
+            return reader_gets_the_lock(children, node)
+        return gets_the_lock(children, node, self.max_holders)
 
     def grace(self) -> float:
         if self.suspended_grace is not None:
@@ -82,7 +94,7 @@ class LockInternals:
         abandoned attempt is still cleaning up must never be adopted as this one's ghost.
         """
         if self._attempts:
-            self.prefix = znodes.node_prefix(uuid.uuid4().hex)
+            self.prefix = znodes.node_prefix(uuid.uuid4().hex, self.kind)
         self._attempts += 1
         attempt = Attempt(self, self.prefix, on_wait, on_next)
         attempt.start(deadline)

@@ -44,8 +44,8 @@ class KazooLock:
         unknown = [p for p in extra_lock_patterns if p not in LOCK_MARKERS]
         if unknown:
             raise ValueError(
-                f"extra_lock_patterns {unknown!r} not supported: KazooLock always orders kazoo's "
-                f"'__lock__' and Curator's '-lock-' contenders, and no others")
+                f"extra_lock_patterns {unknown!r} not supported: KazooLock always orders the nodes of kazoo's "
+                f"locks and Curator's ({', '.join(LOCK_MARKERS)}), and no others")
         # kazoo writes str(identifier or "") as the node's data: contenders() gives it back.
         self.data = str(identifier or "").encode("utf-8")
         self._fair = FairLock(client, path, identifier=self.data, reentrant=reentrant)

@@ -72,6 +72,7 @@ class FairLock:
         on_wait: Callable[["FairLock", int], None] | None = None,
         suspended_grace: float | None = None,
         reentrant: bool = True,
+        kind: znodes.NodeKind = znodes.NodeKind.MUTEX,
     ) -> None:
         self.on_lost = on_lost
         self.on_wait = on_wait
@@ -80,8 +81,8 @@ class FairLock:
         self._entries = 0  # the owner's acquires beyond the first, each owed a release
         self._free = threading.Condition()
         self._internals = LockInternals(
-            client, path, max_holders, identifier, on_lost=self._lost if on_lost else None, suspended_grace=suspended_grace
-        )
+            client, path, max_holders, identifier, on_lost=self._lost if on_lost else None, suspended_grace=suspended_grace,
+            kind=kind)
         self._attempt = None
         self._cancelled = False
 
@@ -90,6 +91,7 @@ class FairLock:
     path = property(lambda self: self._internals.path)
     max_holders = property(lambda self: self._internals.max_holders)
     identifier = property(lambda self: self._internals.identifier, doc="Our nodes' data (bytes).")
+    kind = property(lambda self: self._internals.kind, doc="What our nodes ask for: a mutex, a read or a write.")
 
     @property
     def state(self) -> State:
@@ -128,6 +130,11 @@ class FairLock:
         good after LOST.  No I/O: cheap enough to call before every fenced write.
         """
         return self.state is State.HELD
+
+    def held_by_caller(self) -> bool:
+        """Does the calling thread (or greenlet) own a live hold of this instance (Curator's
+        ``isOwnedByCurrentThread``)?  No I/O."""
+        return self._owner is current_owner() and self.state in (State.HELD, State.HELD_SUSPENDED)
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless :meth:`is_held`."""

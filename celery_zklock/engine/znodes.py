@@ -28,8 +28,23 @@ from . import kazoo_compat
 
 logger = logging.getLogger("celery_zklock.engine")
 
-#: Sequence markers we order by, first match wins (Curator, then kazoo).
-LOCK_MARKERS = ("-lock-", "__lock__")
+class NodeKind(Enum):
+    """What a node of ours asks for, named as the peer that asks for it the same way names it
+    (the value is the marker before the sequence): Curator's ``InterProcessMutex``, or the
+    write or read side of its ``InterProcessReadWriteLock``."""
+
+    MUTEX = "lock-"
+    WRITE = "__WRIT__"
+    READ = "__READ__"
+
+
+#: Markers of a node that shares the lock with readers: ours and Curator's read nodes, and
+#: kazoo's ``ReadLock`` (``__rlock__``).  Every other marker is exclusive.
+SHARED_MARKERS = ("__READ__", "__rlock__")
+
+#: Sequence markers we order by: Curator's mutex (``-lock-``), kazoo's ``Lock`` and
+#: ``WriteLock`` (``__lock__``), Curator's read/write lock, kazoo's ``ReadLock``.
+LOCK_MARKERS = ("-lock-", "__lock__", "__WRIT__") + SHARED_MARKERS
 
 
 #: Low bits of a fencing token that number the local grants made on one node (lock
@@ -112,10 +127,11 @@ def _warn_nearing(token: int, czxid: int) -> None:
             "(fresh zxids) before then", token, czxid >> 32)
 
 
-def node_prefix(uuid_hex: str) -> str:
-    """The name we give ``create(..., sequence=True)``; the server appends the parent's
-    ``cversion`` as ``%010d`` (10 digits, or a sign and 9 or 10 past the wrap)."""
-    return f"_c_{uuid_hex}-lock-"
+def node_prefix(uuid_hex: str, kind: NodeKind = NodeKind.MUTEX) -> str:
+    """The name we give ``create(..., sequence=True)`` (Curator's protected name for ``kind``);
+    the server appends the parent's ``cversion`` as ``%010d`` (10 digits, or a sign and 9 or
+    10 past the wrap)."""
+    return f"_c_{uuid_hex}-{kind.value}"
 
 
 #: ZooKeeper names a sequential child after its parent's ``cversion``, a signed 32-bit count of
@@ -128,7 +144,15 @@ HALF_WRAP = 2**31
 
 
 def _marked(name: str, end: int) -> bool:
-    return name.endswith(LOCK_MARKERS[0], 0, end) or name.endswith(LOCK_MARKERS[1], 0, end)
+    return name.endswith(LOCK_MARKERS, 0, end)
+
+
+def is_shared(name: str) -> bool:
+    """Does the lock node ``name`` read (share the lock with other readers)?  A node of any
+    other marker excludes everyone (a writer, a mutex's holder)."""
+    # The sequence is 10 characters, or 11 past the wrap ("-2147483648"); no marker ends
+    # in a digit, so testing both ends cannot misread one name.
+    return name.endswith(SHARED_MARKERS, 0, -10) or name.endswith(SHARED_MARKERS, 0, -11)
 
 
 def sequence_of(name: str) -> int | None:

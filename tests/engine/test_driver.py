@@ -170,3 +170,60 @@ def test_gets_the_lock_across_the_sequence_wrap(children, me, max_holders, expec
     in days.  Before, such a node was not a lock node to us: our own was missing from the queue
     and we created another, without end."""
     assert gets_the_lock(children, me, max_holders) == expected, why
+
+
+def rw(seq: int, kind: str) -> str:
+    """A child of a read/write path: ours or Curator's (``r``/``w``), kazoo's (``kr``/``kw``),
+    a mutex's (``m``)."""
+    return {
+        "r": f"_c_{seq:04x}aaaa-__READ__{seq:010d}",
+        "w": f"_c_{seq:04x}aaaa-__WRIT__{seq:010d}",
+        "kr": f"{seq:04x}cccc__rlock__{seq:010d}",
+        "kw": f"{seq:04x}cccc__lock__{seq:010d}",
+        "m": f"_c_{seq:04x}aaaa-lock-{seq:010d}",
+    }[kind]
+
+
+READER = rw(5, "r")
+
+
+@pytest.mark.parametrize(
+    "children, expected",
+    [
+        # alone, or behind readers only: readers share
+        ([READER], Decision(True, 0, (), False)),
+        ([rw(1, "r"), rw(2, "kr"), READER, rw(7, "w")], Decision(True, 2, (), False)),
+        # a writer ahead (ours, Curator's, kazoo's, or a mutex's node): wait for it
+        ([rw(3, "w"), READER], Decision(False, 1, (rw(3, "w"),), True)),
+        ([rw(3, "kw"), READER], Decision(False, 1, (rw(3, "kw"),), True)),
+        ([rw(3, "m"), READER], Decision(False, 1, (rw(3, "m"),), True)),
+        # readers ahead of the writer: it does not hold yet, so no handoff
+        ([rw(1, "r"), rw(3, "w"), READER], Decision(False, 2, (rw(3, "w"),), False)),
+        # several writers ahead: watch the nearest (it holds only after the others)
+        ([rw(1, "w"), rw(2, "r"), rw(3, "kw"), rw(4, "r"), READER], Decision(False, 4, (rw(3, "kw"),), False)),
+        # writers behind us never matter
+        ([READER, rw(6, "w"), rw(9, "kw")], Decision(True, 0, (), False)),
+        # our node is gone
+        ([rw(1, "w")], Decision(False, None, (), False)),
+        # past the sequence's wrap: a writer at the top of the range is ahead of us at -2**31
+        ([rw(2**31 - 1, "w"), "_c_x-__READ__-2147483648"], Decision(False, 1, (rw(2**31 - 1, "w"),), True)),
+    ],
+)
+def test_reader_gets_the_lock(children, expected):
+    from celery_zklock.engine.driver import reader_gets_the_lock
+
+    me = next((c for c in children if c.endswith("-2147483648")), READER)
+    assert reader_gets_the_lock(children, me) == expected
+
+
+@pytest.mark.parametrize(
+    "children, expected",
+    [
+        # a writer waits for every node ahead, readers included, and watches the nearest
+        ([rw(1, "r"), rw(2, "kr"), rw(5, "w")], Decision(False, 2, (rw(2, "kr"),), False, (rw(1, "r"),))),
+        ([rw(1, "r"), rw(5, "w")], Decision(False, 1, (rw(1, "r"),), True)),
+        ([rw(5, "w"), rw(6, "r")], Decision(True, 0, (), False)),
+    ],
+)
+def test_a_writer_is_the_mutex_rule_over_every_kind(children, expected):
+    assert gets_the_lock(children, rw(5, "w"), 1) == expected

@@ -25,8 +25,8 @@ def test_no_persistent_locks_and_no_unknown_patterns(zk_client, path):
         lock.acquire(ephemeral=False)
     assert children(zk_client, path) == [] and not lock.is_acquired
     with pytest.raises(ValueError, match="not supported"):
-        KazooLock(zk_client, path, extra_lock_patterns=["__rlock__"])
-    KazooLock(zk_client, path, extra_lock_patterns=["-lock-", "__lock__"])  # ordered anyway
+        KazooLock(zk_client, path, extra_lock_patterns=["__mine__"])
+    KazooLock(zk_client, path, extra_lock_patterns=["-lock-", "__lock__", "__rlock__"])  # ordered anyway
 
 
 def test_what_it_adds_token_is_held_and_the_release_proof(zk_client, path):

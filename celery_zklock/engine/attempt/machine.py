@@ -17,7 +17,6 @@ from kazoo.exceptions import ConnectionClosedError, NoAuthError, NoNodeError, Se
 from kazoo.protocol.states import EventType, KazooState
 
 from .. import clock, kazoo_compat, znodes
-from ..driver import gets_the_lock
 from ..session import RETRYABLE, Outcome, guaranteed_delete
 from .ghosts import Ghosts
 from .holding import HoldWatch
@@ -181,7 +180,7 @@ class Attempt:
 
     def act_on_queue(self, children) -> None:
         """The driver's decision on the queue: hold, or wait watching the nodes it names."""
-        decision = gets_the_lock(children, self.node, self.lk.max_holders)
+        decision = self.lk.decide(children, self.node)
         if decision.index is None:
             return self.requeue()
         if decision.holds:
