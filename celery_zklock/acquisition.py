@@ -24,6 +24,7 @@ from .config import ZkSettings
 from .engine.client import get_client
 from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
+from .engine.znodes import NodeKind
 from .errors import LockTimeout, LockUnavailable
 from .logs import task_logger
 from .redelivery import Redelivery, publish_again, ran_before, redelivered
@@ -43,7 +44,7 @@ class Taken(NamedTuple):
 
 
 def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost,
-                    started: float, give_back: bool = False) -> Taken:
+                    started: float, give_back: bool = False, read_paths: frozenset[str] = frozenset()) -> Taken:
     """Wait for the lock in this process: held, or not (after a policy that returns
     instead of raising, its value is the call's result).
 
@@ -83,7 +84,10 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
                 logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
 
     common = dict(max_holders=task.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
-    lock = FairLock(client, paths[0], **common) if len(paths) == 1 else MultiLock(client, paths, **common)
+    if len(paths) == 1:
+        lock = FairLock(client, paths[0], kind=NodeKind.READ if paths[0] in read_paths else NodeKind.MUTEX, **common)
+    else:
+        lock = MultiLock(client, paths, read_paths=read_paths, **common)
 
     # From the first acquire until the body's own try below, any exception (a kazoo
     # error, the backend read, a signal) must not leave our node behind.

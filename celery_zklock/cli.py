@@ -90,8 +90,9 @@ def status(ctx: click.Context, key: str | None, prefix: str | None, as_json: boo
         for r in rows:
             who = " ".join(f"{k}={r[k]}" for k in ("task", "task_id", "worker", "host", "pid") if r.get(k) is not None)
             what = "HOLDS" if r["holder"] else "waits"
+            mode = r.get("mode", "")  # in-memory waiters: not known here
             where = r["node"] or "(in its worker: lock cohorting)"
-            click.echo(f"  {r['position']:>3} {what}  {r['for_s']:>8.1f}s  {where}  {who or r['data']}")
+            click.echo(f"  {r['position']:>3} {what} {mode:<5}  {r['for_s']:>8.1f}s  {where}  {who or r['data']}")
 
 
 def _echo_beats(groups: dict) -> None:
@@ -212,7 +213,7 @@ def lock_report(client, root: str, key: str | None = None, prefix: str | None = 
         for position, c in enumerate(found):
             ident = Identity.parse(c.identifier)
             rows.append({
-                "node": c.node, "position": position, "holder": c.holder,
+                "node": c.node, "position": position, "holder": c.holder, "mode": "read" if c.reader else "write",
                 "for_s": round(now - c.created, 3) if c.created else None,
                 "task": ident.task if ident else None, "task_id": ident.task_id if ident else None,
                 "worker": ident.worker if ident else None, "host": ident.host if ident else None,

@@ -25,6 +25,8 @@ WAIT_PLACES = ("worker", "pool")
 ENQUEUE_MODES = ("dedupe", "reject")
 ENQUEUE_UNTIL = ("start", "finish")
 ENQUEUE_UNRUN = ("report", "republish")
+#: How a task takes its keys: "write" (alone: today's mutex) or "read" (shared with readers).
+LOCK_MODES = ("write", "read")
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)(:\d{1,5})?$")
 
@@ -143,6 +145,23 @@ def _name(value: Any) -> str:
     raise ValueError("must be a non-empty string")
 
 
+def check_lock_mode(value: Any) -> Any:
+    """``lock_mode``: "write" or "read" for every key, or ``{lock_key template: mode}`` (the
+    templates not named write)."""
+    if isinstance(value, dict):
+        if not value:
+            raise ValueError("is an empty dict: name at least one lock_key template, or give 'read' or 'write'")
+        for template, mode in value.items():
+            if not (isinstance(template, str) or callable(template)):
+                raise ValueError(f"keys must be lock_key templates (or callables), got {template!r}")
+            if mode not in LOCK_MODES:
+                raise ValueError(f"{template!r}: must be one of {', '.join(map(repr, LOCK_MODES))}, got {mode!r}")
+        return value
+    if value not in LOCK_MODES:
+        raise ValueError(f"must be one of {', '.join(map(repr, LOCK_MODES))}, or a dict {{lock_key template: mode}}")
+    return value
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in options:
@@ -215,6 +234,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_retry_backoff", 2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant).", "lock_retry_backoff"),
         Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s).", "lock_retry_backoff_max"),
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
+        Setting("zklock_lock_mode", "write", check_lock_mode, "How a task takes its keys: 'write' (alone, the mutex), 'read' (shared with readers, exclusive of writers), or per key {lock_key template: mode} (the rest write).", "lock_mode"),
         Setting("zklock_reentrant", True, _bool, "A locked call (direct, apply(), eager) inside a running locked task, on keys that task holds, runs at once under its hold; False = such a call raises LockReentered.", "lock_reentrant"),
         Setting("zklock_release_on_worker_loss", True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker)."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),

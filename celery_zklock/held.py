@@ -32,10 +32,22 @@ class HeldLock:
     #: The task (name, id) whose run took this hold: a re-entered call runs under it.
     task: str = ""
     task_id: str | None = None
+    #: The paths held for reading (``lock_mode``), shared with other readers; the rest are written.
+    read_paths: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:
         return self.keys[0]
+
+    @property
+    def modes(self) -> dict[str, str]:
+        """Each key's mode: "read" (shared with readers) or "write" (alone)."""
+        return {k: "read" if p in self.read_paths else "write" for k, p in zip(self.keys, self.paths)}
+
+    @property
+    def mode(self) -> str:
+        """"read" when every key is read; otherwise "write" (the body writes at least one)."""
+        return "read" if all(p in self.read_paths for p in self.paths) else "write"
 
     @property
     def path(self) -> str:

@@ -179,8 +179,23 @@ class KeySpec:
     task_name: str
 
     def keys(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
+        return sorted({key for _, key in self._rendered(args, kwargs)})
+
+    def read_keys(self, args: Sequence[Any], kwargs: dict[str, Any], mode: Any) -> frozenset[str]:
+        """The keys of this call taken for reading, by ``lock_mode`` (checked:
+        ``config.check_lock_mode``): all or none for a mode, or the keys of the templates
+        a ``{template: mode}`` names "read".  A key two templates render is read only if
+        both read it: a write anywhere makes it a write."""
+        if not isinstance(mode, Mapping):
+            return frozenset(self.keys(args, kwargs)) if mode == "read" else frozenset()
+        rendered = self._rendered(args, kwargs)
+        written = {key for part, key in rendered if mode.get(part, "write") != "read"}
+        return frozenset(key for _, key in rendered if key not in written)
+
+    def _rendered(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[Any, str]]:
+        """Each key with the ``lock_key`` part (template or callable) that rendered it."""
         if not self.parts:
-            return [self.task_name]
+            return [(None, self.task_name)]
         bound = None
         out = []
         for part in self.parts:
@@ -190,12 +205,13 @@ class KeySpec:
                 if not values:
                     raise ConfigurationError(f"task {self.task_name}: lock_key callable {part!r} returned no key")
                 for v in values:
-                    out.append(key_text(v, f"task {self.task_name}: lock_key callable {getattr(part, '__name__', part)!r}"))
+                    out.append((part, key_text(v, f"task {self.task_name}: lock_key callable "
+                                                   f"{getattr(part, '__name__', part)!r}")))
                 continue
             if bound is None:
                 bound = self._bind(args, kwargs)
             try:
-                out.append(_FORMATTER.vformat(part, (), bound))
+                out.append((part, _FORMATTER.vformat(part, (), bound)))
             except ConfigurationError as exc:
                 raise ConfigurationError(f"task {self.task_name}: lock_key {part!r}: {exc}") from None
             except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
@@ -203,9 +219,25 @@ class KeySpec:
                     f"task {self.task_name}: lock_key {part!r} could not be rendered from the call's "
                     f"arguments ({type(exc).__name__}: {exc})"
                 ) from None
-        for k in out:
+        for _, k in out:
             encode_key(k)  # raises on empty/non-text keys with a clear message
-        return sorted(set(out))
+        return out
+
+    def check_modes(self, mode: Any, max_holders: int, where: str) -> None:
+        """Refuse at registration a ``lock_mode`` that cannot apply: a ``{template: mode}``
+        naming a part ``lock_key`` does not have, or readers on a semaphore
+        (``lock_max_holders`` > 1: a reader shares with every reader, not with N holders)."""
+        named = list(mode) if isinstance(mode, Mapping) else []
+        unknown = [t for t in named if t not in self.parts]
+        if unknown:
+            raise ConfigurationError(
+                f"{where}: lock_mode names {', '.join(map(repr, unknown))}, which lock_key does not have "
+                f"(its parts: {', '.join(map(repr, self.parts)) or 'none: the task name is the key'})")
+        reads = mode == "read" or (isinstance(mode, Mapping) and "read" in mode.values())
+        if reads and max_holders > 1:
+            raise ConfigurationError(
+                f"{where}: lock_mode reads, and lock_max_holders is {max_holders}: a reader shares the key with every "
+                f"reader, so a semaphore of readers means nothing; use one or the other")
 
     def _bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.signature is None:

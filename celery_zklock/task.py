@@ -28,7 +28,7 @@ from .worker import agent_lock, worker_loss
 
 from . import acquisition, by_config, config, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
-from .errors import LockLost, LockReentered, LockUnavailable
+from .errors import LockLost, LockReentered, LockUnavailable, LockUpgradeRefused
 from .held import CURRENT, HeldLock, NestedLock, current_lock, lost_reason_of, tokens_of
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
@@ -85,17 +85,26 @@ class ZkLockedTask(Task):
         if overrides.get("timeout") == math.inf:
             overrides["timeout"] = None
         opts = dataclasses.replace(settings, **overrides)
+        self._spec().check_modes(opts.lock_mode, self.lock_max_holders, f"task {self.name}")
         self.__dict__["_zk_options"] = (settings, opts)
         return opts
 
-    def lock_keys(self, args: tuple, kwargs: dict) -> list[str]:
+    def _spec(self) -> KeySpec:
         spec = self._lock_spec or compile_key(self.lock_key, _body(type(self)), self.name)
         if spec.task_name != self.name and not spec.parts:
             spec = KeySpec((), spec.signature, self.name)
-        return spec.keys(args, kwargs)
+        return spec
+
+    def lock_keys(self, args: tuple, kwargs: dict) -> list[str]:
+        return self._spec().keys(args, kwargs)
 
     def lock_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> list[str]:
         return _paths(settings or load_settings(self.app.conf), self.lock_keys(args, kwargs))
+
+    def lock_read_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> frozenset[str]:
+        """The paths of this call taken for reading (``lock_mode``); the others are written."""
+        opts = settings or self.lock_options()
+        return frozenset(_paths(opts, sorted(self._spec().read_keys(args, kwargs, opts.lock_mode))))
 
     # -------------------------------------------------------------- publishing
     def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
@@ -114,7 +123,8 @@ class ZkLockedTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opts = self.lock_options()
         keys = self.lock_keys(args, kwargs)
-        call = Call(args, kwargs, self.request, bool(self.request.called_directly), opts, keys, _paths(opts, keys))
+        call = Call(args, kwargs, self.request, bool(self.request.called_directly), opts, keys, _paths(opts, keys),
+                    self.lock_read_paths(args, kwargs, opts))
         outer = CURRENT.get()
         if outer is not None and not set(call.paths).isdisjoint(outer.paths):
             return self._reentered(outer, call)
@@ -129,6 +139,10 @@ class ZkLockedTask(Task):
         it never releases; only keys the outer does not hold are taken (and released) here."""
         keys, paths, label = call.keys, call.paths, call.label
         held_paths = [p for p in paths if p in outer.paths]
+        upgrades = [p for p in held_paths if p in outer.read_paths and p not in call.read_paths]
+        if upgrades:  # the outer reads a key this call writes: it would wait for itself
+            prerun.fire(self)
+            raise LockUpgradeRefused(keys[paths.index(upgrades[0])])
         missing = [p for p in paths if p not in outer.paths]
         if not call.opts.reentrant:
             prerun.fire(self)
@@ -143,7 +157,8 @@ class ZkLockedTask(Task):
             return self._locked_call(call, Nested(outer, missing, inner_label))
         prerun.fire(self)
         held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
-                        acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id)
+                        acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id,
+                        read_paths=frozenset(p for p in paths if p in outer.read_paths))
         logger.debug("re-entered lock %s under %s[%s] (token %s)", label, outer.task, outer.task_id, held.token)
         outcomes.lock_event(self, "task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
         ctx_token = CURRENT.set(held)
@@ -202,7 +217,8 @@ class ZkLockedTask(Task):
             taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else call.label,
                                                 nested.take if nested else call.paths, on_lost, started,
                                                 give_back=(nested is None and not direct and not self.acks_late
-                                                           and bool(req.id) and agent_lock.beside_agent()))
+                                                           and bool(req.id) and agent_lock.beside_agent()),
+                                                read_paths=call.read_paths)
         except (Retry, acquisition.GivenBack):
             raise  # the retry (or the request given back) took its enqueue guard over: publishes dedupe into it
         except BaseException as exc:
@@ -225,7 +241,7 @@ class ZkLockedTask(Task):
             tokens = {**{p: nested.outer.tokens[p] for p in paths if p in nested.outer.tokens}, **tokens}
             lock = NestedLock(nested.outer._lock, lock)
         held = HeldLock(call.keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name,
-                        task_id=req.id)
+                        task_id=req.id, read_paths=call.read_paths)
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
@@ -276,6 +292,7 @@ class Call:
     opts: ZkSettings
     keys: list[str]
     paths: list[str]
+    read_paths: frozenset[str] = frozenset()  # those of ``paths`` taken for reading (lock_mode)
 
     @property
     def label(self) -> Any:

@@ -24,6 +24,14 @@ def overlapping(intervals, max_holders: int = 1):
     return None
 
 
+def write_overlaps(spans):
+    """Read/write holds that broke exclusion: (write, other) pairs where a write's hold
+    overlaps any other hold; [] when none did.  ``spans`` are ``(side, start, end, ...)``
+    tuples, ``side`` "read" or "write", and anything after ``end`` is for the message."""
+    return [(a, b) for i, a in enumerate(spans) if a[0] == "write"
+            for j, b in enumerate(spans) if i != j and b[1] < a[2] and a[1] < b[2]]
+
+
 def children(zk, path):
     """Children of a lock parent; [] when the container is absent (it comes and goes)."""
     from kazoo.exceptions import NoNodeError

@@ -494,11 +494,11 @@ def test_a_plain_celery_task_may_use_any_name():
     assert app.tasks[buy.name].key == "sku"
 
 
-def test_each_option_has_its_own_bare_name_and_three_are_words_a_task_may_use():
+def test_each_option_has_its_own_bare_name_and_four_are_words_a_task_may_use():
     from celery_zklock.options import _OWN_WORDS, BARE_OPTIONS, LOCK_OPTIONS
 
     assert sorted(BARE_OPTIONS.values()) == sorted(LOCK_OPTIONS)  # no two differ only by "lock"
-    assert _OWN_WORDS == {"timeout", "enqueue", "reentrant"}
+    assert _OWN_WORDS == {"timeout", "enqueue", "reentrant", "mode"}
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,22 @@ def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> l
     if max_holders is None:
         declared = [i.holders for _, data, _ in found if (i := Identity.parse(data)) is not None and i.holders]
         max_holders = max(declared) if declared else 1
-    return [Contender(name, znodes.sequence_of(name) or 0, data, index < max_holders, created)
-            for index, (name, data, created) in enumerate(found)]
+    return [Contender(name, znodes.sequence_of(name) or 0, data, holds, created, znodes.is_shared(name))
+            for (name, data, created), holds in zip(found, holding([name for name, _, _ in found], max_holders))]
+
+
+def holding(ordered: list[str], max_holders: int) -> list[bool]:
+    """Which of the contenders (in queue order) hold, as the driver decides for each: a
+    reader while no exclusive node queues ahead of it, an exclusive node within the first
+    ``max_holders`` places.  Pure: table-tested."""
+    out, exclusive_ahead = [], False
+    for index, name in enumerate(ordered):
+        if znodes.is_shared(name):
+            out.append(not exclusive_ahead)
+        else:
+            out.append(index < max_holders)
+            exclusive_ahead = True
+    return out
 
 
 def holders_async(client: KazooClient, path: str, max_holders: int, callback) -> None:

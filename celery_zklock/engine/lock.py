@@ -338,6 +338,7 @@ class MultiLock:
 
     Paths are de-duplicated and taken in one canonical (sorted) order, so two
     ``MultiLock`` users asking for the same paths in opposite orders can never deadlock.
+    ``read_paths`` are taken for reading (shared with readers), the rest as mutexes.
     If any path cannot be had in time, every path already taken is released.
     """
 
@@ -351,13 +352,15 @@ class MultiLock:
         on_lost: Callable[[FairLock], None] | None = None,
         on_wait: Callable[[FairLock, int], None] | None = None,
         reentrant: bool = True,
+        read_paths: Iterable[str] = (),
     ) -> None:
         unique = sorted({znodes.validate_path(p) for p in paths})
         if not unique:
             raise ValueError("MultiLock needs at least one path")
+        reads = set(read_paths)
         self.locks = [
             FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost, on_wait=on_wait,
-                     reentrant=reentrant)
+                     reentrant=reentrant, kind=znodes.NodeKind.READ if p in reads else znodes.NodeKind.MUTEX)
             for p in unique
         ]
         self.failed: FairLock | None = None

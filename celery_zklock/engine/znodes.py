@@ -313,3 +313,4 @@ class Contender(NamedTuple):
     identifier: str
     holder: bool
     created: float | None = None  # the node's creation time (s since the epoch): queued since
+    reader: bool = False  # a read node (ours, Curator's, kazoo's): shares the lock with readers

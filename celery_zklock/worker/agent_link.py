@@ -10,7 +10,9 @@ releases what that process held at once — no pid polling, no reaper process.
 
 Requests (``op``) and the agent's answers:
 
-* main -> agent ``wait`` {id, seq, task, paths, max_holders, timeout, identity, early, watched}:
+* main -> agent ``wait`` {id, seq, task, paths, max_holders, timeout, identity, early, watched,
+  and for a task that reads (``lock_mode``) read, readers: the paths it reads, and how many
+  read nodes of ours a path may have (the pool's size)}:
   queue for the lock; answered later by ``granted`` {id, queued, carry}, ``timeout`` or
   ``unavailable`` {id, error}, after ``queued`` {id, position} if it has to wait and
   ``watched`` (the main process reads it: events, LOCK_WAITING, metrics, or its prefetch

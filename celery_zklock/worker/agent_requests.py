@@ -76,6 +76,8 @@ class Wait:
     started: float = field(default_factory=clock.monotonic)
     seq: int | None = None  # the main process's number for this delivery (a task id can come again)
     done: bool = False  # released or cancelled
+    read_paths: frozenset[str] = frozenset()  # those of ``paths`` taken for reading (lock_mode)
+    readers: int = 1  # our read nodes per path at most (the pool's size)
 
 
 class EventLoop(Protocol):
@@ -125,7 +127,7 @@ class Requests:
         self.claims = claims
         self.guards = guards
         self.waits: dict[str, Wait] = {}
-        self.cohorts: dict[tuple[str, int], Cohort] = {}
+        self.cohorts: dict[tuple[str, int, bool], Cohort] = {}
         # Mean time a lock was held (grant to release), per lock path and per task name:
         # how long a request next in line would idle in a pool process if handed over.
         self.hold_by_path: dict[str, float] = {}
@@ -145,6 +147,8 @@ class Requests:
             watched=bool(msg.get("watched", True)),
             guard=guards.guarded(msg.get("guard") and {guards.HEADER: msg.get("guard")}),
             seq=msg.get("seq"),
+            read_paths=frozenset(msg.get("read") or ()),
+            readers=max(1, int(msg.get("readers") or 1)),
         )
         old = self.waits.get(wait.id)
         if old is not None and not old.done:
@@ -168,9 +172,11 @@ class Requests:
             nodes = {path: hold.slot.node_path for path, hold in wait.holds.items()}
             return self._tell_verdict(wait, {"verdict": Verdict.GRANTED, "tokens": tokens, "nodes": nodes})
         path = wait.paths[len(wait.holds)]
-        cohort = self.cohorts.get((path, wait.max_holders))
+        reads = path in wait.read_paths
+        key = (path, wait.readers if reads else wait.max_holders, reads)
+        cohort = self.cohorts.get(key)
         if cohort is None:
-            cohort = self.cohorts[(path, wait.max_holders)] = Cohort(self, path, wait.max_holders)
+            cohort = self.cohorts[key] = Cohort(self, path, key[1], reads=reads)
         wait.current = cohort
         cohort.join(wait)
         if wait.expired and wait.current is cohort:
@@ -381,8 +387,8 @@ class Requests:
         return outcomes
 
     def _tidy(self, cohort: Cohort) -> None:
-        if cohort.idle and self.cohorts.get((cohort.path, cohort.max_holders)) is cohort:
-            del self.cohorts[(cohort.path, cohort.max_holders)]
+        if cohort.idle and self.cohorts.get(cohort.key) is cohort:
+            del self.cohorts[cohort.key]
 
     def tidy_all(self) -> None:
         """On the heartbeat: pump keys whose node was suspended while free, forget idle ones."""

@@ -23,7 +23,7 @@ from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof
-from ..engine.znodes import fencing_token, sequence_of
+from ..engine.znodes import NodeKind, fencing_token, sequence_of
 from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
 from .lease_clock import Clock, lease_clock
@@ -82,11 +82,20 @@ class Cohort:
 
     host: CohortHost  # the agent's Requests
     path: str
-    max_holders: int
+    max_holders: int  # our nodes at most: the semaphore's size, or for readers the pool's
     queue: WaitQueue = field(default_factory=WaitQueue)  # our waiters, in arrival order
     slots: list = field(default_factory=list)
     overdue: list = field(default_factory=list)  # waiters with wait.expired set, still queued
     clock: Clock = lease_clock  # every lease and streak age is read from it (it counts a suspend)
+    #: Readers (lock_mode "read"): each node is a read node, held beside other readers, and
+    #: passed among ours as a write node is; at most ``max_holders`` of them (the pool's size:
+    #: no more of ours can run at once), however many wait.
+    reads: bool = False
+
+    @property
+    def key(self) -> tuple[str, int, bool]:
+        """How the agent files it: a path's readers and its writers (or semaphore) apart."""
+        return (self.path, self.max_holders, self.reads)
 
     # ------------------------------------------------------------------ requests
     def join(self, wait) -> None:
@@ -301,8 +310,9 @@ class Cohort:
         # returns: the slot is complete by then.
         slot = Slot(None)
         post = self.host.post
-        internals = LockInternals(self.host.client, self.path, self.max_holders, self.queue.first().identity,
-                                  on_lost=lambda: post(self._slot_lost, slot), watch_when_run=True)
+        internals = LockInternals(self.host.client, self.path, 1 if self.reads else self.max_holders,
+                                  self.queue.first().identity, on_lost=lambda: post(self._slot_lost, slot),
+                                  watch_when_run=True, kind=NodeKind.READ if self.reads else NodeKind.MUTEX)
         slot.attempt = internals.attempt(
             None, on_wait=lambda position: post(self._answered, slot), on_next=lambda: post(self._zk_next, slot))
         self.slots.append(slot)

@@ -219,6 +219,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         try:
             opts = task.lock_options()
             paths = task.lock_paths(tuple(req.args or ()), dict(req.kwargs or {}), opts)
+            reads = task.lock_read_paths(tuple(req.args or ()), dict(req.kwargs or {}), opts)
         except Exception:
             return False
         retries = (req.request_dict or {}).get("retries") or 0
@@ -237,7 +238,8 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         req.zklock_seq = self.seq  # this delivery, as the agent knows it (finished, dropped)
         self._send({"op": "wait", "id": req.id, "seq": self.seq, "paths": paths, "max_holders": task.lock_max_holders,
                     "timeout": opts.timeout, "identity": str(identity), "task": task.name,
-                    "early": self._slots() > 0, "guard": guards.guarded(req), "watched": not behind or watched(req)})
+                    "early": self._slots() > 0, "guard": guards.guarded(req), "watched": not behind or watched(req),
+                    **({"read": sorted(reads), "readers": pool_size(self.c)} if reads else {})})
         return True
 
     def _outside_window(self, request_id: str) -> None:

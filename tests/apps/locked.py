@@ -77,6 +77,16 @@ def _hold(key, ms, tag):
     return lk.token
 
 
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, lock_mode="read")
+def read_hold(key, ms=20, tag=None):
+    """``hold``'s reader: shares ``k:{key}`` with other readers, never with ``hold``."""
+    lk = current_lock()
+    start = time.time()
+    time.sleep(ms / 1000)
+    _record("read", key, tag, start, time.time(), lk.token)
+    return lk.mode
+
+
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, track_started=True)
 def hold_tracked(key, ms=20, tag=None):
     """``hold`` with ``track_started``: it stores LOCK_WAITING while it waits."""

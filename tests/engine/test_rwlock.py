@@ -10,7 +10,7 @@ import pytest
 
 from celery_zklock import LockUpgradeRefused
 from celery_zklock.engine.rwlock import ReadWriteLock
-from tests.lockutil import children
+from tests.lockutil import children, write_overlaps
 from tests.polling import wait_until
 
 
@@ -89,10 +89,8 @@ def test_no_write_overlaps_any_hold_and_readers_overlap(zk_client, path):
     for t in threads:
         t.join(60)
     assert len(spans) == 64
-    writes = [s for s in spans if s[0] == "write"]
-    for side, start, end in writes:
-        overlapping = [o for o in spans if o[1] < end and start < o[2] and (o[1], o[2]) != (start, end)]
-        assert not overlapping, f"a write overlapped {overlapping[:3]}"
+    broken = write_overlaps(spans)
+    assert not broken, f"a write overlapped another hold: {broken[:3]}"
     reads = sorted((s for s in spans if s[0] == "read"), key=lambda s: s[1])
     assert any(b[1] < a[2] for a, b in zip(reads, reads[1:])), "no two reads ever shared the lock"
 

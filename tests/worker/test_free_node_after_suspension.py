@@ -49,7 +49,7 @@ def _tick(host: Host, cohort: Cohort) -> None:
     """What the agent's heartbeat does to its keys (:meth:`Requests.tidy_all`)."""
     loop = SimpleNamespace(client=host.client, monitor=None, settings=host.settings, post=host.post)
     requests = Requests(loop, claims=None, guards=None)
-    requests.cohorts[(cohort.path, cohort.max_holders)] = cohort
+    requests.cohorts[cohort.key] = cohort
     requests.tidy_all()
 
 

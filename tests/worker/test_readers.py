@@ -1,0 +1,55 @@
+"""lock_mode="read" with real workers: readers of a key run together, a writer alone, in
+both waiting places (the worker's lock agent, whose cohort keeps one read node per pool
+process at most, and the pool process)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from support.workers import Worker
+from tests.lockutil import children, write_overlaps
+from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
+
+
+def _most_at_once(spans) -> int:
+    edges = sorted([(s[1], 1) for s in spans] + [(s[2], -1) for s in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("wait_in", ["worker", "pool"])
+def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_client, wait_in):
+    """Six 800 ms readers, a writer, three readers, a writer, on one key, through one worker
+    (-c 6): the six run together; each writer runs alone, after the readers ahead of it and
+    before those behind it; and the worker's agent keeps no more read nodes than its pool."""
+    mod._r.delete("history")
+    key = f"rw-{wait_in}-{uuid.uuid4().hex[:6]}"
+    w = Worker({**env, "TEST_ZK_WAIT_IN": wait_in}, f"readers-{wait_in}", concurrency=6).start(mod.app)
+    try:
+        plan = ["read"] * 6 + ["write"] + ["read"] * 3 + ["write"]
+        results = [(mod.read_hold if side == "read" else mod.hold).delay(key, 800 if side == "read" else 100, i)
+                   for i, side in enumerate(plan)]
+        nodes = []
+        for r in results:
+            nodes.append(len(children(zk_client, f"{env['TEST_ZK_ROOT']}/k:{key}")))
+            r.get(timeout=60)
+        assert w.alive(), w.log_tail(3000)
+    finally:
+        w.stop()
+    spans = sorted([("read", r["start"], r["end"], r["tag"]) for r in history(mod, "read") if r["key"] == key]
+                   + [("write", r["start"], r["end"], r["tag"]) for r in history(mod, "hold") if r["key"] == key],
+                   key=lambda s: s[1])
+    assert len(spans) == len(plan)
+    assert not write_overlaps(spans), write_overlaps(spans)[:3]
+    first_six = [s for s in spans if s[0] == "read" and s[3] < 6]
+    assert _most_at_once(first_six) == 6, "the six readers did not all run together"
+    # FIFO between the sides: the readers queued before a writer ran before it, those after, after.
+    writes = {s[3]: s for s in spans if s[0] == "write"}
+    assert all(s[2] <= writes[6][1] for s in first_six)
+    assert all(writes[6][2] <= s[1] <= writes[10][1] for s in spans if s[0] == "read" and 6 < s[3] < 10)
+    assert max(nodes) <= 7, nodes  # six read nodes and a writer's at most: no node per waiting request
