@@ -24,7 +24,7 @@ from .config import ZkSettings
 from .engine.client import get_client
 from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
-from .engine.znodes import NodeKind
+from .engine.znodes import NodeKind, exclusive_kind
 from .errors import LockTimeout, LockUnavailable
 from .logs import task_logger
 from .redelivery import Redelivery, publish_again, ran_before, redelivered
@@ -84,10 +84,11 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
                 logger.warning("could not store state %s for task %s (waiting anyway): %r", LOCK_WAITING, req.id, exc)
 
     common = dict(max_holders=task.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
+    exclusive = exclusive_kind(opts.curator_interop)
     if len(paths) == 1:
-        lock = FairLock(client, paths[0], kind=NodeKind.READ if paths[0] in read_paths else NodeKind.MUTEX, **common)
+        lock = FairLock(client, paths[0], kind=NodeKind.READ if paths[0] in read_paths else exclusive, **common)
     else:
-        lock = MultiLock(client, paths, read_paths=read_paths, **common)
+        lock = MultiLock(client, paths, read_paths=read_paths, exclusive=exclusive, **common)
 
     # From the first acquire until the body's own try below, any exception (a kazoo
     # error, the backend read, a signal) must not leave our node behind.

@@ -27,6 +27,8 @@ ENQUEUE_UNTIL = ("start", "finish")
 ENQUEUE_UNRUN = ("report", "republish")
 #: How a task takes its keys: "write" (alone: today's mutex) or "read" (shared with readers).
 LOCK_MODES = ("write", "read")
+#: Which of Curator's recipes a task's exclusive nodes are named for (zklock_curator_interop).
+CURATOR_RECIPES = ("mutex", "read-write")
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+)(:\d{1,5})?$")
 
@@ -235,6 +237,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s).", "lock_retry_backoff_max"),
         Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
         Setting("zklock_lock_mode", "write", check_lock_mode, "How a task takes its keys: 'write' (alone, the mutex), 'read' (shared with readers, exclusive of writers), or per key {lock_key template: mode} (the rest write).", "lock_mode"),
+        Setting("zklock_curator_interop", "mutex", _choice(CURATOR_RECIPES), "Which Curator recipe shares the keys: 'mutex' (InterProcessMutex; writers' nodes are named -lock-) or 'read-write' (InterProcessReadWriteLock; __WRIT__). Each recipe orders only its own names; ours order both."),
         Setting("zklock_reentrant", True, _bool, "A locked call (direct, apply(), eager) inside a running locked task, on keys that task holds, runs at once under its hold; False = such a call raises LockReentered.", "lock_reentrant"),
         Setting("zklock_release_on_worker_loss", True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker)."),
         Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -42,6 +43,30 @@ def test_status_shows_holder_and_waiter(zk_server, zk_client):
     finally:
         holder.release()
     assert "no locks held" in run_cli(zk_server, root, "status").stdout
+
+
+def test_status_shows_readers_sharing_and_the_writer_behind_them(zk_server, zk_client):
+    from celery_zklock import ReadWriteLock
+
+    root = f"/cli-{uuid.uuid4().hex[:6]}"
+    path = key_path(root, "catalog")
+    readers = [ReadWriteLock(zk_client, path, identifier=f'{{"task":"read{i}"}}') for i in range(2)]
+    for r in readers:
+        assert r.read.acquire(timeout=5)
+    writer = ReadWriteLock(zk_client, path, identifier='{"task":"rebuild"}')
+    waiting = threading.Thread(target=writer.write.acquire, kwargs={"timeout": 10})
+    waiting.start()
+    try:
+        wait_until(lambda: len(zk_client.get_children(path)) == 3, 5, what="the writer to queue")
+        rows = json.loads(run_cli(zk_server, root, "status", "--json").stdout)[path]
+        assert [(r["mode"], r["holder"]) for r in rows] == [("read", True), ("read", True), ("write", False)]
+        text = run_cli(zk_server, root, "status").stdout
+        assert text.count("HOLDS read") == 2 and "waits write" in text
+    finally:
+        for r in readers:
+            r.read.release()
+        waiting.join(10)
+        writer.write.release()
 
 
 def test_path_prints_the_znode(zk_server):

@@ -168,3 +168,19 @@ def test_a_locked_call_inside_a_reader_may_read_but_not_write(app):
     assert outer("peek") == "read"
     with pytest.raises(LockUpgradeRefused, match="release the read lock first"):
         outer("rebuild")
+
+
+@pytest.mark.parametrize("interop, marker", [("mutex", "-lock-"), ("read-write", "-__WRIT__")])
+def test_a_writers_node_carries_the_names_of_the_curator_recipe_that_shares_the_key(app, zk_client, interop, marker):
+    app.conf.zklock_curator_interop = interop
+
+    @app.task(base=ZkLockedTask, lock_key="catalog", shared=False)
+    def write():
+        return zk_client.get_children(current_lock().path)
+
+    @app.task(base=ZkLockedTask, lock_key="catalog", lock_mode="read", shared=False)
+    def read():
+        return zk_client.get_children(current_lock().path)
+
+    (mine,), (theirs,) = write(), read()
+    assert marker in mine and "-__READ__" in theirs

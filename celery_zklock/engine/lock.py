@@ -338,7 +338,8 @@ class MultiLock:
 
     Paths are de-duplicated and taken in one canonical (sorted) order, so two
     ``MultiLock`` users asking for the same paths in opposite orders can never deadlock.
-    ``read_paths`` are taken for reading (shared with readers), the rest as mutexes.
+    ``read_paths`` are taken for reading (shared with readers), the rest alone, with nodes
+    of the ``exclusive`` kind (Curator's mutex names, or its read/write lock's writer's).
     If any path cannot be had in time, every path already taken is released.
     """
 
@@ -353,6 +354,7 @@ class MultiLock:
         on_wait: Callable[[FairLock, int], None] | None = None,
         reentrant: bool = True,
         read_paths: Iterable[str] = (),
+        exclusive: znodes.NodeKind = znodes.NodeKind.MUTEX,
     ) -> None:
         unique = sorted({znodes.validate_path(p) for p in paths})
         if not unique:
@@ -360,7 +362,7 @@ class MultiLock:
         reads = set(read_paths)
         self.locks = [
             FairLock(client, p, max_holders=max_holders, identifier=identifier, on_lost=on_lost, on_wait=on_wait,
-                     reentrant=reentrant, kind=znodes.NodeKind.READ if p in reads else znodes.NodeKind.MUTEX)
+                     reentrant=reentrant, kind=znodes.NodeKind.READ if p in reads else exclusive)
             for p in unique
         ]
         self.failed: FairLock | None = None

@@ -38,6 +38,15 @@ class NodeKind(Enum):
     READ = "__READ__"
 
 
+def exclusive_kind(curator_interop: str) -> "NodeKind":
+    """The kind of a task's exclusive nodes (a writer's, a semaphore's) under the setting
+    ``zklock_curator_interop``: named for Curator's mutex, or for its read/write lock.  Why a
+    choice: Curator's mutex orders only ``-lock-`` nodes and its read/write lock only
+    ``__READ__``/``__WRIT__`` ones (any other name sorts after every one of its own), so a
+    key shared with Curator must carry the names of the recipe that shares it."""
+    return NodeKind.WRITE if curator_interop == "read-write" else NodeKind.MUTEX
+
+
 #: Markers of a node that shares the lock with readers: ours and Curator's read nodes, and
 #: kazoo's ``ReadLock`` (``__rlock__``).  Every other marker is exclusive.
 SHARED_MARKERS = ("__READ__", "__rlock__")

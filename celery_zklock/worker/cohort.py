@@ -23,7 +23,7 @@ from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof
-from ..engine.znodes import NodeKind, fencing_token, sequence_of
+from ..engine.znodes import NodeKind, exclusive_kind, fencing_token, sequence_of
 from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
 from .lease_clock import Clock, lease_clock
@@ -312,7 +312,8 @@ class Cohort:
         post = self.host.post
         internals = LockInternals(self.host.client, self.path, 1 if self.reads else self.max_holders,
                                   self.queue.first().identity, on_lost=lambda: post(self._slot_lost, slot),
-                                  watch_when_run=True, kind=NodeKind.READ if self.reads else NodeKind.MUTEX)
+                                  watch_when_run=True,
+                                  kind=NodeKind.READ if self.reads else exclusive_kind(self.host.settings.curator_interop))
         slot.attempt = internals.attempt(
             None, on_wait=lambda position: post(self._answered, slot), on_next=lambda: post(self._zk_next, slot))
         self.slots.append(slot)
