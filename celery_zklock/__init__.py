@@ -20,6 +20,8 @@ _EXPORTS = {
     "FairLock": "engine.lock",
     "MultiLock": "engine.lock",
     "KazooLock": "engine.kazoo_lock",
+    "KazooReadLock": "engine.kazoo_lock",
+    "KazooWriteLock": "engine.kazoo_lock",
     "ReadWriteLock": "engine.rwlock",
     "Contender": "engine.lock",
     "contenders": "engine.lock",
@@ -70,7 +72,7 @@ if TYPE_CHECKING:
     from .errors import (AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable,
                          LockUpgradeRefused, ZkLockError)
     from .keys import encode_key
-    from .engine.kazoo_lock import KazooLock
+    from .engine.kazoo_lock import KazooLock, KazooReadLock, KazooWriteLock
     from .engine.lock import Contender, FairLock, MultiLock, contenders
     from .engine.rwlock import ReadWriteLock
     from .states import LOCK_WAITING, SKIPPED

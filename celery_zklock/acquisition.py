@@ -94,7 +94,8 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
     # error, the backend read, a signal) must not leave our node behind.
     try:
         try:
-            acquired = lock.acquire(timeout=0) if give_back else copies.acquire(lock, opts.timeout, task.lock_max_holders)
+            acquired = (lock.acquire(timeout=0) if give_back
+                        else copies.acquire(lock, opts.timeout, task.lock_max_holders > 1 or bool(read_paths)))
         except ConnectionClosedError as exc:  # the client closed for good (get_client replaces it next)
             lock.release()
             return Taken(None, time.monotonic() - started, outcomes.unavailable(

@@ -50,6 +50,8 @@ def redelivered(request) -> bool:
     by us from one that was (:data:`COPY_HEADER`)?"""
     if (getattr(request, "delivery_info", None) or {}).get("redelivered"):
         return True
+    if (getattr(request, "request_dict", None) or {}).get(COPY_HEADER):  # the worker's Request
+        return True
     get = getattr(request, "get", None)
     return bool(get(COPY_HEADER) if callable(get) else getattr(request, COPY_HEADER, None))
 
@@ -132,14 +134,15 @@ class Redelivery:
             logger.warning("could not look for an earlier copy of task %s: %r", self.delivery[0], exc)
         return False
 
-    def acquire(self, lock, timeout: float | None, max_holders: int) -> bool:
+    def acquire(self, lock, timeout: float | None, shared: bool) -> bool:
         """Take ``lock`` under ``timeout`` — except for a copy, which waits without a deadline
-        until its original is gone (it must neither run beside it nor apply a timeout policy)."""
+        until its original is gone (it must neither run beside it nor apply a timeout policy).
+        ``shared``: others may hold beside us (a semaphore, a reader)."""
         while True:
             acquired = lock.acquire(timeout=timeout)
             if acquired:
-                if self.delivery is None or max_holders == 1:
-                    return True  # one slot: nobody can be ahead of a holder
+                if self.delivery is None or not shared:
+                    return True  # alone: nobody can be ahead of a holder
                 ahead = self.duplicates_ahead(lock)
                 if not ahead:
                     return True

@@ -33,6 +33,7 @@ from .held import CURRENT, HeldLock, NestedLock, current_lock, lost_reason_of, t
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
+from .redelivery import redelivered
 from .states import LOCK_WAITING, SKIPPED
 
 #: The public names; HeldLock and current_lock live in celery_zklock.held, the states in
@@ -101,9 +102,16 @@ class ZkLockedTask(Task):
     def lock_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> list[str]:
         return _paths(settings or load_settings(self.app.conf), self.lock_keys(args, kwargs))
 
-    def lock_read_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> frozenset[str]:
-        """The paths of this call taken for reading (``lock_mode``); the others are written."""
+    def lock_read_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None,
+                        request: Any = None) -> frozenset[str]:
+        """The paths of this call taken for reading (``lock_mode``); the others are written.
+        A delivery that may be a copy (:func:`~celery_zklock.redelivery.redelivered`) writes
+        every key: as a reader it could hold beside its original, still running, and run a
+        second time; as a writer it holds once the original is done, and then finds its
+        final state (redelivered copies are rare: their exclusion costs little)."""
         opts = settings or self.lock_options()
+        if request is not None and redelivered(request):
+            return frozenset()
         return frozenset(_paths(opts, sorted(self._spec().read_keys(args, kwargs, opts.lock_mode))))
 
     # -------------------------------------------------------------- publishing
@@ -124,7 +132,7 @@ class ZkLockedTask(Task):
         opts = self.lock_options()
         keys = self.lock_keys(args, kwargs)
         call = Call(args, kwargs, self.request, bool(self.request.called_directly), opts, keys, _paths(opts, keys),
-                    self.lock_read_paths(args, kwargs, opts))
+                    self.lock_read_paths(args, kwargs, opts, self.request))
         outer = CURRENT.get()
         if outer is not None and not set(call.paths).isdisjoint(outer.paths):
             return self._reentered(outer, call)

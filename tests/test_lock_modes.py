@@ -184,3 +184,20 @@ def test_a_writers_node_carries_the_names_of_the_curator_recipe_that_shares_the_
 
     (mine,), (theirs,) = write(), read()
     assert marker in mine and "-__READ__" in theirs
+
+
+def test_a_delivery_that_may_be_a_copy_writes_the_keys_it_would_read(app):
+    """Beside its original, still reading, a copy would run again; as a writer it waits for it."""
+    from types import SimpleNamespace
+
+    from celery_zklock.redelivery import COPY_HEADER
+
+    @app.task(base=ZkLockedTask, lock_key=["sku:{sku_id}", "catalog"], lock_mode={"catalog": "read"}, shared=False)
+    def buy(sku_id):
+        pass
+
+    assert buy.lock_read_paths((1,), {}) == {"/modes/catalog"}
+    for copy in (SimpleNamespace(delivery_info={"redelivered": True}),
+                 SimpleNamespace(delivery_info={}, request_dict={COPY_HEADER: True})):
+        assert buy.lock_read_paths((1,), {}, request=copy) == frozenset()
+    assert buy.lock_read_paths((1,), {}, request=SimpleNamespace(delivery_info={})) == {"/modes/catalog"}

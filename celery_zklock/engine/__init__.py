@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 # Imported on first use (PEP 562), as the package's own names are: importing one engine
 # module (the worker-loss reaper's path) must not import the blocking API with it.
-_EXPORTS = {"FairLock": "lock", "MultiLock": "lock", "KazooLock": "kazoo_lock", "ReadWriteLock": "rwlock"}
+_EXPORTS = {"FairLock": "lock", "MultiLock": "lock", "KazooLock": "kazoo_lock", "KazooReadLock": "kazoo_lock",
+            "KazooWriteLock": "kazoo_lock", "ReadWriteLock": "rwlock"}
 
 __all__ = list(_EXPORTS)
 
@@ -29,6 +30,6 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .kazoo_lock import KazooLock
+    from .kazoo_lock import KazooLock, KazooReadLock, KazooWriteLock
     from .lock import FairLock, MultiLock
     from .rwlock import ReadWriteLock

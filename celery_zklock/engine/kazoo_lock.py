@@ -1,12 +1,15 @@
-"""kazoo's ``Lock`` interface on a :class:`~celery_zklock.engine.lock.FairLock`: :class:`KazooLock`.
+"""kazoo's lock interfaces on our locks: :class:`KazooLock` (kazoo's ``Lock``) on a
+:class:`~celery_zklock.engine.lock.FairLock`, :class:`KazooReadLock` and :class:`KazooWriteLock`
+(kazoo's ``ReadLock`` and ``WriteLock``) on the sides of a
+:class:`~celery_zklock.engine.rwlock.ReadWriteLock`.
 
 Why: a kazoo user switches with one import and keeps their code (``acquire`` raising
 ``LockTimeout``, ``cancel`` making a waiting acquire raise ``CancelledError``,
 ``contenders()`` as identifiers, ``is_acquired``), and gains what the FairLock under it
 does: one deadline for the whole acquire, fencing tokens, exclusion with Curator's
-``InterProcessMutex`` on the same path, and the release proof.  A wrapper, not a subclass:
-the two interfaces disagree on return values and on re-entry, and each stays true to its
-own.  kazoo's own lock tests run against it (``tests/engine/test_kazoo_suite.py``).
+``InterProcessMutex`` on the same path, and the release proof.  A wrapper of the lock, not
+a subclass: the two interfaces disagree on return values and on re-entry, and each stays
+true to its own.  kazoo's own lock tests run against them (``tests/engine/test_kazoo_suite.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from kazoo.exceptions import CancelledError, LockTimeout
 
 from ..errors import LockReentered
 from .lock import FairLock
+from .rwlock import ReadWriteLock
 from .znodes import LOCK_MARKERS
 
-__all__ = ["KazooLock"]
+__all__ = ["KazooLock", "KazooReadLock", "KazooWriteLock"]
 
 
 class KazooLock:
@@ -44,12 +48,17 @@ class KazooLock:
         unknown = [p for p in extra_lock_patterns if p not in LOCK_MARKERS]
         if unknown:
             raise ValueError(
-                f"extra_lock_patterns {unknown!r} not supported: KazooLock always orders the nodes of kazoo's "
-                f"locks and Curator's ({', '.join(LOCK_MARKERS)}), and no others")
+                f"extra_lock_patterns {unknown!r} not supported: {type(self).__name__} always orders the nodes "
+                f"of kazoo's locks and Curator's ({', '.join(LOCK_MARKERS)}), and no others")
         # kazoo writes str(identifier or "") as the node's data: contenders() gives it back.
         self.data = str(identifier or "").encode("utf-8")
-        self._fair = FairLock(client, path, identifier=self.data, reentrant=reentrant)
+        self._fair = self._make_lock(client, path, self.data, reentrant)
         self._cancelled = False
+
+    @staticmethod
+    def _make_lock(client: KazooClient, path: str, identifier: bytes, reentrant: bool) -> FairLock:
+        """The lock underneath (a subclass's: a side of a read/write lock)."""
+        return FairLock(client, path, identifier=identifier, reentrant=reentrant)
 
     client = property(lambda self: self._fair.client)
     path = property(lambda self: self._fair.path)
@@ -120,7 +129,7 @@ class KazooLock:
         self._fair.cancel()
 
     def contenders(self) -> list[str]:
-        """Identifiers of everyone queued on ``path``, the holder first (kazoo's, Curator's too)."""
+        """Identifiers of everyone queued on ``path``, holders first (kazoo's, Curator's too)."""
         return [c.identifier for c in self._fair.contenders()]
 
     def __enter__(self) -> "KazooLock":
@@ -131,4 +140,35 @@ class KazooLock:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<KazooLock {self.path} acquired={self.is_acquired} token={self.token}>"
+        return f"<{type(self).__name__} {self.path} acquired={self.is_acquired} token={self.token}>"
+
+
+class KazooReadLock(KazooLock):
+    """``kazoo.recipe.lock.ReadLock``'s interface on the read side of a
+    :class:`~celery_zklock.engine.rwlock.ReadWriteLock`: shared with every reader, held
+    while no writer (nor mutex holder, of any peer) queues ahead of it.
+
+    :class:`KazooLock`'s interface and its differences from kazoo's.  Its node is Curator's
+    read node (``__READ__``); kazoo's ``ReadLock`` and ``WriteLock`` on the same path
+    are ordered by it, and see it given ``extra_lock_patterns`` (docs/engine.md).
+    ``contenders()`` lists everyone queued on the path, readers and writers, as kazoo's.
+    """
+
+    @staticmethod
+    def _make_lock(client: KazooClient, path: str, identifier: bytes, reentrant: bool) -> FairLock:
+        return ReadWriteLock(client, path, identifier=identifier, reentrant=reentrant).read
+
+
+class KazooWriteLock(KazooLock):
+    """``kazoo.recipe.lock.WriteLock``'s interface on the write side of a
+    :class:`~celery_zklock.engine.rwlock.ReadWriteLock`: held alone, once everyone queued
+    ahead of it (readers, writers, mutex holders, of any peer) has gone.
+
+    :class:`KazooLock`'s interface and its differences from kazoo's.  Its node is Curator's
+    write node (``__WRIT__``), which kazoo's ``ReadLock`` and ``WriteLock`` see given
+    ``extra_lock_patterns`` (docs/engine.md).
+    """
+
+    @staticmethod
+    def _make_lock(client: KazooClient, path: str, identifier: bytes, reentrant: bool) -> FairLock:
+        return ReadWriteLock(client, path, identifier=identifier, reentrant=reentrant).write

@@ -61,10 +61,19 @@ class WriteLock(FairLock):
     def acquire(self, timeout: float | None = None, blocking: bool = True) -> bool:
         if self.read_side is not None and self.read_side.held_by_caller():
             raise LockUpgradeRefused(self.path)
-        if self._write_ended and self.carries_for_caller():
-            self._write_ended = False  # the write again, on the node that never left
-            return True
+        if self._write_ended:
+            if self.carries_for_caller():
+                self._write_ended = False  # the write again, on the node that never left
+                return True
+            self._lose_carried()  # the node went (lost) with the reads it carried: a new hold
         return super().acquire(timeout, blocking)
+
+    def _lose_carried(self) -> None:
+        """The node carrying our downgraded reads is lost: they are, too.  Their releases
+        then say so (False), and none of them may delete a later node of ours."""
+        self._write_ended, self.carried = False, 0
+        if self.read_side is not None:
+            self.read_side.drop_carried()
 
     def release(self, wait: bool = True) -> bool:
         if self._write_ended:
@@ -114,6 +123,16 @@ class ReadLock(FairLock):
             self._carried -= 1
             return self._write_side.end_read(wait)
         return super().release(wait)
+
+    def drop_carried(self) -> None:
+        """The write node our carried reads rode on is lost (see WriteLock._lose_carried)."""
+        self._carried = 0
+
+    @property
+    def node(self) -> str | None:
+        if self._carried:
+            return self._write_side.node
+        return super().node
 
     def is_held(self) -> bool:
         if self._carried:

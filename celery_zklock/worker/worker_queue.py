@@ -219,7 +219,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         try:
             opts = task.lock_options()
             paths = task.lock_paths(tuple(req.args or ()), dict(req.kwargs or {}), opts)
-            reads = task.lock_read_paths(tuple(req.args or ()), dict(req.kwargs or {}), opts)
+            reads = task.lock_read_paths(tuple(req.args or ()), dict(req.kwargs or {}), opts, req)
         except Exception:
             return False
         retries = (req.request_dict or {}).get("retries") or 0

@@ -9,7 +9,8 @@ import pytest
 from kazoo.exceptions import LockTimeout, NoNodeError
 from kazoo.recipe.lock import Lock
 
-from celery_zklock import KazooLock
+from celery_zklock import KazooLock, KazooReadLock, KazooWriteLock
+from celery_zklock.engine.rwlock import ReadLock, WriteLock
 from tests.faults.harness import wait_until
 from tests.lockutil import children
 
@@ -54,6 +55,29 @@ def test_the_holders_second_acquire_is_false_at_once(zk_client, path):
     assert lock.acquire(timeout=5) is False and lock.acquire() is False
     assert time.monotonic() - started < 1 and lock.is_acquired
     assert lock.release() and not lock.is_acquired
+
+
+def test_read_and_write_locks_are_kazoo_locks_on_the_sides_of_a_read_write_lock(zk_client, path):
+    """KazooLock's interface and differences, on ReadWriteLock's sides (kazoo's suite, in
+    test_kazoo_suite.py, covers how they share and exclude)."""
+    reader, writer = KazooReadLock(zk_client, path, "r"), KazooWriteLock(zk_client, path, "w")
+    assert isinstance(reader, KazooLock) and isinstance(writer, KazooLock)
+    assert isinstance(reader.fair_lock, ReadLock) and isinstance(writer.fair_lock, WriteLock)
+    with pytest.raises(ValueError, match="no persistent locks"):
+        reader.acquire(ephemeral=False)
+    with pytest.raises(ValueError, match="KazooWriteLock always orders"):
+        KazooWriteLock(zk_client, path, extra_lock_patterns=["__mine__"])
+    assert reader.acquire() and "__READ__" in reader.node and reader.is_held
+    assert reader.acquire(timeout=5) is False  # the holder's second acquire, at once
+    read_token = reader.token
+    with pytest.raises(LockTimeout):
+        writer.acquire(timeout=0.3)
+    assert reader.contenders() == ["r"]
+    assert reader.release() and not reader.is_acquired
+    with writer:
+        assert "__WRIT__" in writer.node and writer.token > read_token
+        assert reader.acquire(blocking=False) is False
+    assert repr(writer).startswith("<KazooWriteLock ") and children(zk_client, path) == []
 
 
 def test_timeout_bounds_the_whole_acquire_and_leaves_no_node(zk_client, path):

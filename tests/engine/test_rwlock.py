@@ -168,3 +168,19 @@ def test_readers_queued_behind_a_writer_all_hold_at_its_release(zk_client, path)
     assert results == [True] * 10 and all(r.read.is_held() for r in readers)
     for r in readers:
         r.read.release()
+
+
+def test_a_downgraded_hold_lost_is_lost_for_its_reads_and_a_new_write_is_whole(zk_client, path):
+    """The write node carrying a downgraded read is deleted (an operator, an expired session):
+    the read's release says it was lost, and the next write is a hold of its own that no
+    leftover read release can delete (found by review: the new write's node went with it)."""
+    rw = ReadWriteLock(zk_client, path)
+    assert rw.write.acquire(timeout=5) and rw.read.acquire(timeout=0)
+    rw.write.release()  # downgraded: the read rides on the write node
+    zk_client.delete(rw.read.node)
+    wait_until(lambda: not rw.read.is_held(), 5, what="the loss to be seen")
+    assert rw.write.acquire(timeout=5) and rw.write.is_held() and rw.write.token is not None
+    node = rw.write.node
+    assert rw.read.release() is False  # lost with the node
+    assert zk_client.exists(node) is not None and rw.write.is_held()
+    assert rw.write.release() is True and children(zk_client, path) == []
