@@ -92,3 +92,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     rank = {unit: i for i, unit in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(LONG_FIRST)))  # stable: module order kept
+
+
+@pytest.fixture(scope="session")
+def curator_classpath(tmp_path_factory):
+    """CuratorHolder compiled once per session (skips without a JDK or Curator's jars)."""
+    from tests.curator import compile_holder
+
+    return compile_holder(str(tmp_path_factory.mktemp("curator-classes")))
+
+
+@pytest.fixture
+def curators(curator_classpath, zk_server):
+    """Starts Curator JVMs on the test's ZooKeeper: ``curators(path, lock="mutex"|"rw")``;
+    all told to quit at the test's end (their ephemeral nodes go with their sessions)."""
+    from tests.curator import Curator
+
+    started = []
+
+    def start(path: str, lock: str = "mutex") -> Curator:
+        started.append(Curator(curator_classpath, zk_server.hosts, path, lock))
+        return started[-1]
+
+    yield start
+    for cur in started:
+        cur.close()

@@ -201,3 +201,47 @@ def test_a_delivery_that_may_be_a_copy_writes_the_keys_it_would_read(app):
                  SimpleNamespace(delivery_info={}, request_dict={COPY_HEADER: True})):
         assert buy.lock_read_paths((1,), {}, request=copy) == frozenset()
     assert buy.lock_read_paths((1,), {}, request=SimpleNamespace(delivery_info={})) == {"/modes/catalog"}
+
+
+def test_tasks_share_a_key_with_curators_read_write_lock(app, curators):
+    """zklock_curator_interop = "read-write": a Java service's InterProcessReadWriteLock and
+    our tasks (readers and writers, direct calls in three threads) on one key: no write
+    overlaps any hold, and a task's read shares with Curator's."""
+    app.conf.zklock_curator_interop = "read-write"
+    curator = curators("/modes/catalog", lock="rw")
+    spans: list[tuple] = []
+    guard = threading.Lock()
+
+    def hold(side: str) -> None:
+        start = time.monotonic()
+        time.sleep(0.01)
+        with guard:
+            spans.append((side, start, time.monotonic(), "task"))
+
+    @app.task(base=ZkLockedTask, lock_key="catalog", lock_mode="read", shared=False)
+    def read():
+        hold("read")
+
+    @app.task(base=ZkLockedTask, lock_key="catalog", shared=False)
+    def write():
+        hold("write")
+
+    def tasks(i: int) -> None:
+        for j in range(8):
+            (write if (i + j) % 3 == 0 else read)()
+
+    plan = ["read", "read", "write"] * 6
+    for side in plan:
+        curator.send(f"hold 10 {side}")
+    threads = [threading.Thread(target=tasks, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for side in plan:
+        curator.expect("ACQUIRING", timeout=60)
+        spans.append((side, curator.expect("ACQUIRED", timeout=60), curator.expect("RELEASED", timeout=60), "curator"))
+    for t in threads:
+        t.join(60)
+    assert not write_overlaps(spans), write_overlaps(spans)[:3]
+    assert len(spans) == 18 + 24
+    assert any(a[0] == b[0] == "read" and a[3] != b[3] and b[1] < a[2] and a[1] < b[2] for a in spans for b in spans), \
+        "no task read shared the key with a Curator read"
