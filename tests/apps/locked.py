@@ -87,6 +87,17 @@ def read_hold(key, ms=20, tag=None):
     return lk.mode
 
 
+@app.task(base=ZkLockedTask, lock_key=["k:{read}", "k:{write}"], lock_timeout=60, lock_mode={"k:{read}": "read"})
+def read_one_write_other(read, write, ms=20, tag=None):
+    """Reads ``k:{read}`` and writes ``k:{write}``: mixed modes, taken in canonical order."""
+    start = time.time()
+    time.sleep(ms / 1000)
+    end = time.time()
+    _record("read", read, tag, start, end)
+    _record("hold", write, tag, start, end)
+    return current_lock().modes
+
+
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, track_started=True)
 def hold_tracked(key, ms=20, tag=None):
     """``hold`` with ``track_started``: it stores LOCK_WAITING while it waits."""

@@ -53,3 +53,26 @@ def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_cli
     assert all(s[2] <= writes[6][1] for s in first_six)
     assert all(writes[6][2] <= s[1] <= writes[10][1] for s in spans if s[0] == "read" and 6 < s[3] < 10)
     assert max(nodes) <= 7, nodes  # six read nodes and a writer's at most: no node per waiting request
+
+
+def test_tasks_reading_one_key_and_writing_another_neither_deadlock_nor_overlap(mod, env):
+    """Forty tasks over two workers, each reading one of three keys and writing another, in
+    every direction (x read y written, y read x written, ...): all run (keys are taken in
+    canonical order whatever the modes), and no write of a key overlaps any hold of it."""
+    mod._r.delete("history")
+    keys = [f"mix-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    workers = [Worker(env, f"mixed{i}", concurrency=3).start() for i in range(2)]
+    try:
+        for w in workers:
+            w.wait_ready(mod.app)
+        pairs = [(keys[i % 3], keys[(i + 1 + (i // 3) % 2) % 3]) for i in range(40)]  # each read/write direction
+        results = [mod.read_one_write_other.delay(r, w, 30, i) for i, (r, w) in enumerate(pairs)]
+        modes = [res.get(timeout=90) for res in results]
+    finally:
+        for w in workers:
+            w.stop()
+    assert modes[0] == {f"k:{pairs[0][0]}": "read", f"k:{pairs[0][1]}": "write"}
+    for key in keys:
+        spans = [("read", r["start"], r["end"], r["tag"]) for r in history(mod, "read") if r["key"] == key]
+        spans += [("write", r["start"], r["end"], r["tag"]) for r in history(mod, "hold") if r["key"] == key]
+        assert not write_overlaps(spans), (key, write_overlaps(spans)[:3])
