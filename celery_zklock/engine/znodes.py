@@ -232,7 +232,7 @@ _NO_CONTAINERS: set[str] = set()
 _CONTAINERS_WORK: set[str] = set()
 
 
-def _client_key(client) -> str:
+def client_key(client) -> str:
     return repr(getattr(client, "hosts", client))
 
 
@@ -298,20 +298,20 @@ class RecentPaths:
 
 
 def mark_no_containers(client) -> None:
-    _NO_CONTAINERS.add(_client_key(client))
+    _NO_CONTAINERS.add(client_key(client))
 
 
 def uses_containers(client) -> bool:
-    return _client_key(client) not in _NO_CONTAINERS
+    return client_key(client) not in _NO_CONTAINERS
 
 
 def mark_containers_work(client) -> None:
-    _CONTAINERS_WORK.add(_client_key(client))
+    _CONTAINERS_WORK.add(client_key(client))
 
 
 def containers_known_to_work(client) -> bool:
     """The server answered a ``createContainer``: a multi carrying one is safe to send."""
-    return _client_key(client) in _CONTAINERS_WORK
+    return client_key(client) in _CONTAINERS_WORK
 
 
 class Contender(NamedTuple):

@@ -128,6 +128,7 @@ class Requests:
         self.guards = guards
         self.waits: dict[str, Wait] = {}
         self.cohorts: dict[tuple[str, int, bool], Cohort] = {}
+        self.on_path: dict[str, list[Cohort]] = {}  # the cohorts of each path (its readers', its writers')
         # Mean time a lock was held (grant to release), per lock path and per task name:
         # how long a request next in line would idle in a pool process if handed over.
         self.hold_by_path: dict[str, float] = {}
@@ -177,6 +178,7 @@ class Requests:
         cohort = self.cohorts.get(key)
         if cohort is None:
             cohort = self.cohorts[key] = Cohort(self, path, key[1], reads=reads)
+            self.on_path.setdefault(path, []).append(cohort)
         wait.current = cohort
         cohort.join(wait)
         if wait.expired and wait.current is cohort:
@@ -241,6 +243,14 @@ class Requests:
 
     def on_slot_lost(self, wait: Wait) -> None:
         self.claims.push_state(wait)
+
+    def came_first_elsewhere(self, cohort: Cohort, wait: Wait) -> bool:
+        """Does a request that arrived before ``wait`` wait in another cohort of the same path
+        (its readers', its writers')?  A local handoff must not pass it: across modes, FIFO
+        among this worker's requests is ZooKeeper's queue order, and the other cohort's node
+        queues behind the node being passed.  At most a few cohorts share a path."""
+        return any(other is not cohort and other.queue and other.queue.first().started < wait.started
+                   for other in self.on_path.get(cohort.path, ()))
 
     def _deadline(self, wait: Wait) -> None:
         if wait.done or wait.verdict is not None or wait.current is None:
@@ -389,6 +399,9 @@ class Requests:
     def _tidy(self, cohort: Cohort) -> None:
         if cohort.idle and self.cohorts.get(cohort.key) is cohort:
             del self.cohorts[cohort.key]
+            siblings = [c for c in self.on_path.pop(cohort.path, ()) if c is not cohort]
+            if siblings:
+                self.on_path[cohort.path] = siblings
 
     def tidy_all(self) -> None:
         """On the heartbeat: pump keys whose node was suspended while free, forget idle ones."""

@@ -43,6 +43,7 @@ class CohortHost(Protocol):
     def on_timed_out(self, wait, path: str) -> None: ...
     def on_failed(self, wait, exc: BaseException) -> None: ...
     def on_slot_lost(self, wait) -> None: ...
+    def came_first_elsewhere(self, cohort: "Cohort", wait) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -141,7 +142,7 @@ class Cohort:
             self.pump()
             return Outcome.LOST
         nxt = self._next_waiter()
-        if nxt is not None and slot.held and self._passes_on(slot, self.clock()):
+        if nxt is not None and slot.held and self._passes_on(slot, self.clock(), nxt):
             # Ours to pass on only if ZooKeeper confirms it: on a young proof (the lease) the
             # next holder starts now; otherwise it is reserved and granted on the proof's reply.
             self.queue.remove(nxt)
@@ -164,12 +165,16 @@ class Cohort:
         self.pump()
         return proof
 
-    def _passes_on(self, slot: Slot, now: float) -> bool:
-        """May ``slot`` pass to our next waiter now (the streak bound, :func:`passes_locally`)?
-        Judged when a handoff is decided and again when its proof answers."""
+    def _passes_on(self, slot: Slot, now: float, wait) -> bool:
+        """May ``slot`` pass to our next waiter, ``wait``, now (the streak bound,
+        :func:`passes_locally`)?  Judged when a handoff is decided and again when its proof
+        answers.  Never past a request of this worker that came first for the same path in
+        another mode (a writer past earlier readers, a reader past an earlier writer): the
+        node goes, and theirs, queued behind it, is next."""
         settings = self.host.settings
-        return passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
-                              settings.cohort_hold)
+        return (passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
+                               settings.cohort_hold)
+                and not self.host.came_first_elsewhere(self, wait))
 
     def _on_passed(self, proof, slot: Slot, wait, sent: float) -> None:
         on_ready(proof, lambda result: self.host.post(self._passed, slot, wait, sent, result))
@@ -190,7 +195,7 @@ class Cohort:
             now = self.clock()
             if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
                 return self._on_passed(self._prove(slot, rename=wait.identity), slot, wait, now)
-            if self._passes_on(slot, now):
+            if self._passes_on(slot, now, wait):
                 slot.handing_on, slot.holder = False, None
                 return self._grant(slot, wait, reserved=True)
             # Another contender was seen while the proof was out (a partition held its reply

@@ -172,6 +172,32 @@ def test_a_burst_of_new_keys_is_group_committed(zk_client, path, monkeypatch):
         assert a.release()[1].get(timeout=5) == "deleted"
 
 
+def test_attempts_on_a_key_being_made_queue_in_the_order_they_came(zk_client, path, monkeypatch):
+    """Six readers then a writer on one new key, started together: the first makes the key
+    with its node, the others wait for that answer and then create in the order they came,
+    in one multi at most (before: each sent a multi that failed on the container the first
+    made, and their retries went after the writer's create, which found the key made: it
+    held before readers that had come first)."""
+    from celery_zklock.engine.internals import LockInternals
+    from celery_zklock.engine.znodes import NodeKind
+
+    znodes.mark_containers_work(zk_client)
+    zk_client.ensure_path(path)
+    sent = _sent(zk_client, monkeypatch)
+    key = f"{path}/catalog"
+    kinds = [NodeKind.READ] * 6 + [NodeKind.WRITE]
+    attempts = [LockInternals(zk_client, key, identifier=str(i).encode(), kind=kind).attempt(None)
+                for i, kind in enumerate(kinds)]
+    assert all(a.result.get(timeout=10) for a in attempts[:6])  # the readers share
+    order = [zk_client.get(f"{key}/{name}")[0] for name in znodes.sort_contenders(zk_client.get_children(key))]
+    assert order == [str(i).encode() for i in range(7)]
+    assert sent.count("MultiCreate") == 1, sent
+    for a in attempts[:6]:
+        a.release()
+    assert attempts[6].result.get(timeout=10)
+    attempts[6].release()
+
+
 def test_a_batch_rolled_back_by_one_key_still_gets_every_key(zk_client, zk_server, path, monkeypatch):
     """One key's container exists (another process holds it): the batch fails whole; that
     key queues behind its holder, every other key is sent again and held."""

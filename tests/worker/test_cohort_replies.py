@@ -55,6 +55,9 @@ class Host:
     def on_next(self, wait, ours=True, streak_left=None) -> None:
         pass
 
+    def came_first_elsewhere(self, cohort, wait) -> bool:
+        return False
+
     def on_slot_lost(self, wait) -> None:
         wait.lost = True
 

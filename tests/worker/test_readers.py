@@ -31,6 +31,12 @@ def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_cli
     key = f"rw-{wait_in}-{uuid.uuid4().hex[:6]}"
     w = Worker({**env, "TEST_ZK_WAIT_IN": wait_in}, f"readers-{wait_in}", concurrency=6).start(mod.app)
     try:
+        # Every pool process up first: six readers run together only if six processes can take
+        # them (a grant waiting for a process is given back, behind the writer).
+        warm = [mod.hold.delay(f"warm-{i}-{key}", 300, i) for i in range(6)]
+        for r in warm:
+            r.get(timeout=30)
+        assert len({row["pid"] for row in history(mod, "hold") if row["key"].startswith("warm-")}) == 6
         plan = ["read"] * 6 + ["write"] + ["read"] * 3 + ["write"]
         results = [(mod.read_hold if side == "read" else mod.hold).delay(key, 800 if side == "read" else 100, i)
                    for i, side in enumerate(plan)]
@@ -47,12 +53,14 @@ def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_cli
     assert len(spans) == len(plan)
     assert not write_overlaps(spans), write_overlaps(spans)[:3]
     first_six = [s for s in spans if s[0] == "read" and s[3] < 6]
-    assert _most_at_once(first_six) == 6, "the six readers did not all run together"
+    assert _most_at_once(first_six) == 6, f"the six readers did not all run together (nodes seen: {nodes})"
     # FIFO between the sides: the readers queued before a writer ran before it, those after, after.
     writes = {s[3]: s for s in spans if s[0] == "write"}
     assert all(s[2] <= writes[6][1] for s in first_six)
     assert all(writes[6][2] <= s[1] <= writes[10][1] for s in spans if s[0] == "read" and 6 < s[3] < 10)
-    assert max(nodes) <= 7, nodes  # six read nodes and a writer's at most: no node per waiting request
+    # No node per waiting request: six read nodes (one per pool process), the writer's, and a
+    # read node queued for the next reader as a holder lets go of its own (whose delete follows).
+    assert max(nodes) <= 6 + 1 + 1, nodes
 
 
 def test_tasks_reading_one_key_and_writing_another_neither_deadlock_nor_overlap(mod, env):

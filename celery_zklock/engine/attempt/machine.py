@@ -81,6 +81,8 @@ class Attempt:
             return self.give_up(False)
         if not self.client.connected:
             return self.await_connection(Pending.CREATE)
+        if self.lk.path not in RECENT and self.parent.waits_for_maker():
+            return  # created once the key is made, in the order we came
         self.pending = None
         session = kazoo_compat.session_id(self.client)
         self.ghosts.session = session

@@ -11,7 +11,10 @@ same try.  Why: docs/design.md, "Creating our node".
 
 from __future__ import annotations
 
+import threading
 from functools import partial
+from typing import Callable
+
 from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, RolledBackError, RuntimeInconsistency, UnimplementedError
 
 from .. import kazoo_compat, znodes
@@ -19,6 +22,43 @@ from .state import RECENT, AttemptPath, Queue, State
 
 #: A multi's replies for ops it did not run because another op failed (before it, after it).
 _NOT_RUN = (RolledBackError, RuntimeInconsistency)
+
+
+class Makers:
+    """The keys whose container this process is making with a first node (a multi in flight),
+    and the attempts that came for one meanwhile, in arrival order.
+
+    Why they wait for its answer: each would send a multi of its own, and all but the first
+    fail on the container the first made (or, committed in one group, roll it back); their
+    retries then went after the create of an attempt that came later and found the key made
+    (a writer passed five readers that had come before it)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, str], list[Callable[[], None]]] = {}
+        self._guard = threading.Lock()
+
+    def begin(self, key: tuple[str, str]) -> None:
+        with self._guard:
+            self._waiting.setdefault(key, [])
+
+    def wait(self, key: tuple[str, str], resume: Callable[[], None]) -> bool:
+        """Queue ``resume`` behind the making of ``key``; False when none is in flight."""
+        with self._guard:
+            waiting = self._waiting.get(key)
+            if waiting is None:
+                return False
+            waiting.append(resume)
+            return True
+
+    def end(self, key: tuple[str, str]) -> None:
+        """The making answered: the attempts that waited create, in the order they came."""
+        with self._guard:
+            waiting = self._waiting.pop(key, [])
+        for resume in waiting:
+            resume()
+
+
+MAKERS = Makers()
 
 
 class KeyParent:
@@ -29,9 +69,25 @@ class KeyParent:
     def __init__(self, attempt: AttemptPath) -> None:
         self.attempt = attempt
 
+    def waits_for_maker(self) -> bool:
+        """Is another attempt of this process making our key with its node?  Then ours is
+        created once that answers (:class:`Makers`), and this says so."""
+        at = self.attempt
+
+        def resume() -> None:
+            with at.mutex:
+                if not at.finished and at.state is State.CREATING and not at.create_in_flight:
+                    at.send_create(same_try=True)  # the try it was waiting to make
+
+        return MAKERS.wait(self._key(), resume)
+
+    def _key(self) -> tuple[str, str]:
+        return (znodes.client_key(self.attempt.client), self.attempt.lk.path)
+
     def create_with_node(self, session) -> None:
         """The container and our node in one multi (group-committed with other new keys)."""
         at = self.attempt
+        MAKERS.begin(self._key())
         path, node = at.lk.path, f"{at.lk.path}/{at.prefix}"
         item = (path, node, at.lk.identifier, kazoo_compat.acl_for(at.client, path), kazoo_compat.acl_for(at.client, node))
         kazoo_compat.on_ready(at.monitor.new_keys.submit(item, session), partial(self._on_multi, session))
@@ -64,7 +120,11 @@ class KeyParent:
         try:
             container, ours = result.get()
         except Exception:
+            MAKERS.end(self._key())  # they try on their own
             return at.on_created(session, None, result)  # connection trouble: as for a create
+        if isinstance(ours, tuple) or isinstance(container, NodeExistsError):
+            RECENT.add(at.lk.path)  # the key is there: the waiting attempts' creates are plain ones
+        MAKERS.end(self._key())  # whatever the answer, they create now, in the order they came
         if isinstance(ours, tuple):
             # ZooKeeper answers a create inside a multi with its path only, but every node a
             # multi creates shares the transaction's zxid: the container's czxid is ours.
