@@ -174,11 +174,13 @@ class Requests:
             return self._tell_verdict(wait, {"verdict": Verdict.GRANTED, "tokens": tokens, "nodes": nodes})
         path = wait.paths[len(wait.holds)]
         reads = path in wait.read_paths
-        key = (path, wait.readers if reads else wait.max_holders, reads)
+        key = (path, 0 if reads else wait.max_holders, reads)  # a path's readers: one cohort
         cohort = self.cohorts.get(key)
         if cohort is None:
-            cohort = self.cohorts[key] = Cohort(self, path, key[1], reads=reads)
+            cohort = self.cohorts[key] = Cohort(self, path, wait.readers if reads else wait.max_holders, reads=reads)
             self.on_path.setdefault(path, []).append(cohort)
+        elif reads:
+            cohort.max_holders = wait.readers  # the pool's size now (--autoscale moves it)
         wait.current = cohort
         cohort.join(wait)
         if wait.expired and wait.current is cohort:
@@ -191,10 +193,11 @@ class Requests:
     def on_granted(self, wait: Wait, cohort: Cohort, slot, token: int) -> None:
         wait.holds[cohort.path] = Hold(cohort, slot, token)
         wait.current = None
+        self._wake_siblings(cohort)
         self._take_next(wait)
 
     def on_failed(self, wait: Wait, exc: BaseException) -> None:
-        wait.current = None
+        self._left(wait)
         self.let_go(wait)
         self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": str(exc)})
 
@@ -203,7 +206,7 @@ class Requests:
         for at most :data:`HOLDERS_WITHIN` (a timeout is told on time, ZooKeeper or not;
         holders ``None``: they could not be read).  Cut off from ZooKeeper, the verdict is
         an outage instead (:func:`at_deadline`)."""
-        wait.current = None
+        self._left(wait)
         self.let_go(wait)
         if at_deadline(self.client.connected) is Verdict.UNAVAILABLE:
             return self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": UNREACHABLE_AT_DEADLINE})
@@ -243,6 +246,20 @@ class Requests:
 
     def on_slot_lost(self, wait: Wait) -> None:
         self.claims.push_state(wait)
+
+    def _left(self, wait: Wait) -> None:
+        """``wait`` is out of its cohort's queue (failed, timed out): not waited for there."""
+        if wait.current is not None:
+            self._wake_siblings(wait.current)
+        wait.current = None
+
+    def _wake_siblings(self, cohort: Cohort) -> None:
+        """A waiter left ``cohort``'s queue: the other cohorts of its path may now queue the
+        nodes they held back for it (:meth:`Cohort.pump`); on the next turn, not inside
+        this cohort's own pump."""
+        for other in self.on_path.get(cohort.path, ()):
+            if other is not cohort and other.queue:
+                self.post(other.pump)
 
     def came_first_elsewhere(self, cohort: Cohort, wait: Wait) -> bool:
         """Does a request that arrived before ``wait`` wait in another cohort of the same path
@@ -388,6 +405,7 @@ class Requests:
         if wait.current is not None:
             cohort, wait.current = wait.current, None
             cohort.leave(wait)
+            self._wake_siblings(cohort)
             self._tidy(cohort)
         outcomes = []
         for hold in reversed(list(wait.holds.values())):

@@ -95,8 +95,9 @@ class Cohort:
 
     @property
     def key(self) -> tuple[str, int, bool]:
-        """How the agent files it: a path's readers and its writers (or semaphore) apart."""
-        return (self.path, self.max_holders, self.reads)
+        """How the agent files it: a path's readers (one cohort, whatever the pool's size) and
+        its writers (or semaphore) apart."""
+        return (self.path, 0 if self.reads else self.max_holders, self.reads)
 
     # ------------------------------------------------------------------ requests
     def join(self, wait) -> None:
@@ -228,8 +229,13 @@ class Cohort:
                     self._grant(slot, nxt)
         pending = [s for s in self.slots if s.holder is None]
         want = max(0, min(len(self.queue), self.max_holders - self.busy))
-        while len(pending) < want:
-            pending.append(self._new_slot())
+        # No new node while a request of this worker that came first waits for this path in
+        # another mode (a reader beyond the pool's worth of read nodes, a writer): ours would
+        # queue ahead of the node it is still to get.  The other cohort pumps this one as its
+        # waiters are granted or leave (Requests.on_granted, let_go).
+        if len(pending) < want and not self.host.came_first_elsewhere(self, self.queue.first()):
+            while len(pending) < want:
+                pending.append(self._new_slot())
         for slot in pending[want:]:
             if slot.attempt.state not in (State.HELD, State.HELD_SUSPENDED):
                 self._drop_slot(slot)

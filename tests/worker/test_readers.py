@@ -24,7 +24,7 @@ def _most_at_once(spans) -> int:
 
 @pytest.mark.parametrize("wait_in", ["worker", "pool"])
 def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_client, wait_in):
-    """Six 800 ms readers, a writer, three readers, a writer, on one key, through one worker
+    """Six 800 ms readers, a writer, eighteen readers, a writer, on one key, through one worker
     (-c 6): the six run together; each writer runs alone, after the readers ahead of it and
     before those behind it; and the worker's agent keeps no more read nodes than its pool."""
     mod._r.delete("history")
@@ -37,12 +37,13 @@ def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_cli
         for r in warm:
             r.get(timeout=30)
         assert len({row["pid"] for row in history(mod, "hold") if row["key"].startswith("warm-")}) == 6
-        plan = ["read"] * 6 + ["write"] + ["read"] * 3 + ["write"]
+        plan = ["read"] * 6 + ["write"] + ["read"] * 18 + ["write"]
+        last = len(plan) - 1
         results = [(mod.read_hold if side == "read" else mod.hold).delay(key, 800 if side == "read" else 100, i)
                    for i, side in enumerate(plan)]
         nodes = []
         for r in results:
-            nodes.append(len(children(zk_client, f"{env['TEST_ZK_ROOT']}/k:{key}")))
+            nodes.append(sum("__READ__" in n for n in children(zk_client, f"{env['TEST_ZK_ROOT']}/k:{key}")))
             r.get(timeout=60)
         assert w.alive(), w.log_tail(3000)
     finally:
@@ -57,10 +58,14 @@ def test_six_readers_share_a_key_and_writers_never_overlap_them(mod, env, zk_cli
     # FIFO between the sides: the readers queued before a writer ran before it, those after, after.
     writes = {s[3]: s for s in spans if s[0] == "write"}
     assert all(s[2] <= writes[6][1] for s in first_six)
-    assert all(writes[6][2] <= s[1] <= writes[10][1] for s in spans if s[0] == "read" and 6 < s[3] < 10)
-    # No node per waiting request: six read nodes (one per pool process), the writer's, and a
-    # read node queued for the next reader as a holder lets go of its own (whose delete follows).
-    assert max(nodes) <= 6 + 1 + 1, nodes
+    if wait_in == "worker":  # the agent queues them as they came; in the pool, a request reaches
+        # the lock when a process takes it, and processes freed together take the next ones in
+        # an order of their own
+        assert all(writes[6][2] <= s[1] <= writes[last][1] for s in spans if s[0] == "read" and 6 < s[3] < last)
+    # No node per waiting request: eighteen readers waited behind the writer, and the agent
+    # kept at most a pool's worth of read nodes, each perhaps with its replacement for the
+    # next reader queued before its own delete lands.
+    assert max(nodes) <= 2 * 6, nodes
 
 
 def test_tasks_reading_one_key_and_writing_another_neither_deadlock_nor_overlap(mod, env):
