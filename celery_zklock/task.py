@@ -252,8 +252,9 @@ class ZkLockedTask(Task):
                         task_id=req.id, read_paths=call.read_paths)
         acquired_at = time.monotonic()
 
-        logger.debug("acquired lock %s token=%s after %.3fs", label, held.token, waited)
-        outcomes.lock_event(self, "task-lock-acquired", key=label, wait=round(waited, 6), token=held.token)
+        logger.debug("acquired lock %s (%s) token=%s after %.3fs", label, held.mode, held.token, waited)
+        outcomes.lock_event(self, "task-lock-acquired", key=label, wait=round(waited, 6), token=held.token,
+                            mode=held.mode)
         signals.lock_acquired.send(sender=self, task_id=req.id, key=label, paths=paths, token=held.token, wait=waited)
         ctx_token = CURRENT.set(held)
         proven = False

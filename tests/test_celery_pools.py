@@ -243,4 +243,4 @@ def test_lock_events_are_sent(mod, env):
     assert waiting and waiting[0]["key"] == f"k:{key}"
     first, second = sorted((r1.id, r2.id), key=lambda tid: [e["uuid"] for e in seen if e["type"] == "task-lock-acquired"].index(tid))
     acquired = [e for e in seen if e["type"] == "task-lock-acquired" and e["uuid"] == second][0]
-    assert acquired["token"] > 0 and acquired["wait"] > 0.1
+    assert acquired["token"] > 0 and acquired["wait"] > 0.1 and acquired["mode"] == "write"
