@@ -101,6 +101,20 @@ class Curator:
         self.send(f"release {side}".strip())
         return self.expect("RELEASED")
 
+    def hold_each(self, sides, ms: int) -> None:
+        """Queue a ``hold <ms> <side>`` per side (an rw holder): the JVM runs them in turn."""
+        for side in sides:
+            self.send(f"hold {ms} {side}")
+
+    def holds(self, sides, label: str = "curator", timeout: float = 60.0) -> list[tuple]:
+        """The spans of the holds :meth:`hold_each` queued: ``(side, start, end, label)``."""
+        spans = []
+        for side in sides:
+            self.expect("ACQUIRING", timeout=timeout)
+            spans.append((side, self.expect("ACQUIRED", timeout=timeout), self.expect("RELEASED", timeout=timeout),
+                          label))
+        return spans
+
     def assert_silent(self, seconds: float) -> None:
         line = self.next_line(seconds)
         assert line is None, f"CuratorHolder said {line!r} while it should have been blocked"

@@ -32,6 +32,53 @@ def write_overlaps(spans):
             for j, b in enumerate(spans) if i != j and b[1] < a[2] and a[1] < b[2]]
 
 
+def side_of(i: int, j: int) -> str:
+    """The side the ``j``-th hold of thread ``i`` takes in a read/write mix: a third write."""
+    return "write" if (i + j) % 3 == 0 else "read"
+
+
+def hold_for(lock, seconds: float) -> tuple[float, float]:
+    """Acquire ``lock`` (anything with acquire/release), hold it ``seconds``, release it:
+    the hold's ``(start, end)`` on time.monotonic()."""
+    import time
+
+    assert lock.acquire(timeout=60)
+    start = time.monotonic()
+    time.sleep(seconds)
+    end = time.monotonic()
+    assert lock.release() is not False
+    return start, end
+
+
+def in_threads(work, threads: int, timeout: float = 90.0) -> None:
+    """``work(i)`` in ``threads`` threads at once; the first error any raised is raised here."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # surfaced in the caller's thread
+            errors.append(exc)
+
+    started = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+
+
+def reads_shared(spans, one: str | None = None, other: str | None = None) -> bool:
+    """Did two reads overlap (with ``one``/``other``: a read labelled ``one`` and one labelled
+    ``other``, the label being a span's fourth field)?"""
+    reads = [s for s in spans if s[0] == "read"]
+    return any(a is not b and b[1] < a[2] and a[1] < b[2] and (one is None or (a[3], b[3]) == (one, other))
+               for a in reads for b in reads)
+
+
 def children(zk, path):
     """Children of a lock parent; [] when the container is absent (it comes and goes)."""
     from kazoo.exceptions import NoNodeError

@@ -4,7 +4,6 @@ tests/worker/test_readers.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from celery_zklock import ConfigurationError, LockUpgradeRefused, ReadWriteLock,
 from celery_zklock.config import check_lock_mode
 from celery_zklock.engine.contenders import holding
 from celery_zklock.keys import compile_key
-from tests.lockutil import write_overlaps
+from tests.lockutil import in_threads, reads_shared, side_of, write_overlaps
 
 
 def _spec():
@@ -97,19 +96,8 @@ def app(zk_server):
     return app
 
 
-def test_readers_share_a_key_writers_have_it_alone(app):
-    """Direct calls in eight threads: readers of the key run together, a writer alone."""
-    spans: list[tuple[str, float, float]] = []
-    guard = threading.Lock()
-
-    def hold(side: str) -> None:
-        lk = current_lock()
-        assert lk.mode == side and lk.modes == {"catalog": side}
-        start = time.monotonic()
-        time.sleep(0.1)
-        with guard:
-            spans.append((side, start, time.monotonic()))
-
+def _tasks_of(app, hold):
+    """A reader and a writer of ``catalog``, each running ``hold(side)`` under its lock."""
     @app.task(base=ZkLockedTask, lock_key="catalog", lock_mode="read", shared=False)
     def read():
         hold("read")
@@ -118,15 +106,27 @@ def test_readers_share_a_key_writers_have_it_alone(app):
     def write():
         hold("write")
 
-    threads = [threading.Thread(target=write if i % 4 == 0 else read) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    for task in (read, write):  # made now: Celery binds a task lazily, racily across threads
+        task.lock_options()
+    return {"read": read, "write": write}
+
+
+def test_readers_share_a_key_writers_have_it_alone(app):
+    """Direct calls in eight threads: readers of the key run together, a writer alone."""
+    spans: list[tuple] = []
+
+    def hold(side: str) -> None:
+        lk = current_lock()
+        assert lk.mode == side and lk.modes == {"catalog": side}
+        start = time.monotonic()
+        time.sleep(0.1)
+        spans.append((side, start, time.monotonic()))
+
+    tasks = _tasks_of(app, hold)
+    in_threads(lambda i: tasks["write" if i % 4 == 0 else "read"](), 8)
     assert len(spans) == 8
     assert not write_overlaps(spans)
-    reads = sorted((s for s in spans if s[0] == "read"), key=lambda s: s[1])
-    assert any(b[1] < a[2] for a, b in zip(reads, reads[1:])), "no two readers ran together"
+    assert reads_shared(spans), "no two readers ran together"
 
 
 def test_a_task_writes_one_key_and_reads_another(app, zk_client):
@@ -210,38 +210,17 @@ def test_tasks_share_a_key_with_curators_read_write_lock(app, curators):
     app.conf.zklock_curator_interop = "read-write"
     curator = curators("/modes/catalog", lock="rw")
     spans: list[tuple] = []
-    guard = threading.Lock()
 
     def hold(side: str) -> None:
         start = time.monotonic()
         time.sleep(0.01)
-        with guard:
-            spans.append((side, start, time.monotonic(), "task"))
+        spans.append((side, start, time.monotonic(), "task"))
 
-    @app.task(base=ZkLockedTask, lock_key="catalog", lock_mode="read", shared=False)
-    def read():
-        hold("read")
-
-    @app.task(base=ZkLockedTask, lock_key="catalog", shared=False)
-    def write():
-        hold("write")
-
-    def tasks(i: int) -> None:
-        for j in range(8):
-            (write if (i + j) % 3 == 0 else read)()
-
+    tasks = _tasks_of(app, hold)
     plan = ["read", "read", "write"] * 6
-    for side in plan:
-        curator.send(f"hold 10 {side}")
-    threads = [threading.Thread(target=tasks, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for side in plan:
-        curator.expect("ACQUIRING", timeout=60)
-        spans.append((side, curator.expect("ACQUIRED", timeout=60), curator.expect("RELEASED", timeout=60), "curator"))
-    for t in threads:
-        t.join(60)
+    curator.hold_each(plan, 10)
+    in_threads(lambda i: [tasks[side_of(i, j)]() for j in range(8)], 3)
+    spans += curator.holds(plan)
     assert not write_overlaps(spans), write_overlaps(spans)[:3]
     assert len(spans) == 18 + 24
-    assert any(a[0] == b[0] == "read" and a[3] != b[3] and b[1] < a[2] and a[1] < b[2] for a in spans for b in spans), \
-        "no task read shared the key with a Curator read"
+    assert reads_shared(spans, "task", "curator"), "no task read shared the key with a Curator read"

@@ -10,7 +10,7 @@ import pytest
 
 from celery_zklock import LockUpgradeRefused
 from celery_zklock.engine.rwlock import ReadWriteLock
-from tests.lockutil import children, write_overlaps
+from tests.lockutil import children, hold_for, in_threads, reads_shared, side_of, write_overlaps
 from tests.polling import wait_until
 
 
@@ -68,31 +68,18 @@ def test_tokens_fence_a_writer_after_every_earlier_hold(zk_client, path):
 def test_no_write_overlaps_any_hold_and_readers_overlap(zk_client, path):
     """Eight threads, each its own lock, a third of them writers, 60 holds in all."""
     spans: list[tuple[str, float, float]] = []
-    guard = threading.Lock()
 
     def run(i: int) -> None:
         rw = ReadWriteLock(zk_client, path)
         for j in range(8):
-            side = "write" if (i + j) % 3 == 0 else "read"
-            lk = getattr(rw, side)
-            assert lk.acquire(timeout=30)
-            start = time.monotonic()
-            time.sleep(0.02)
-            end = time.monotonic()
-            assert lk.release()
-            with guard:
-                spans.append((side, start, end))
+            side = side_of(i, j)
+            spans.append((side, *hold_for(getattr(rw, side), 0.02)))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(run, 8)
     assert len(spans) == 64
     broken = write_overlaps(spans)
     assert not broken, f"a write overlapped another hold: {broken[:3]}"
-    reads = sorted((s for s in spans if s[0] == "read"), key=lambda s: s[1])
-    assert any(b[1] < a[2] for a, b in zip(reads, reads[1:])), "no two reads ever shared the lock"
+    assert reads_shared(spans), "no two reads ever shared the lock"
 
 
 def test_the_write_holder_downgrades_and_no_writer_slips_in(zk_client, path):

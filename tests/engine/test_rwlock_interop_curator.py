@@ -20,7 +20,7 @@ from kazoo.recipe.lock import WriteLock as KazooWriteLock
 
 from celery_zklock import FairLock, contenders
 from celery_zklock.engine.rwlock import ReadWriteLock
-from tests.lockutil import children, write_overlaps
+from tests.lockutil import children, hold_for, in_threads, reads_shared, side_of, write_overlaps
 from tests.polling import wait_until
 
 CURATOR_NODE = re.compile(r"_c_[0-9a-f-]{36}-__(READ|WRIT)__\d{10}")
@@ -124,44 +124,23 @@ def test_no_write_overlaps_any_hold_and_readers_share_across(curator, clients, p
     """Curator holds 24 times (two reads, a write, ...) while three threads of ours, each its
     own session and lock, hold 10 times each, a third of them writes; hold intervals from
     both processes, on one clock: no write overlaps any hold, and readers of both shared."""
-    spans, guard, errors = [], threading.Lock(), []
+    spans: list[tuple] = []
+    sessions = [clients() for _ in range(3)]
 
-    def ours(i: int, client) -> None:
-        try:
-            rw = ReadWriteLock(client, path)
-            for j in range(10):
-                side = "write" if (i + j) % 3 == 0 else "read"
-                lk = getattr(rw, side)
-                assert lk.acquire(timeout=60)
-                start = time.monotonic()
-                time.sleep(0.01)
-                end = time.monotonic()
-                assert lk.release()
-                with guard:
-                    spans.append((side, start, end, "ours"))
-        except BaseException as exc:  # surfaced in the main thread
-            errors.append(exc)
+    def ours(i: int) -> None:
+        rw = ReadWriteLock(sessions[i], path)
+        for j in range(10):
+            side = side_of(i, j)
+            spans.append((side, *hold_for(getattr(rw, side), 0.01), "ours"))
 
-    threads = [threading.Thread(target=ours, args=(i, clients())) for i in range(3)]
     plan = ["read", "read", "write"] * 8
-    for side in plan:
-        curator.send(f"hold 10 {side}")
-    for t in threads:
-        t.start()
-    for side in plan:
-        curator.expect("ACQUIRING", timeout=60)
-        start = curator.expect("ACQUIRED", timeout=60)
-        end = curator.expect("RELEASED", timeout=60)
-        spans.append((side, start, end, "curator"))
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    curator.hold_each(plan, 10)
+    in_threads(ours, 3)
+    spans += curator.holds(plan)
     assert len(spans) == 54
     broken = write_overlaps(spans)
     assert not broken, f"a write overlapped another hold: {broken[:3]}"
-    shared = [(a, b) for a in spans if a[0] == "read" and a[3] == "curator"
-              for b in spans if b[0] == "read" and b[3] == "ours" and b[1] < a[2] and a[1] < b[2]]
-    assert shared, "no reader of ours ever shared the lock with a reader of Curator's"
+    assert reads_shared(spans, "curator", "ours"), "no reader of ours ever shared the lock with a reader of Curator's"
 
 
 def test_a_curator_writer_queued_ahead_of_our_reader_is_waited_for(curator, zk_client, path):

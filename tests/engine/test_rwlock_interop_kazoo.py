@@ -17,7 +17,7 @@ import pytest
 from kazoo.recipe.lock import ReadLock, WriteLock
 
 from celery_zklock.engine import ReadWriteLock
-from tests.lockutil import children, write_overlaps
+from tests.lockutil import children, hold_for, in_threads, reads_shared, side_of, write_overlaps
 from tests.polling import wait_until
 
 #: What a kazoo user gives its read/write locks to share a path with ours (docs/engine.md).
@@ -125,42 +125,22 @@ def test_mixed_threads_no_write_overlaps_any_hold_and_readers_share(clients, pat
     each held 20 ms: no write overlaps another hold; reads overlap, ours with kazoo's too."""
     ours_client, kazoo_client = clients(), clients()
     spans: list[tuple[str, float, float, str]] = []
-    errors: list[BaseException] = []
-    guard = threading.Lock()
 
     def run(i: int) -> None:
-        try:
-            if i % 2:
-                library = "kazoo"
-                sides = {"read": kazoo_reader(kazoo_client, path, f"r{i}"),
-                         "write": kazoo_writer(kazoo_client, path, f"w{i}")}
-            else:
-                library, rw = "ours", ReadWriteLock(ours_client, path)
-                sides = {"read": rw.read, "write": rw.write}
-            for j in range(8):
-                side = "write" if (i + j) % 3 == 0 else "read"
-                lk = sides[side]
-                assert lk.acquire(timeout=30)
-                start = time.monotonic()
-                time.sleep(0.02)
-                end = time.monotonic()
-                assert lk.release()
-                with guard:
-                    spans.append((side, start, end, library))
-        except BaseException as exc:  # surfaced below, in the test's thread
-            errors.append(exc)
+        if i % 2:
+            library = "kazoo"
+            sides = {"read": kazoo_reader(kazoo_client, path, f"r{i}"), "write": kazoo_writer(kazoo_client, path, f"w{i}")}
+        else:
+            library, rw = "ours", ReadWriteLock(ours_client, path)
+            sides = {"read": rw.read, "write": rw.write}
+        for j in range(8):
+            side = side_of(i, j)
+            spans.append((side, *hold_for(sides[side], 0.02), library))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
+    in_threads(run, 8)
     assert len(spans) == 64
     broken = write_overlaps(spans)
     assert not broken, f"a write overlapped another hold: {broken[:3]}"
     assert {(s[0], s[3]) for s in spans} == {("read", "ours"), ("read", "kazoo"), ("write", "ours"),
                                              ("write", "kazoo")}
-    reads = [s for s in spans if s[0] == "read"]
-    shared = {(a[3], b[3]) for a in reads for b in reads if a is not b and a[1] < b[2] and b[1] < a[2]}
-    assert ("ours", "kazoo") in shared, f"our readers never shared with kazoo's: {sorted(shared)}"
+    assert reads_shared(spans, "ours", "kazoo"), "our readers never shared with kazoo's"
