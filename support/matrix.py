@@ -43,6 +43,8 @@ newest cell.
   on Celery's and kombu's internals (the prefetch window, ``QoS``, the consumer's restore),
   the wait queue;
 * ``tests/test_options.py``: the task options derived from the installed Celery's;
+* ``tests/test_internals_used.py``: every Celery, kombu, billiard and kazoo internal the
+  package touches (``celery_zklock/internals_used.py``) still there (seconds);
 * ``tests/test_security.py``: kazoo's ACLs, digest auth and TLS;
 * ``tests/beat/test_rules.py`` and ``tests/beat/test_scheduler.py``: the elected
   scheduler on Celery's beat internals (the beat itself runs in smoke c);
@@ -136,6 +138,7 @@ SUBSET = [
     "--deselect", "tests/worker/test_cohort.py",
     "--deselect", "tests/worker/test_held_aside.py",
     "tests/test_options.py",
+    "tests/test_internals_used.py",
     "tests/test_security.py",
     "tests/beat/test_rules.py",
     "tests/beat/test_scheduler.py",

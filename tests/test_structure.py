@@ -93,7 +93,8 @@ def test_no_import_cycles_in_the_package():
 #: * engine: the lock protocol on ZooKeeper (no Celery): znodes, sessions, the blocking API;
 #: * worker: what runs in a worker's main process, its lock agent and a pool process's link;
 #: * glue: the Celery task class, publishing, the CLI, the elected beat (beat.*) and the test plugin.
-BASE = {"errors", "config", "security", "states", "signals", "keys", "options", "metrics", "logs", "process_records"}
+BASE = {"errors", "config", "security", "states", "signals", "keys", "options", "metrics", "logs", "process_records",
+        "internals_used"}
 GLUE = {"task", "held", "acquisition", "outcomes", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery",
         "testing", "testing_servers", "testing_tls", "testing_probes"}
 
