@@ -126,7 +126,7 @@ MUTANTS = [
     Mutant("stale-reply-grant", "16. a handoff granted on a write reply that waited past a third of the session "
            "(the agent stopped meanwhile)",
            "worker/cohort.py",
-           "            if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:\n",
+           "            if now - sent >= session_margin(kazoo_compat.session_timeout(self.host.client)):\n",
            "            if False:\n"),
     Mutant("exists-own-watch", "17. the holder's own-node watch set with exists: a creation watch left on the "
            "server for a deleted node, and the deletion not seen",

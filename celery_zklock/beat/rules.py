@@ -14,9 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta, timezone
 from enum import Enum
 
-#: A write's reply older than this share of the session timeout proves nothing about now:
-#: the lock's rule (``celery_zklock.worker.cohort``'s lease) applied to a tick.
-PROOF_SHARE = 1 / 3
+from ..engine.session import session_margin
 
 
 class TickState(str, Enum):
@@ -39,7 +37,7 @@ class Verdict(Enum):
     """Whether a recorded tick is published."""
 
     PUBLISH = "publish"
-    STALE = "stale"  # the proof is older than PROOF_SHARE of the session: maybe deposed since
+    STALE = "stale"  # the proof is older than session_margin() of the session: maybe deposed since
     NOT_LEADER = "not leader"  # the connection gives reason to doubt the session (suspended, lost)
 
 
@@ -92,7 +90,7 @@ def verdict(proof_age: float, session_timeout: float, connected_and_leader: bool
     """
     if not connected_and_leader:
         return Verdict.NOT_LEADER
-    if proof_age > session_timeout * PROOF_SHARE:
+    if proof_age > session_margin(session_timeout):  # the lock's lease rule (worker.cohort), for a tick
         return Verdict.STALE
     return Verdict.PUBLISH
 

@@ -28,6 +28,7 @@ from ..config import cached_settings, retry_delay
 from ..engine import clock, kazoo_compat
 from ..engine.client import connect
 from ..engine.identity import Identity
+from ..engine.session import session_margin
 from ..errors import ConfigurationError, LockUnavailable
 from ..keys import encode_key
 from ..worker import worker_loss
@@ -204,7 +205,7 @@ class ZkScheduler(Scheduler):
             if since is None or since == told or self.election.term() is None:
                 continue
             stuck = clock.boottime() - since
-            if stuck > self._session_timeout() / 3:
+            if stuck > session_margin(self._session_timeout()):
                 told = since
                 logger.error("beat: zklock: this beat's tick has been stuck for %.1fs (a publish to a stalled broker?): "
                              "stepping down so that another beat leads", stuck)
@@ -224,7 +225,7 @@ class ZkScheduler(Scheduler):
         published, in an earlier term, when the record is still ours: nobody recorded, so nobody
         sent, a tick since.  That entry is still kept due as it was before the send, and its
         next tick writes the same record again and publishes it."""
-        self.ledger = Ledger(self.election.client, self.path, self._session_timeout() / 3)
+        self.ledger = Ledger(self.election.client, self.path, session_margin(self._session_timeout()))
         try:
             self.ledger.load()
         except Exception as exc:
@@ -410,7 +411,7 @@ class ZkScheduler(Scheduler):
             return
         self._next_look = clock.monotonic() + LOOK_EVERY
         if self._standby_ledger is None or self._standby_ledger.client is not client:
-            self._standby_ledger = Ledger(client, self.path, self._session_timeout() / 3)
+            self._standby_ledger = Ledger(client, self.path, session_margin(self._session_timeout()))
         self._standby_ledger.announce(self.me, self._presence(leading=False), self._now_s)
 
     def _look_soon(self, _event=None) -> None:

@@ -67,7 +67,8 @@ def holders_async(client: KazooClient, path: str, max_holders: int, callback) ->
 
     def listed(result) -> None:
         try:
-            names = znodes.sort_contenders(result.get())[:max_holders]
+            ordered = znodes.sort_contenders(result.get())
+            names = [n for n, holds in zip(ordered, holding(ordered, max_holders)) if holds]
         except NoNodeError:
             names = []  # nobody queues on it any more
         except Exception:

@@ -30,7 +30,7 @@ from .attempt.machine import Attempt
 from .attempt.state import RECENT, State
 from .driver import Decision, gets_the_lock, reader_gets_the_lock
 from .identity import Identity
-from .session import SessionMonitor, monitor_for
+from .session import SessionMonitor, monitor_for, session_margin
 
 __all__ = ["Attempt", "LockInternals", "RECENT", "State"]
 
@@ -78,7 +78,7 @@ class LockInternals:
     def grace(self) -> float:
         if self.suspended_grace is not None:
             return self.suspended_grace
-        return kazoo_compat.session_timeout(self.client) / 3.0
+        return session_margin(kazoo_compat.session_timeout(self.client))
 
     def attempt(self, deadline: float | None, on_wait: Callable[[int], None] | None = None,
                 on_next: Callable[[], None] | None = None) -> "Attempt":

@@ -131,6 +131,11 @@ class FairLock:
         """
         return self.state is State.HELD
 
+    def owned_by_caller(self) -> bool:
+        """Is the calling thread (or greenlet) this instance's owner: it acquired and has not
+        released, whether the hold is live or was lost meanwhile?"""
+        return self._owner is current_owner()
+
     def held_by_caller(self) -> bool:
         """Does the calling thread (or greenlet) own a live hold of this instance (Curator's
         ``isOwnedByCurrentThread``)?  No I/O."""

@@ -59,13 +59,17 @@ class WriteLock(FairLock):
         return None if self._write_ended else super().token
 
     def acquire(self, timeout: float | None = None, blocking: bool = True) -> bool:
-        if self.read_side is not None and self.read_side.held_by_caller():
+        if self.read_side is not None and self.read_side.owned_by_caller():
+            # Held, or lost without its release (its node may still queue ahead of ours).
             raise LockUpgradeRefused(self.path)
-        if self._write_ended:
+        if (self._write_ended or self.carried) and self.owned_by_caller():
             if self.carries_for_caller():
-                self._write_ended = False  # the write again, on the node that never left
-                return True
-            self._lose_carried()  # the node went (lost) with the reads it carried: a new hold
+                if self._write_ended:
+                    self._write_ended = False  # the write again, on the node that never left
+                    return True
+            else:
+                self._lose_carried()  # the node went (lost) with the reads it carried: a new hold
+        # Another thread waits for our owner's hold to end, downgraded reads included.
         return super().acquire(timeout, blocking)
 
     def _lose_carried(self) -> None:

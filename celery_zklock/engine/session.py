@@ -22,6 +22,7 @@ import itertools
 import logging
 import threading
 import weakref
+from fractions import Fraction
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
@@ -36,10 +37,34 @@ from . import clock, group_commit, kazoo_compat
 #: Errors after which a request may be sent again on the same session.
 RETRYABLE = (ConnectionLoss, OperationTimeoutError)
 
+#: The timing margin, as a share of the session timeout, that every "trust it this long"
+#: rule of the package counts: a holder's suspended grace, a write reply's worth as a
+#: proof (the lease's "older proof", the elected beat's tick), a claimer's trust in a
+#: silent lock agent, the bound on a beat's stuck tick and on each of its ledger requests.
+#: Why a third: kazoo's and Curator's convention for a suspended connection (kazoo notices
+#: a cut only after two thirds of the session timeout and cannot learn of an expiry while
+#: cut off, so a holder must give up before the last third), and the lease argument of
+#: docs/waiting.md ("The lease"): ZooKeeper cannot expire the session until a full session
+#: timeout after it last heard from us, so a proof sent less than a third ago leaves two
+#: thirds for acting on it.  Read it through :func:`session_margin`.
+SESSION_MARGIN = Fraction(1, 3)
+
+
+def session_margin(session_timeout: float) -> float:
+    """:data:`SESSION_MARGIN` of ``session_timeout`` (seconds): how long a proof, a
+    suspension or an agent's silence may last before it is no longer trusted.  Pass the
+    session timeout the rule is about (the negotiated one, where known:
+    :func:`celery_zklock.engine.kazoo_compat.session_timeout`).  Computed as
+    ``session_timeout / 3``, exactly as every user did before it was named."""
+    return session_timeout * SESSION_MARGIN.numerator / SESSION_MARGIN.denominator
+
+
 #: A request unanswered for this fraction of the negotiated session timeout drops the
 #: connection (:meth:`SessionMonitor._watch_replies`).  Why a third: the holder's grace
-#: (another third) then runs out before ZooKeeper can expire the session, with room left
-#: for the check's own period (a quarter of this): lost by 3/4 of the session timeout.
+#: (another third, :data:`SESSION_MARGIN`) then runs out before ZooKeeper can expire the
+#: session, with room left for the check's own period (a quarter of this): lost by 3/4 of
+#: the session timeout.  Its own budget item, not :data:`SESSION_MARGIN`: a larger margin
+#: must shrink this one (the two and the check's period add up to 3/4), not follow it.
 UNANSWERED_FOR = 1 / 3
 
 logger = logging.getLogger("celery_zklock.engine.session")

@@ -16,6 +16,7 @@ import select
 import threading
 import time
 
+from ..engine.session import session_margin
 from .agent_link import BYPASSED, CARRIED, ENV, ClaimAnswer, Connection, Verdict
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
@@ -300,7 +301,7 @@ def silence_grace(requested: float, verdict: dict) -> float:
     short; trusting a third of the request could outlast the session itself."""
     granted = verdict.get("session_timeout")
     session = requested if granted is None else min(requested, float(granted))
-    return session / 3.0
+    return session_margin(session)
 
 
 def carried_grant(request) -> dict | None:

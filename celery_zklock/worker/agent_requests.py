@@ -261,13 +261,13 @@ class Requests:
             if other is not cohort and other.queue:
                 self.post(other.pump)
 
-    def came_first_elsewhere(self, cohort: Cohort, wait: Wait) -> bool:
-        """Does a request that arrived before ``wait`` wait in another cohort of the same path
-        (its readers', its writers')?  A local handoff must not pass it: across modes, FIFO
-        among this worker's requests is ZooKeeper's queue order, and the other cohort's node
-        queues behind the node being passed.  At most a few cohorts share a path."""
-        return any(other is not cohort and other.queue and other.queue.first().started < wait.started
-                   for other in self.on_path.get(cohort.path, ()))
+    def earliest_elsewhere(self, cohort: Cohort) -> float | None:
+        """When the earliest request of this worker that waits for ``cohort``'s path in another
+        cohort (its readers', its writers') came; None when none waits.  No node of ours may
+        pass it (:meth:`Cohort.pump`, a local handoff): across modes, FIFO among this worker's
+        requests is ZooKeeper's queue order.  At most a few cohorts share a path."""
+        return min((other.queue.first().started for other in self.on_path.get(cohort.path, ())
+                    if other is not cohort and other.queue), default=None)
 
     def _deadline(self, wait: Wait) -> None:
         if wait.done or wait.verdict is not None or wait.current is None:

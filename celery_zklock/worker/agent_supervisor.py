@@ -27,6 +27,7 @@ import time
 from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
+from ..engine.session import session_margin
 from ..process_records import process_record, record_alive
 from .agent_link import AGENT_DIR_PREFIX, ENV, HEARTBEAT, OWNER, SOCKET, LineReader, Verdict, encode, socket_path
 
@@ -433,6 +434,6 @@ class AgentSupervisor:
             self.last_ping = now
         self.last_check = now
         silent = now - self.last_ping
-        if self.sock is not None and silent > max(2.0, _agent.settings.session_timeout / 3) and _agent.alive:
+        if self.sock is not None and silent > max(2.0, session_margin(_agent.settings.session_timeout)) and _agent.alive:
             logger.error("celery-zklock: the lock agent has been silent for %.1fs; killing it", silent)
             _agent.kill()  # its socket closes: _readable sees the end and restarts it

@@ -16,13 +16,13 @@ docs/waiting.md.  Everything here runs on the agent's one event thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, takewhile
 from typing import Any, Callable, Protocol
 
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
-from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof
+from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof, session_margin
 from ..engine.znodes import NodeKind, exclusive_kind, fencing_token, sequence_of
 from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
@@ -43,7 +43,7 @@ class CohortHost(Protocol):
     def on_timed_out(self, wait, path: str) -> None: ...
     def on_failed(self, wait, exc: BaseException) -> None: ...
     def on_slot_lost(self, wait) -> None: ...
-    def came_first_elsewhere(self, cohort: "Cohort", wait) -> bool: ...
+    def earliest_elsewhere(self, cohort: "Cohort") -> float | None: ...
 
 
 @dataclass(eq=False)
@@ -175,7 +175,13 @@ class Cohort:
         settings = self.host.settings
         return (passes_locally(slot.grants, slot.since or 0.0, now, slot.foreign, settings.cohort_handoffs,
                                settings.cohort_hold)
-                and not self.host.came_first_elsewhere(self, wait))
+                and not self._passes_over(wait))
+
+    def _passes_over(self, wait) -> bool:
+        """Would serving ``wait`` now pass a request of this worker that came first for the
+        path in another mode (a writer past earlier readers, a reader past an earlier writer)?"""
+        earliest = self.host.earliest_elsewhere(self)
+        return earliest is not None and earliest < wait.started
 
     def _on_passed(self, proof, slot: Slot, wait, sent: float) -> None:
         on_ready(proof, lambda result: self.host.post(self._passed, slot, wait, sent, result))
@@ -194,7 +200,7 @@ class Cohort:
         bounded = False  # the streak reached its bound while the proof was out: the node goes
         if written and slot in self.slots and slot.held and not left:
             now = self.clock()
-            if now - sent >= kazoo_compat.session_timeout(self.host.client) / 3:
+            if now - sent >= session_margin(kazoo_compat.session_timeout(self.host.client)):
                 return self._on_passed(self._prove(slot, rename=wait.identity), slot, wait, now)
             if self._passes_on(slot, now, wait):
                 slot.handing_on, slot.holder = False, None
@@ -223,19 +229,21 @@ class Cohort:
         for slot in list(self.slots):
             if slot.holder is None and slot.held:
                 nxt = self._next_waiter()
-                if nxt is None:
+                if nxt is None or self._passes_over(nxt):
                     self._drop_slot(slot)
                 else:
                     self._grant(slot, nxt)
         pending = [s for s in self.slots if s.holder is None]
         want = max(0, min(len(self.queue), self.max_holders - self.busy))
-        # No new node while a request of this worker that came first waits for this path in
-        # another mode (a reader beyond the pool's worth of read nodes, a writer): ours would
-        # queue ahead of the node it is still to get.  The other cohort pumps this one as its
-        # waiters are granted or leave (Requests.on_granted, let_go).
-        if len(pending) < want and not self.host.came_first_elsewhere(self, self.queue.first()):
-            while len(pending) < want:
-                pending.append(self._new_slot())
+        # New nodes only for waiters that came before every request of this worker waiting
+        # for this path in another mode (a reader beyond the pool's worth of read nodes, a
+        # writer): a later one's node would queue ahead of the node that request is still to
+        # get.  The other cohort pumps this one as its waiters are granted or leave.
+        earliest = self.host.earliest_elsewhere(self)
+        made = want if earliest is None else sum(
+            1 for _ in takewhile(lambda wait: wait.started < earliest, islice(self.queue, want)))
+        while len(pending) < made:
+            pending.append(self._new_slot())
         for slot in pending[want:]:
             if slot.attempt.state not in (State.HELD, State.HELD_SUSPENDED):
                 self._drop_slot(slot)

@@ -171,3 +171,42 @@ def test_a_downgraded_hold_lost_is_lost_for_its_reads_and_a_new_write_is_whole(z
     assert rw.read.release() is False  # lost with the node
     assert zk_client.exists(node) is not None and rw.write.is_held()
     assert rw.write.release() is True and children(zk_client, path) == []
+
+
+def test_another_threads_write_waits_out_a_downgrade_and_leaves_its_reads_alone(zk_client, path):
+    """Found by review: another thread's write acquire during the owner's downgrade wiped the
+    owner's carried reads, and the write node stayed in the queue for good."""
+    rw = ReadWriteLock(zk_client, path)
+    assert rw.write.acquire(timeout=5) and rw.read.acquire(timeout=0)
+    rw.write.release()  # downgraded
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(rw.write.acquire(timeout=0.5)))
+    t.start()
+    t.join(5)
+    assert got == [False] and rw.read.is_held()
+    assert rw.read.release() is True and children(zk_client, path) == []
+
+
+def test_a_write_retaken_after_its_node_was_lost_does_not_carry_the_lost_reads(zk_client, path):
+    """Found by review: reads carried on a lost write node were counted against the next one,
+    and their release deleted it with a false proof."""
+    rw = ReadWriteLock(zk_client, path)
+    assert rw.write.acquire(timeout=5) and rw.read.acquire(timeout=0)
+    zk_client.delete(rw.write.node)
+    wait_until(lambda: not rw.write.is_held(), 5, what="the loss to be seen")
+    assert rw.write.acquire(timeout=5)
+    assert not rw.read.is_held() and rw.read.release() is False
+    assert rw.write.is_held() and rw.write.release() is True
+    assert children(zk_client, path) == []
+
+
+def test_a_read_lost_but_not_released_still_refuses_the_upgrade(zk_client, path):
+    """Its node may still queue ahead of the write it would queue: the write would wait for itself."""
+    rw = ReadWriteLock(zk_client, path)
+    assert rw.read.acquire(timeout=5)
+    zk_client.delete(rw.read.node)
+    wait_until(lambda: not rw.read.is_held(), 5, what="the loss to be seen")
+    with pytest.raises(LockUpgradeRefused):
+        rw.write.acquire(timeout=1)
+    assert rw.read.release() is False
+    assert rw.write.acquire(timeout=5) and rw.write.release()

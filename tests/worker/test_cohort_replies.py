@@ -55,8 +55,8 @@ class Host:
     def on_next(self, wait, ours=True, streak_left=None) -> None:
         pass
 
-    def came_first_elsewhere(self, cohort, wait) -> bool:
-        return False
+    def earliest_elsewhere(self, cohort) -> float | None:
+        return None
 
     def on_slot_lost(self, wait) -> None:
         wait.lost = True

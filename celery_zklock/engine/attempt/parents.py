@@ -50,12 +50,11 @@ class Makers:
             waiting.append(resume)
             return True
 
-    def end(self, key: tuple[str, str]) -> None:
-        """The making answered: the attempts that waited create, in the order they came."""
+    def end(self, key: tuple[str, str]) -> list[Callable[[], None]]:
+        """The making answered: the attempts that waited, to resume in the order they came
+        (after the maker's own create, if it sends one again: it came first)."""
         with self._guard:
-            waiting = self._waiting.pop(key, [])
-        for resume in waiting:
-            resume()
+            return self._waiting.pop(key, [])
 
 
 MAKERS = Makers()
@@ -114,17 +113,30 @@ class KeyParent:
         znodes.mark_containers_work(client)
 
     def _on_multi(self, session, result) -> None:
+        """The multi answered: ours first (made, or sent again), then the attempts that waited
+        for it (:class:`Makers`), in the order they came."""
+        at = self.attempt
+        try:
+            container, ours = result.get()
+        except Exception:
+            container = ours = None
+        if isinstance(ours, tuple) or isinstance(container, NodeExistsError):
+            RECENT.add(at.lk.path)  # the key is there: the waiting attempts' creates are plain ones
+        waiting = MAKERS.end(self._key())
+        try:
+            self._answered(session, result)
+        finally:
+            for resume in waiting:
+                resume()
+
+    def _answered(self, session, result) -> None:
         """Both made, or neither: a rollback by another key's op, or a container that existed
         after all, sends the create again (the pipelined path)."""
         at = self.attempt
         try:
             container, ours = result.get()
         except Exception:
-            MAKERS.end(self._key())  # they try on their own
             return at.on_created(session, None, result)  # connection trouble: as for a create
-        if isinstance(ours, tuple) or isinstance(container, NodeExistsError):
-            RECENT.add(at.lk.path)  # the key is there: the waiting attempts' creates are plain ones
-        MAKERS.end(self._key())  # whatever the answer, they create now, in the order they came
         if isinstance(ours, tuple):
             # ZooKeeper answers a create inside a multi with its path only, but every node a
             # multi creates shares the transaction's zxid: the container's czxid is ours.
