@@ -338,7 +338,9 @@ class AgentSupervisor:
         self.sock = sock
         self.outbox = Outbox(sock, self.c.hub)
         self.reader = LineReader()
-        self.last_ping = time.monotonic()
+        # Listening from now: a first check after a stop of the whole worker, before any
+        # check ran, must see the gap (a SIGSTOP right after start killed a healthy agent).
+        self.last_check = self.last_ping = time.monotonic()
         self._send({"op": "hello", "role": "main", "pid": os.getpid()})
         self.c.hub.add_reader(sock.fileno(), self._readable)
 
@@ -427,7 +429,7 @@ class AgentSupervisor:
         if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
             self._readable()  # pings may be waiting behind a long task (solo pool)
         now = time.monotonic()
-        if not_listening(now - getattr(self, "last_check", now)):
+        if not_listening(now - self.last_check):
             # This process itself did not run (the whole worker SIGSTOPped, a swap storm, a
             # long task in a solo pool): the agent's silence was not heard, not proven.  It
             # is judged from now on (before: a worker resumed after a stop killed its agent).

@@ -67,7 +67,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self.sock: socket.socket | None = None
         self.outbox = None  # what waits to be written to the agent (agent_supervisor.Outbox)
         self.reader = LineReader()
-        self.last_ping = time.monotonic()
+        self.last_check = self.last_ping = time.monotonic()  # the agent's liveness (agent_supervisor._check_agent)
         self.timers: list = []
         self.restart_delay = 0.0  # backoff of the agent's restart while ZooKeeper is unreachable
         self.counted: set[str] = set()  # held ids kept out of the prefetch window (it was raised for them)
