@@ -132,6 +132,33 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_quick_rwlock_bench_writes_every_scenario_and_contender(tmp_path):
+    """``python -m bench.rwlock --quick``: the read/write lock benchmark (issue 62), on its own."""
+    proc = subprocess.run([sys.executable, "-m", "bench.rwlock", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads((tmp_path / "rwlock.json").read_text())
+    assert results["quick"] is True
+    sc = results["scenarios"]
+    ours, mutex, kazoo = "ours ReadWriteLock", "ours FairLock (mutex)", "kazoo ReadLock/WriteLock"
+    for scenario, contenders in (("readers", (ours, mutex, kazoo)), ("mix", (ours, kazoo)),
+                                 ("scale_readers", (ours, kazoo)), ("scale_keys", (ours, kazoo))):
+        for contender in contenders:
+            row = sc[scenario][contender]
+            for field in ("per_s", "read_acquire_p50_ms", "client_cpu_ms_per_acq", "zk_cpu_ms_per_acq",
+                          "zk_requests_per_acq"):
+                assert is_number(row[field]), (scenario, contender, field, row[field])
+            assert row["exclusion_violations"] == 0 and row["timeouts"] == 0, (scenario, contender, row)
+    assert sc["readers"][mutex]["max_holders_at_once"] == 1
+    for contender in (ours, kazoo):
+        assert is_number(sc["mix"][contender]["write_acquire_p50_ms"]), contender
+    for cell in sc["writer_queue"].values():
+        for contender in (ours, kazoo):
+            for field in ("last_release_to_grant_ms", "wakeups", "children_reads", "zk_requests"):
+                assert is_number(cell[contender][field]), (contender, field, cell[contender][field])
+    assert "## 4. Scale" in (tmp_path / "rwlock.md").read_text()
+
+
 def rows_agent(results) -> float:
     return results["scenarios"]["overhead"]["contenders"]["zklock"]["cpu_worker_agent_ms_per_task"]
 
@@ -168,3 +195,16 @@ def test_fairness_stats_counts_a_repeat_only_over_a_steady_waiter():
     # The only request "overtaken" is process 1's first one, stamped at the barrier: not a repeat.
     barrier_only = [[[(0.0, 0.0, 1.0), (1.0, 1.1, 2.0)], [(0.5, 2.1, 3.0)]]]
     assert fairness_stats(barrier_only)["same_holder_pct"] == 0
+
+
+def test_rwlock_concurrency_counts_only_a_write_overlapping_as_a_violation():
+    """Pure logic of bench.rwlock's exclusion check: (key, write, request, acquire, release) per hold."""
+    from bench.rwlock import concurrency
+
+    readers = [("k", False, 0.0, 0.0, 2.0), ("k", False, 0.0, 1.0, 3.0), ("k", False, 0.0, 1.5, 4.0)]
+    assert concurrency(readers) == {"max_holders_at_once": 3, "exclusion_violations": 0}
+    # A write after the readers, then a read inside the write, then one on another key.
+    mixed = readers + [("k", True, 0.0, 4.5, 6.0), ("k", False, 0.0, 5.0, 5.5), ("j", False, 0.0, 5.0, 5.5)]
+    assert concurrency(mixed)["exclusion_violations"] == 1
+    # A write that begins while a read still holds.
+    assert concurrency(readers + [("k", True, 0.0, 3.5, 5.0)])["exclusion_violations"] == 1
