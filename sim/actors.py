@@ -18,6 +18,7 @@ from collections import deque
 from celery_zklock.config import load_settings
 from celery_zklock.engine.internals import LockInternals, State
 from celery_zklock.engine.kazoo_compat import on_ready
+from celery_zklock.engine.znodes import NodeKind
 from celery_zklock.worker.agent import Agent
 from celery_zklock.worker.agent_link import HEARTBEAT
 from celery_zklock.worker.agent_lock import starts_on_carried
@@ -604,14 +605,16 @@ class Contender:
     ``LockInternals``, as a library user of ``FairLock`` holds it) or a kazoo-style one (the
     same protocol under kazoo's node names, ``<uuid>__lock__<seq>``)."""
 
-    def __init__(self, run, name: str, style: str, keys: list[str]) -> None:
+    shared = False  # its hold excludes everyone (the checks' Exclusion)
+
+    def __init__(self, run, name: str, style: str, keys: list[str], session: float = 4.0) -> None:
         self.run = run
         self.world = run.world
         self.name = name
         self.style = style
         self.keys = keys
         self.proc = Proc(self.world, self.world.host(name), name)
-        self.client = SimClient(self.world, run.server, self.proc, f"{name}.zk", 4.0)
+        self.client = SimClient(self.world, run.server, self.proc, f"{name}.zk", session)
         self.rng = self.world.rng(name)
         self.thread = Thread(self.proc, "main")
         self.attempt = None
@@ -659,3 +662,60 @@ class Contender:
 
     def _again(self) -> None:
         self.world.at(self.world.now + self.rng.uniform(0.01, 0.5), f"{self.name}.next", self._next, proc=self.proc)
+
+
+class RwContender(Contender):
+    """A reader or a writer of a read/write lock (issue 62), driven at the engine's level as
+    :class:`~celery_zklock.engine.rwlock.ReadWriteLock`'s sides take it:
+    ``LockInternals(..., kind=READ)`` (a reader: holds while no exclusive node queues ahead,
+    watches the nearest one) or ``kind=WRITE`` (a writer: waits for everyone ahead).  Style
+    ``ours`` names its nodes as Curator does (``_c_<uuid>-__READ__<seq>``, ``-__WRIT__``);
+    ``kazoo`` as kazoo's ``ReadLock`` and ``WriteLock`` do (``<uuid>__rlock__<seq>``,
+    ``<uuid>__lock__<seq>``), with the same rule.  Readers come back every few ms to tens of
+    ms (readers keep arriving: a writer must not starve); timeouts are few, so a wait that
+    never ends shows (the checks' *Writer not starved* and *Readers share*)."""
+
+    def __init__(self, run, name: str, role: str, style: str, keys: list[str], session: float) -> None:
+        self.role = role
+        self.shared = role == "reader"
+        super().__init__(run, name, style, keys, session)
+
+    def waiting(self):
+        """(path, our node's name, its czxid) while our attempt waits in the queue, else None."""
+        at = self.attempt
+        if at is None or at.finished or at.state is not State.WAITING or at.node is None:
+            return None
+        return self.path, at.node, at.czxid
+
+    def _next(self) -> None:
+        if not self.active or not self.proc.alive:
+            return
+        self.path = self.rng.choice(self.keys)
+        kind = NodeKind.READ if self.shared else NodeKind.WRITE
+        internals = LockInternals(self.client, self.path, 1, self.name.encode(), kind=kind)
+        if self.style == "kazoo":
+            internals.prefix = f"{uuid.uuid4().hex}{'__rlock__' if self.shared else '__lock__'}"
+        timeout = self.rng.choice((None, None, None, 0.0, 2.0))
+        deadline = None if timeout is None else self.proc.monotonic() + timeout
+        self.attempt = attempt = internals.attempt(deadline)
+        on_ready(attempt.result, lambda r: self.thread.put(self._decided, attempt, r))
+
+    def _decided(self, attempt, result) -> None:
+        if attempt is not self.attempt:
+            return
+        try:
+            held = result.get()
+        except Exception:
+            held = False
+        if held:
+            self.holding = True
+            self.run.checks.granted_peer(self.name, self.path, attempt, self.client, shared=self.shared)
+            holds = (0.002, 0.02, 0.1, 0.5) if self.shared else (0.002, 0.01, 0.05, 0.2)
+            self.world.at(self.world.now + self.rng.choice(holds), f"{self.name}.release", self._release, attempt,
+                          proc=self.proc)
+        else:
+            self._again()
+
+    def _again(self) -> None:
+        gap = (0.002, 0.08) if self.shared else (0.05, 0.4)
+        self.world.at(self.world.now + self.rng.uniform(*gap), f"{self.name}.next", self._next, proc=self.proc)

@@ -361,6 +361,9 @@ class SimTask:
     def lock_paths(self, args, kwargs, opts):
         return [args[0]]
 
+    def lock_read_paths(self, args, kwargs, opts=None, request=None):
+        return frozenset()  # the modelled task writes its key (lock_mode "write")
+
     def lock_keys(self, args, kwargs):
         return (args[0],)
 

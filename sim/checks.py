@@ -21,6 +21,15 @@ its agent not silent past the grace it was given.  The server's tree is the trut
 * **Place kept** (every delete a worker sends): a node of a worker whose local queue for
   the key is not empty is deleted only once another node of that worker for the key exists
   or is being created: the streak's end keeps its waiters' place.
+* **Readers and writers** (every event; issue 62's read/write actors, sim/actors.RwContender):
+  a write hold overlaps no other hold of its path (the *Exclusion* above, with readers
+  sharing: a reader believes only while no exclusive node queues ahead of it on the server);
+  *readers share*: a reader whose node waits with no exclusive node ahead of it on the
+  server takes the lock within :data:`RW_NOTICE`; *writer not starved*: a writer first in
+  line holds within :data:`RW_NOTICE`, and one queued behind others within
+  :data:`STARVE_BASE` + :data:`STARVE_PER_NODE` per node ahead of it, counted from when no
+  fault is active, while readers keep arriving.  Queue order is the server's creation order
+  of the children, and a node's kind is read from its name here, not by the package.
 * At the end, after faults stop: **liveness** (every request decided and every pool
   process idle), **no leaks** (no request, cohort, subscriber, live timer or node of an
   agent left; no watch of its session left on the server) and **no orphan agent** (an
@@ -28,6 +37,8 @@ its agent not silent past the grace it was given.  The server's tree is the trut
 """
 
 from __future__ import annotations
+
+import re
 
 from celery_zklock.engine.internals import State
 from celery_zklock.engine.znodes import STREAK_BITS, sort_contenders
@@ -43,6 +54,22 @@ NOTICE = 0.15
 #: and this margin.
 SWEPT_WITHIN = 0.5
 SWEEP_EVERY = 1.0
+#: Read/write locks: a reader with no exclusive node ahead, or a writer with no node ahead,
+#: takes the lock within this long of the server's change (a watch's event, a children read
+#: and a few gaps), counted from when its process runs and its connection is healthy.
+RW_NOTICE = 0.2
+#: A queued writer holds within STARVE_BASE + STARVE_PER_NODE per node queued ahead of it
+#: (a reader's or writer's hold is at most 0.5 s, a worker's streak about 1 s), counted from
+#: when no fault is active.
+STARVE_BASE = 0.5
+STARVE_PER_NODE = 1.0
+#: A node that shares the lock with readers, by its marker (Curator's and ours, kazoo's):
+#: read here, not by the package under test (znodes.is_shared is what a mutant breaks).
+_SHARED = re.compile(r"(__READ__|__rlock__)-?[0-9]+$")
+
+
+def _shared(name: str) -> bool:
+    return _SHARED.search(name) is not None
 
 
 class Violation(BaseException):  # not swallowed by an "except Exception" in the code under test
@@ -58,6 +85,10 @@ class Checks:
         self.streaks: dict[str, list] = {}  # path -> [(owner, czxid), count, first counted, first grant]
         self.beliefs: dict = {}  # (process, token) -> when that belief began
         self.stats = {"grants": 0, "handoffs": 0, "leased": 0, "peer_grants": 0, "carried": 0}
+        self.last_exclusive: dict[str, int] = {}  # path -> the token of its last exclusive grant
+        self.rw: list = []  # the read/write actors (sim/actors.RwContender), set by the run
+        self.free_since: dict = {}  # (actor, czxid) -> when its node waited with nothing in its way
+        self.writer_waits: dict = {}  # actor name -> (its attempt, counted from, nodes ahead then)
 
     def fail(self, message: str) -> None:
         raise Violation(message)
@@ -67,12 +98,12 @@ class Checks:
         for worker in self.run.workers:
             for pool in worker.pools + worker.dead_pools:
                 belief = pool.belief()
-                if belief is not None:
-                    yield pool.proc, worker.agent_proc, belief
+                if belief is not None:  # a pool process reads when its node is a read node
+                    yield pool.proc, worker.agent_proc, belief, bool(belief[1]) and _shared(belief[1])
         for contender in self.run.contenders:
             belief = contender.belief()
             if belief is not None:
-                yield contender.proc, contender.proc, belief
+                yield contender.proc, contender.proc, belief, contender.shared
 
     def observe(self, _who) -> None:
         pass  # every event is checked anyway (step)
@@ -86,13 +117,13 @@ class Checks:
     def step(self) -> None:
         by_path: dict[str, list] = {}
         seen = {}
-        for proc, agent_proc, (path, node_path, token) in self.believers():
+        for proc, agent_proc, (path, node_path, token), shared in self.believers():
             # When this belief began: a grant may be taken on a node already gone (a waiting
             # node deleted by hand, then its turn came), and is told from then on.
             began = seen[(proc.name, token)] = self.beliefs.get((proc.name, token), self.world.now)
             node = self._alive(node_path, token)
             if node is not None:
-                by_path.setdefault(path, []).append((proc, node_path, token))
+                by_path.setdefault(path, []).append((proc, node_path, token, shared))
                 continue
             gone = self.server.gone.get((node_path, (token or 0) >> STREAK_BITS))
             if gone is None:
@@ -109,15 +140,96 @@ class Checks:
                           f"{self.world.now - gone[0]:.2f} s after the node was {gone[1]}")
         self.beliefs = seen
         for path, holders in by_path.items():
+            exclusive = [h for h in holders if not h[3]]
+            if len(exclusive) < len(holders):  # readers share: judged by what queues ahead of them
+                self._readers_hold(path, holders, exclusive)
+                continue
             if len(holders) > 1:
-                names = ", ".join(f"{p.name} ({n}, token {t})" for p, n, t in holders)
+                names = ", ".join(f"{p.name} ({n}, token {t})" for p, n, t, _s in holders)
                 self.fail(f"two holders of {path}, both on live nodes: {names}")
-            _proc, node_path, _token = holders[0]
+            _proc, node_path, _token, _shared_hold = holders[0]
             parent = self.server.nodes.get(path)
             first = sort_contenders(parent.children)[0] if parent is not None and parent.children else None
             if first is None or f"{path}/{first}" != node_path:
                 self.fail(f"{holders[0][0].name} believes it holds {path} through {node_path}, "
                           f"but the server's first contender is {first}")
+        if self.rw:
+            self._rw_waits()
+
+    # ------------------------------------------------------------------ read/write locks
+    def _ahead(self, path: str, name: str) -> list[str] | None:
+        """The children queued ahead of ``name`` on the server (its creation order), or None
+        if ``name`` is not there."""
+        parent = self.server.nodes.get(path)
+        if parent is None or name not in parent.children:
+            return None
+        ahead = []
+        for child in parent.children:
+            if child == name:
+                return ahead
+            ahead.append(child)
+        return None
+
+    def _readers_hold(self, path: str, holders: list, exclusive: list) -> None:
+        """Readers among the believers of ``path``: no write (or mutex) hold beside them, and
+        none of them with an exclusive node queued ahead of it."""
+        if exclusive:
+            writer = exclusive[0]
+            readers = ", ".join(f"{p.name} ({n.rsplit('/', 1)[1]})" for p, n, _t, s in holders if s)
+            self.fail(f"a write hold overlaps reads of {path}: {writer[0].name} holds it through "
+                      f"{writer[1].rsplit('/', 1)[1]} (token {writer[2]}) while {readers} read it")
+        for proc, node_path, _token, _s in holders:
+            name = node_path.rsplit("/", 1)[1]
+            ahead = self._ahead(path, name) or []
+            blocking = [n for n in ahead if not _shared(n)]
+            if blocking:
+                self.fail(f"{proc.name} reads {path} through {name} while {blocking[-1]} (exclusive) "
+                          f"queues ahead of it: a write hold would overlap its read")
+
+    def _healthy_since(self, actor, since: float) -> float:
+        return max(since, actor.proc.thaw_time(), actor.client.last_trouble)
+
+    def _rw_waits(self) -> None:
+        """Readers share (a reader waits only for an exclusive node ahead), a writer first in
+        line takes the lock, and a queued writer is not starved."""
+        now = self.world.now
+        free, waits = {}, {}
+        calm = now >= self.run.fault_until
+        for actor in self.rw:
+            waiting = actor.waiting()
+            if waiting is None:
+                kept = self.writer_waits.get(actor.name)
+                if kept is not None and kept[0] is actor.attempt and not actor.attempt.finished:
+                    waits[actor.name] = kept  # queueing again (its node lost): still the same wait
+                continue
+            path, name, czxid = waiting
+            node = self.server.nodes.get(f"{path}/{name}")
+            ahead = self._ahead(path, name) if node is not None and node.czxid == czxid else None
+            if ahead is None:
+                continue  # its node is gone: the attempt queues again once it hears
+            in_way = [n for n in ahead if not _shared(n)] if actor.shared else ahead
+            if not in_way:
+                since = free[(actor.name, czxid)] = self.free_since.get((actor.name, czxid), now)
+                if now - self._healthy_since(actor, since) > RW_NOTICE:
+                    if actor.shared:
+                        self.fail(f"{actor.name} (a reader) still waits for {path} through {name}, "
+                                  f"{now - since:.3f} s after no exclusive node queued ahead of it "
+                                  f"(readers never wait for readers; ahead: {ahead[-3:]})")
+                    self.fail(f"{actor.name} (a writer) still waits for {path} through {name}, "
+                              f"{now - since:.3f} s after it became first in line")
+            if actor.shared or not calm:
+                continue
+            record = self.writer_waits.get(actor.name)
+            if record is None or record[0] is not actor.attempt or record[1] < self.run.fault_until:
+                record = (actor.attempt, max(node.ctime, self.run.fault_until), len(ahead))
+            waits[actor.name] = record
+            bound = STARVE_BASE + STARVE_PER_NODE * record[2]
+            if now - record[1] > bound:
+                self.fail(f"{actor.name} (a writer) starved: waiting for {path} through {name} "
+                          f"{now - record[1]:.2f} s since no fault is active, with {record[2]} node(s) "
+                          f"ahead of it then (bound {bound:.1f} s); ahead now: {ahead[-3:]}")
+        self.free_since = free
+        self.writer_waits = waits
 
     def _client(self, agent_proc):
         for worker in self.run.workers:
@@ -133,6 +245,10 @@ class Checks:
             if worker.agent_proc is agent_proc:
                 return worker.client.server.sessions.get(worker.client._session_id, None).timeout \
                     if worker.client._session_id in worker.client.server.sessions else 4.0
+        for contender in self.run.contenders:
+            if contender.proc is agent_proc:
+                session = self.server.sessions.get(contender.client._session_id)
+                return session.timeout if session is not None else 4.0
         return 4.0
 
     def bookkeeping(self, agent) -> None:
@@ -177,20 +293,23 @@ class Checks:
                 self.fail(f"{pool.proc.name} starts {pool.req['id']} on its carried grant of {path} "
                           f"through {node_path}, a node that is gone ({why})")
 
-    def granted_peer(self, name: str, path: str, attempt, client) -> None:
+    def granted_peer(self, name: str, path: str, attempt, client, shared: bool = False) -> None:
         self.stats["peer_grants"] += 1
-        self._token(path, f"{path}/{attempt.node}", attempt.token, name)
+        self._token(path, f"{path}/{attempt.node}", attempt.token, name, shared)
 
-
-    def _token(self, path: str, node_path: str, token: int, who: str) -> None:
+    def _token(self, path: str, node_path: str, token: int, who: str, shared: bool = False) -> None:
+        """Exclusive grants: above every token granted before on the path.  A read's: above
+        the last exclusive grant's (readers share, in any order among themselves)."""
         if token >= 2 ** 53:
             self.fail(f"{who}: token {token} of {path} is not below 2^53")
         if self._alive(node_path, token) is None:
             return  # granted on a node already gone: "told" judges that holder
-        last = self.last_token.get(path)
+        last = self.last_exclusive.get(path) if shared else self.last_token.get(path)
         if last is not None and token <= last:
             self.fail(f"{who}: token {token} for {path} after token {last}: tokens must increase")
-        self.last_token[path] = token
+        self.last_token[path] = max(token, self.last_token.get(path, token))
+        if not shared:
+            self.last_exclusive[path] = token
 
     def _streak(self, path: str, owner: str, node_path: str, session: int | None, settings, client=None) -> None:
         """Grants through one node of a worker while a contender queued behind that node
@@ -349,7 +468,7 @@ class Checks:
         if worker.client.in_listener:
             return  # a reconnection resumes every attempt in turn: its deletes and creates go together
         key = path.rsplit("/", 1)[0]
-        cohort = next((c for (p, _m), c in worker.agent.requests.cohorts.items() if p == key), None)
+        cohort = next((c for c in worker.agent.requests.cohorts.values() if c.path == key), None)
         if cohort is None or not cohort.queue:
             return
         session = worker.client._session_id
@@ -390,6 +509,14 @@ class Checks:
                 problems.append(f"{worker.name}: watches of its session left on the server: {watches[:3]}")
         if not problems and self.run.broker is not None:
             problems += self.held_at_end()
+        for actor in self.rw if not problems else ():
+            if actor.attempt is not None and not actor.attempt.result.ready():
+                problems.append(f"{actor.name}'s {actor.role} attempt on {actor.path} never decided "
+                                f"(state {actor.attempt.state.value}, node {actor.attempt.node})")
+            session = actor.client._session_id
+            left = [p for p, n in self.server.nodes.items() if n.owner == session and session is not None]
+            if left:
+                problems.append(f"{actor.name}: its nodes are left on the server: {left[:3]}")
         if problems:
             self.fail("at quiescence: " + "; ".join(problems[:4]))
 

@@ -318,7 +318,7 @@ MUTANTS = [
            "write answers: handoffs decided before another contender was seen (their replies held back by a "
            "partition) all go through, past the bound",
            "worker/cohort.py",
-           "            if self._passes_on(slot, now):\n",
+           "            if self._passes_on(slot, now, wait):\n",
            "            if True:\n",
            killer="tests/worker/test_cohort_streak.py::"
                   "test_a_handoff_decided_before_a_contender_was_seen_is_judged_again_at_its_proofs_answer"),
@@ -418,6 +418,32 @@ MUTANTS = [
            "worker/worker_queue.py",
            "            returned = sum(returned_to_broker(req) for req in held)\n",
            "            returned = sum(returned_to_broker(req) or True for req in held)\n"),
+    # Read/write locks (issue 62), found in the scenarios readers-writers, readers-writers-wrap
+    # and readers-beside-a-worker (the random seeds have no readers):
+    Mutant("reader-ignores-writer", "63. a reader takes a writer's node ahead of it for a reader's: it reads beside "
+           "the write hold, or ahead of a waiting writer",
+           "engine/driver.py",
+           "            if not is_shared(name) and (nearest is None or distance > nearest[0]):\n",
+           "            if not is_shared(name) and \"__WRIT__\" not in name and (nearest is None or distance > nearest[0]):\n"),
+    Mutant("writer-watches-like-a-reader", "64. a writer watches what a reader would (the nearest exclusive node ahead): "
+           "with only readers left ahead it watches nothing, and waits for good though first in line",
+           "engine/internals.py",
+           "            return reader_gets_the_lock(children, node)\n"
+           "        return gets_the_lock(children, node, self.max_holders)\n",
+           "            return reader_gets_the_lock(children, node)\n"
+           "        if self.kind is znodes.NodeKind.WRITE:\n"
+           "            return gets_the_lock(children, node, 1)._replace(watch=reader_gets_the_lock(children, node).watch)\n"
+           "        return gets_the_lock(children, node, self.max_holders)\n"),
+    Mutant("rlock-exclusive", "65. kazoo's read nodes (__rlock__) read as exclusive: our readers wait for kazoo's "
+           "readers",
+           "engine/znodes.py",
+           "    return name.endswith(SHARED_MARKERS, 0, -10) or name.endswith(SHARED_MARKERS, 0, -11)\n",
+           "    return name.endswith(\"__READ__\", 0, -10) or name.endswith(\"__READ__\", 0, -11)\n"),
+    Mutant("reader-digits", "66. a reader orders the queue by the sequence's value, not modulo its wrap: past "
+           "2**31 - 1 a writer queued just before the wrap is behind it, and it reads beside that write",
+           "engine/driver.py",
+           "            continue\n        distance = (seq - origin) % SEQUENCE_WRAP - HALF_WRAP\n",
+           "            continue\n        distance = seq - mine\n"),
 ]
 
 #: Planted bugs that wait for a finding's fix before a scenario can prove them (none now):

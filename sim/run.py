@@ -28,13 +28,13 @@ from .zk_server import Server
 #: The seeds ``make sim`` runs in CI (1..CI_SEEDS, about 90 s on one core): every mutant
 #: of sim/mutants.py must be found among them.
 CI_SEEDS = 400
-#: Seeds per directed scenario in the CI run.
+#: Seeds per directed scenario in the CI run (unless its shape says "seeds").
 SCENARIO_SEEDS = 15
 
 #: Directed scenarios: a fixed shape and fault plan, where chance alone reaches a window
-#: too rarely (FoundationDB's "specific workloads").  Each runs SCENARIO_SEEDS seeds in CI;
-#: the seed still draws the load's timing, the settings and every gap.  A plan entry is
-#: (fault, at seconds, length in session timeouts).
+#: too rarely (FoundationDB's "specific workloads").  Each runs SCENARIO_SEEDS seeds in CI
+#: (or its "seeds"); the seed still draws the load's timing, the settings and every gap.  A
+#: plan entry is (fault, at seconds, length in session timeouts).
 SCENARIOS = {
     # The agent stopped right after reading a write's reply (the proof a handoff waits for),
     # past its session: the proof must not be used when it thaws.
@@ -117,6 +117,33 @@ SCENARIOS = {
                                          ("broker-cut", 3.4, 0.2, 0), ("broker-cut", 4.6, 0.1, 2),
                                          ("broker-cut-waiting", 1.5, 0.1, 1), ("broker-cut-waiting", 3.0, 0.3, 2),
                                          ("worker-stopped", 5.3, 1.0, 1), ("worker-killed", 5.6, 0.0, 2)]},
+    # Read/write locks (issue 62), at the engine's level (sim/actors.RwContender), with no
+    # worker: four readers (ours, kazoo's, either, either) back every few ms and three writers
+    # (ours, either, either) on two keys, sessions of 1 to 4 s.  A plan entry "rw-*" picks its
+    # reader or writer by its fourth field (readers first), else draws one; its length counts
+    # in that one's session: cut off (past its session too: it expires), stopped (SIGSTOP),
+    # its connection dropped just after a create, a watch or a delete is sent (the reply
+    # lost); an operator's deletes and a failover besides.  A schedule of the readers-*
+    # scenarios costs a tenth of a worker's: they run 40 seeds each ("seeds").
+    "readers-writers": {"workers": 0, "peers": 0, "keys": 1, "seeds": 40,
+                        "rw": {"keys": 2, "readers": ("ours", "kazoo", None, None), "writers": ("ours", None, None)},
+                        "plan": [("rw-partition", 0.8, 0.5), ("rw-drop", 1.2, 0.0, 3), ("rw-pause", 1.8, 0.3),
+                                 ("rw-partition", 2.4, 1.5), ("delete", 3.0, 0.0), ("rw-drop", 3.4, 0.0),
+                                 ("failover", 4.0, 0.2), ("rw-pause", 4.6, 1.5), ("rw-drop", 5.2, 0.0, 4)]},
+    # The same across the sequence's wraps (2**31 - 1 to -2**31, or -1 to 0: the seed picks),
+    # fewer faults: queue order, a reader's shared neighbours and the first child's shortcut
+    # past the wrap.
+    "readers-writers-wrap": {"workers": 0, "peers": 0, "keys": 1, "cversion_start": (2**31 - 40, -40), "seeds": 40,
+                             "rw": {"keys": 1, "readers": ("ours", "kazoo", None), "writers": ("ours", None)},
+                             "plan": [("rw-partition", 1.5, 1.5), ("rw-drop", 3.0, 0.0), ("delete", 4.5, 0.0)]},
+    # Readers and a writer on a worker's hot key: the worker's nodes (and its cohort's local
+    # handoffs) exclude readers as a writer does, and readers behind them are contenders its
+    # streak must yield to.
+    "readers-beside-a-worker": {"workers": 1, "pools": 2, "keys": 1, "rate": 30.0, "peers": 0, "session": 2.0, "seeds": 40,
+                                "long": 0.05, "long_holds": (0.06, 0.1, 0.3),
+                                "rw": {"beside_workers": True, "readers": ("ours", "kazoo"), "writers": ("ours",)},
+                                "plan": [("partition", 1.0, 0.5, 0), ("rw-partition", 2.0, 1.5), ("delete", 3.0, 0.0),
+                                         ("rw-drop", 3.5, 0.0), ("pause", 4.0, 0.5, 0)]},
 }
 
 #: Scenarios run with --scenario only (none now: the held-aside stalls joined SCENARIOS once
@@ -207,7 +234,7 @@ class Run:
     def __init__(self, seed: int, trace: bool = False, shape: dict | None = None) -> None:
         """``shape`` fixes parts of the scenario (workers, keys, pools, rate, faults: for
         bench/sim_scale.py); the seed draws the rest, and everything when it is None."""
-        from .actors import Contender, Worker
+        from .actors import Contender, RwContender, Worker
         from .checks import Checks
 
         self.seed = seed
@@ -256,10 +283,29 @@ class Run:
             worker.long_holds = shape.get("long_holds", worker.long_holds)
         for i in range(_fixed(shape, "peers", rng.choice((0, 0, 1, 2)))):
             self.contenders.append(Contender(self, f"peer{i + 1}", rng.choice(("curator", "kazoo")), self.keys))
+        self.rw_keys: list[str] = []
+        if shape.get("rw"):
+            self._readers_and_writers(shape["rw"])
+        self.checks.rw = [c for c in self.contenders if isinstance(c, RwContender)]
+        self.fault_until = 0.0  # when the last fault drawn so far ends (the checks' "no fault active")
         self.faults = []
         self.load = shape.get("load", LOAD)
         self._plan_load(rng)
         self._plan_faults(rng)
+
+    def _readers_and_writers(self, rw: dict) -> None:
+        """Issue 62's readers and writers (sim/actors.RwContender): on keys of their own, or
+        beside the workers' (``beside_workers``); each a style (``ours``: Curator's names,
+        ``kazoo``: kazoo's, None: drawn) and a session of 1, 2 or 4 s (drawn)."""
+        from .actors import RwContender
+
+        rng = self.world.rng("rw")  # its own stream: nothing else the seed draws moves
+        self.rw_keys = self.keys if rw.get("beside_workers") else [f"/zklock/sim/rw{i}" for i in range(rw["keys"])]
+        for role, styles in (("reader", rw["readers"]), ("writer", rw["writers"])):
+            for i, style in enumerate(styles):
+                style = style or rng.choice(("ours", "kazoo"))
+                session = rng.choice((1.0, 2.0, 4.0))
+                self.contenders.append(RwContender(self, f"{role[0]}{i + 1}", role, style, self.rw_keys, session))
 
     # ------------------------------------------------------------------ the plan
     def _plan_load(self, rng) -> None:
@@ -314,14 +360,18 @@ class Run:
         for index in range(count):
             kind = rng.choice(kinds)
             at = rng.uniform(0.2, LOAD)
-            worker = rng.choice(self.workers)
-            timeout = worker.client.server.sessions[worker.client._session_id].timeout
+            worker = rng.choice(self.workers) if self.workers else None
+            timeout = worker.client.server.sessions[worker.client._session_id].timeout if worker else 4.0
             length = rng.choice((0.05, 0.3, timeout * 0.5, timeout * 0.8, timeout * 1.5))
             r = rng.random()
             if plan is not None:
                 kind, at, share = plan[index][:3]
                 length = share * timeout
-                if len(plan[index]) > 3:
+                if kind.startswith("rw-"):  # a reader or writer (its index, else drawn), its own session
+                    rw = self.checks.rw
+                    worker = rw[plan[index][3] if len(plan[index]) > 3 else int(r * len(rw))]
+                    length = share * self.server.sessions[worker.client._session_id].timeout
+                elif len(plan[index]) > 3:
                     worker = self.workers[plan[index][3]]
             self.faults.append(kind)
             if index not in drop:
@@ -329,7 +379,21 @@ class Run:
 
     def _fault(self, kind: str, worker, length: float, r: float) -> None:
         world = self.world
-        if kind == "partition":
+        self.fault_until = max(self.fault_until, world.now + length)
+        if kind == "rw-partition":  # a reader or writer cut off (past its session: it expires)
+            worker.client.partition()
+            world.at(world.now + length, "faults", worker.client.heal)
+        elif kind == "rw-pause":  # a reader or writer stopped (SIGSTOP), holding or waiting
+            world.log(f"fault: {worker.proc.name} stopped (SIGSTOP) for {length:.2f} s")
+            worker.proc.pause(length)
+        elif kind == "rw-drop":
+            # Its connection drops right after its next create, watch or delete is sent: the
+            # request may be applied with its reply lost (a ghost node, a lost watch, a delete
+            # to resolve), and the connection comes back within the session.
+            op = (("create", False), ("get", True), ("delete", -1))[int(r * 3)]
+            world.log(f"fault: {worker.client.name}'s connection to drop at its next {op[0]}")
+            worker.client.drop_on_send = (op,)
+        elif kind == "partition":
             worker.client.partition()
             world.at(world.now + length, "faults", worker.client.heal)
         elif kind == "partition-peer" and self.contenders:
@@ -407,7 +471,7 @@ class Run:
 
             anyone = r >= 0.7
             held = []
-            for key in self.keys:
+            for key in self.keys + [k for k in self.rw_keys if k not in self.keys]:
                 parent = self.server.nodes.get(key)
                 if parent is not None and parent.children:
                     ordered = sort_contenders(parent.children)
@@ -436,7 +500,7 @@ class Run:
             if c.client.partitioned:
                 c.client.heal()
         calm = max([self.load, self.server.down_until] + [h.suspended_until for h in world.hosts.values()]
-                   + [w.agent_proc.paused_until for w in self.workers])
+                   + [w.agent_proc.paused_until for w in self.workers] + [c.proc.paused_until for c in self.contenders])
         world.run_until(calm)
         world.run_until(calm + SETTLE, stop=self._quiet)
         world.run_until(world.now + 5.0)  # containers swept, grace timers run out
@@ -523,8 +587,17 @@ def _schedules(args):
     for seed in range(args.first, args.first + args.seeds):
         yield seed, None
     for name in SCENARIOS if args.scenarios else ():
-        for seed in range(1, SCENARIO_SEEDS + 1):
+        for seed in range(1, SCENARIOS[name].get("seeds", SCENARIO_SEEDS) + 1):
             yield seed, name
+
+
+def _own_counts() -> str:
+    """The scenarios that run their own number of seeds, for the summary line."""
+    own: dict[int, list[str]] = {}
+    for name, shape in SCENARIOS.items():
+        if "seeds" in shape:
+            own.setdefault(shape["seeds"], []).append(name)
+    return "".join(f" ({', '.join(names)} x {n})" for n, names in sorted(own.items()))
 
 
 def _replay(seed: int, scenario: str | None, shape: dict | None = None) -> str:
@@ -546,7 +619,7 @@ def main(argv=None) -> int:
     parser.add_argument("--first", type=int, default=1, help="the first seed")
     parser.add_argument("--budget", type=float, help="seconds of wall time instead of a number of seeds")
     parser.add_argument("--no-scenarios", dest="scenarios", action="store_false",
-                        help=f"skip the directed scenarios ({SCENARIO_SEEDS} seeds each)")
+                        help=f"skip the directed scenarios ({SCENARIO_SEEDS} seeds each, or the scenario's own count)")
     parser.add_argument("--no-shrink", dest="shrink", action="store_false", help="report a violation unshrunk")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -596,7 +669,8 @@ def main(argv=None) -> int:
     if not args.quiet:
         what = (f"{args.seeds} seeds of scenario {args.scenario} from {args.first}" if args.scenario else
                 f"{args.seeds} random seeds from {args.first}"
-                f"{f', {len(SCENARIOS)} directed scenarios x {SCENARIO_SEEDS}' if args.scenarios else ''}")
+                f"{f', {len(SCENARIOS)} directed scenarios x {SCENARIO_SEEDS}' if args.scenarios else ''}"
+                f"{_own_counts() if args.scenarios else ''}")
         print(f"sim: {done} schedules ({what}) in "
               f"{elapsed:.1f} s: {done / elapsed:.1f} schedules/s, {events / max(done, 1):.0f} events/schedule, "
               f"{faults / max(done, 1):.1f} faults/schedule; no violation")

@@ -17,7 +17,8 @@ def _invariant(violation: str | None) -> str | None:
         return None
     for marker in (" tokens must increase", " in a row", " kept ", " hands ", " still believes", " deletes ",
                    "two holders", "at quiescence", "writes in flight", "already done", "logged an error",
-                   "orphan", "agent still runs", "crashed", "second verdict", "never had"):
+                   "orphan", "agent still runs", "crashed", "second verdict", "never had", "write hold overlaps",
+                   "queues ahead of it", "(a reader) still waits", "(a writer) still waits", "starved"):
         if marker in violation:
             return marker.strip()
     return violation.split(":")[0]
