@@ -88,15 +88,20 @@ def test_a_violation_fails_the_run_and_names_its_seed(tmp_path):
 def test_broker_reconnection_bugs_are_found_in_their_scenario(name, scenario, says, tmp_path):
     """The main process's held-aside logic against a broker model that loses connections
     (issue 59 item 6): each planted bug fails a few seeds of its directed scenario alone."""
+    done = _mutant_in_scenario(name, scenario, tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"(scenario {scenario})" in done.stdout and says in done.stdout, done.stdout[:3000]
+
+
+def _mutant_in_scenario(name: str, scenario: str, tmp_path):
+    """15 seeds of ``scenario`` alone on a copy of the package with the mutant ``name`` planted."""
     import shutil
 
     shutil.copytree(ROOT / "celery_zklock", tmp_path / "celery_zklock")
     apply(next(m for m in MUTANTS if m.name == name), tmp_path / "celery_zklock")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0"}
-    done = subprocess.run([sys.executable, "-m", "sim.run", "--scenario", scenario, "--seeds", "15", "--no-shrink"],
+    return subprocess.run([sys.executable, "-m", "sim.run", "--scenario", scenario, "--seeds", "15", "--no-shrink"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    assert f"(scenario {scenario})" in done.stdout and says in done.stdout, done.stdout[:3000]
 
 
 @pytest.mark.parametrize("name,scenario,says", [
@@ -110,13 +115,7 @@ def test_read_write_lock_bugs_are_found_in_their_scenario(name, scenario, says, 
     that waits for good first in line, readers that wait for readers, a reader past the
     sequence's wrap: each planted bug fails a few seeds of its directed scenario alone (the
     random seeds have no readers)."""
-    import shutil
-
-    shutil.copytree(ROOT / "celery_zklock", tmp_path / "celery_zklock")
-    apply(next(m for m in MUTANTS if m.name == name), tmp_path / "celery_zklock")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PYTHONHASHSEED": "0"}
-    done = subprocess.run([sys.executable, "-m", "sim.run", "--scenario", scenario, "--seeds", "15", "--no-shrink"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = _mutant_in_scenario(name, scenario, tmp_path)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"(scenario {scenario})" in done.stdout, done.stdout[:3000]
     assert any(one in done.stdout for one in says.split("|")), done.stdout[:3000]
