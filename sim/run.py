@@ -622,6 +622,9 @@ def main(argv=None) -> int:
                         help=f"skip the directed scenarios ({SCENARIO_SEEDS} seeds each, or the scenario's own count)")
     parser.add_argument("--no-shrink", dest="shrink", action="store_false", help="report a violation unshrunk")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--fingerprints", metavar="FILE",
+                        help="write each schedule's seed, scenario, events and event digest to FILE, "
+                             "to compare two versions of the code schedule by schedule")
     args = parser.parse_args(argv)
     if args.seeds is None and args.budget is None:
         args.seeds = CI_SEEDS
@@ -640,10 +643,14 @@ def main(argv=None) -> int:
     started = time.monotonic()
     done, events, faults = 0, 0, 0
     kinds: dict[str, int] = {}
+    prints = open(args.fingerprints, "w") if args.fingerprints else None
     for seed, scenario in _schedules(args):
         if args.budget is not None and time.monotonic() - started > args.budget:
             break
         violation, run = run_seed(seed, scenario=scenario)
+        if prints is not None:
+            prints.write(f"{seed} {scenario or '-'} {run.world.events} {run.world.digest & 0xFFFFFFFFFFFF:012x}\n")
+            prints.flush()
         done += 1
         events += run.world.events
         faults += len(run.faults)
