@@ -29,13 +29,13 @@ from .errors import LockTimeout, LockUnavailable
 from .logs import task_logger
 from .redelivery import Redelivery, publish_again, ran_before, redelivered
 from .states import LOCK_WAITING, stores_waiting
-from .worker import agent_lock
-from .worker.agent_link import Verdict
+from .worker import agent_client
+from .worker.agent_protocol import Verdict
 
 logger = task_logger()
 
 
-class Taken(NamedTuple):
+class WaitResult(NamedTuple):
     """A lock waited for in process: held (``lock``), or not (``result``: what the policy returned)."""
 
     lock: Any
@@ -44,7 +44,7 @@ class Taken(NamedTuple):
 
 
 def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost,
-                    started: float, give_back: bool = False, read_paths: frozenset[str] = frozenset()) -> Taken:
+                    started: float, give_back: bool = False, read_paths: frozenset[str] = frozenset()) -> WaitResult:
     """Wait for the lock in this process: held, or not (after a policy that returns
     instead of raising, its value is the call's result).
 
@@ -57,7 +57,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
     try:
         client = get_client(opts)
     except LockUnavailable as exc:
-        return Taken(None, 0.0, outcomes.unavailable(task, exc, opts, label, direct))
+        return WaitResult(None, 0.0, outcomes.unavailable(task, exc, opts, label, direct))
 
     identity = Identity.of_this_process(
         task_id=req.id, retries=req.retries or 0, task=task.name, worker=req.hostname,
@@ -98,7 +98,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
                         else copies.acquire(lock, opts.timeout, task.lock_max_holders > 1 or bool(read_paths)))
         except ConnectionClosedError as exc:  # the client closed for good (get_client replaces it next)
             lock.release()
-            return Taken(None, time.monotonic() - started, outcomes.unavailable(
+            return WaitResult(None, time.monotonic() - started, outcomes.unavailable(
                 task, LockUnavailable(f"could not wait for lock {label!r}: {exc}"), opts, label, direct))
         finally:
             if counted_waiting[0]:
@@ -113,22 +113,22 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
             _not_again(task, label)
         if not acquired and give_back and client.connected:
             lock.release()
-            return Taken(None, waited, _given_back(task, label))
+            return WaitResult(None, waited, _given_back(task, label))
         if not acquired:
             if not client.connected:
-                return Taken(None, waited, outcomes.unavailable(task, 
+                return WaitResult(None, waited, outcomes.unavailable(task, 
                     LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}"),
                     opts, label, direct,
                 ))
             timed_out = LockTimeout(label, opts.timeout, _holders(lock))
-            return Taken(None, waited, outcomes.timed_out(task, timed_out, opts, waited))
+            return WaitResult(None, waited, outcomes.timed_out(task, timed_out, opts, waited))
     except BaseException:
         lock.release()
         raise
-    return Taken(lock, waited)
+    return WaitResult(lock, waited)
 
 
-def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
+def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> WaitResult:
     """The lock the worker's agent took for this request, or its timeout/unavailable verdict."""
     link, verdict = claimed
     decided = Verdict(verdict["verdict"])
@@ -153,7 +153,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
             if decided is Verdict.TIMEOUT:
                 skipped = outcomes.timed_out(task, LockTimeout(label, opts.timeout, verdict.get("holders")), opts, waited)
                 enqueue.finished(task, task.request, opts, ran=False, why=f"{decided.value}: skipped")
-                return Taken(None, waited, skipped)
+                return WaitResult(None, waited, skipped)
             outcomes.unavailable(task, LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"),
                                  opts, label, False)
         except Retry:
@@ -161,8 +161,8 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
         except BaseException as exc:
             enqueue.finished(task, task.request, opts, ran=False, why=f"{decided.value}: {type(exc).__name__}")
             raise
-    lock = agent_lock.AgentLock(
-        link, task.request.id, verdict["tokens"], grace=agent_lock.silence_grace(opts.session_timeout, verdict),
+    lock = agent_client.AgentLock(
+        link, task.request.id, verdict["tokens"], grace=agent_client.silence_grace(opts.session_timeout, verdict),
         release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict, carried=bool(verdict.get("carried")),
     )
     if lock.suspended_reason is not None or lock.lost_reason is not None:
@@ -182,7 +182,7 @@ def claimed_lock(task, claimed, opts: ZkSettings, label, on_lost) -> Taken:
         # acknowledgement lost with a connection) and ran: this copy must not run it again.
         lock.release()
         _not_again(task, label)
-    return Taken(lock, waited)
+    return WaitResult(lock, waited)
 
 
 #: Seconds a request given back to the broker by a pool process waits there (its key was busy).

@@ -103,7 +103,7 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=
             raise
         raise LockUnavailable(f"could not check the enqueue guard of {task.name} ({keys[0]!r}): {exc!r}; "
                               "nothing was published") from exc
-    if taken.outcome is guards.Outcome.HELD and not retrying:
+    if taken.outcome is guards.TakeOutcome.HELD and not retrying:
         found_id = taken.found.id if taken.found else "?"
         key = by_path.get(taken.path, keys[0])
         if opts.enqueue == "reject":
@@ -119,7 +119,7 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=
     # A retry or a publish carrying more work in the way of another's guard goes unguarded: not
     # with the header a retry copies from its request (the old try's, which may guard its run,
     # "finish", or name other paths).  A retry's run still ends any older guard of its own ("start").
-    mine = taken.outcome is not guards.Outcome.HELD
+    mine = taken.outcome is not guards.TakeOutcome.HELD
     if not mine:
         header = {**header, "until": "start"} if retrying else None
     options = _with_header(options, header)
@@ -128,7 +128,7 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=
     except BaseException:
         # Nothing was published (or the broker's answer was lost: then the next publish may
         # queue a duplicate, the README's one window for this): no guard may stay.
-        if mine and taken.outcome is guards.Outcome.TAKEN:
+        if mine and taken.outcome is guards.TakeOutcome.TAKEN:
             _quietly(guards.release, client, paths, task_id, retries)
         raise
     if mine and task.app.conf.task_always_eager:

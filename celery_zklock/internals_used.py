@@ -130,7 +130,7 @@ INTERNALS: tuple[Internal, ...] = (
              "worker ('Unrecoverable error': kombu restores on a closed transport)"),
     Internal("celery.worker.consumer.tasks", "Tasks", _REA, _MOD,
              "FastChildLossStep requires the consumer's Tasks step, named by its path (the pool is known then)",
-             ("worker.worker_loss",), "celery 5.3",
+             ("worker.worker_hooks",), "celery 5.3",
              "the consumer's blueprint cannot resolve the requirement: no worker starts"),
     Internal("celery.worker.state", "reserved_requests", _PAT, _MOD,
              "which requests no pool process has taken (Consumer.on_close drops them); a request we hold or "
@@ -146,7 +146,7 @@ INTERNALS: tuple[Internal, ...] = (
     # ---------------------------------------------------------------- Celery: the request
     Internal("celery.worker.request.Request", "_announce_revoked", _OVR, _CLS,
              "every unrun drop of a request (revoked, expired at the pool) passes here: free the grant it got",
-             ("worker.worker_loss",), "celery 5.3",
+             ("worker.worker_hooks",), "celery 5.3",
              "our override is never called: a granted request revoked or expired at the pool leaves its key held "
              "by nobody until the worker stops"),
     Internal("celery.worker.request.Request", "_apply_result", _REA, _CLS,
@@ -177,7 +177,7 @@ INTERNALS: tuple[Internal, ...] = (
              "celery 5.3", "AttributeError as a request is queued in the agent"),
     # ---------------------------------------------------------------- Celery, billiard, kombu: the pool
     Internal("celery.concurrency.prefork.TaskPool", "_pool", _REA, _INS,
-             "the billiard pool (AsynPool) behind Celery's prefork TaskPool", (*_PH, "worker.worker_loss"),
+             "the billiard pool (AsynPool) behind Celery's prefork TaskPool", (*_PH, "worker.worker_hooks"),
              "celery 5.3",
              "getattr default: no reordering of the outbound buffer, pool size from limit, and FastChildLossStep "
              "does nothing (a dead child's lock waits for the pool's 5 s maintenance)"),
@@ -190,7 +190,7 @@ INTERNALS: tuple[Internal, ...] = (
              "billiard 4.2", "falls back to the pool's limit: wrong under --autoscale"),
     Internal("billiard.pool.Pool", "maintain_pool", _CAL, _CLS,
              "run the pool's maintenance every 0.2 s: a dead child (and its lock) is noticed at once",
-             ("worker.worker_loss",), "billiard 4.2",
+             ("worker.worker_hooks",), "billiard 4.2",
              "FastChildLossStep does nothing: a dead child's lock blocks its key until the 5 s maintenance"),
     Internal("celery.concurrency.base.BasePool", "limit", _REA, _INS,
              "the pool's size when the billiard pool cannot be read", _PH, "celery 5.3",
@@ -209,7 +209,7 @@ INTERNALS: tuple[Internal, ...] = (
              "getattr default: no lock agent, every locked task waits in its pool process"),
     Internal("celery.worker.worker.WorkController", "task_events", _REA, _INS,
              "-E reaches the WorkController, not app.conf, which pool processes read",
-             ("worker.worker_loss",), "celery 5.3", "getattr default: task-lock-* events need the setting"),
+             ("worker.worker_hooks",), "celery 5.3", "getattr default: task-lock-* events need the setting"),
     # ---------------------------------------------------------------- Celery: beat
     Internal("celery.beat.Scheduler", "apply_entry", _PAT, _CLS,
              "every tick of the wrapped scheduler goes through ZkScheduler._apply_entry (record, then publish): "

@@ -24,7 +24,7 @@ from celery import Task
 from celery.exceptions import Retry
 
 from .logs import task_logger
-from .worker import agent_lock, worker_loss
+from .worker import agent_client, worker_hooks
 
 from . import acquisition, by_config, config, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
@@ -55,7 +55,7 @@ class ZkLockedTask(Task):
     ``zklock_*`` settings.  The option attributes are set from that declaration below.
     """
 
-    Request = "celery_zklock.worker.worker_loss:LockAwareRequest"
+    Request = "celery_zklock.worker.worker_hooks:LockAwareRequest"
 
     #: The tracer's ``task_prerun`` is sent when the lock is decided (see celery_zklock.prerun).
     _zklock_defers_prerun = True
@@ -65,7 +65,7 @@ class ZkLockedTask(Task):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         where = f"task {_name(cls)}"
-        with worker_loss.configuration_exits():  # a worker starting stops with the message alone
+        with worker_hooks.configuration_exits():  # a worker starting stops with the message alone
             check_option_names(cls, ZkLockedTask, where)
             check_option_values({k: v for k, v in vars(cls).items() if k in LOCK_OPTIONS}, where)
             cls._lock_spec = compile_key(cls.__dict__.get("lock_key", cls.lock_key), _body(cls), _name(cls))
@@ -207,17 +207,17 @@ class ZkLockedTask(Task):
             return taken.result  # not run: the policy's value
         return self._run_holding(call, nested, taken, guarded, run_state)
 
-    def _take_lock(self, call: "Call", nested: "Nested | None", on_lost) -> tuple[acquisition.Taken, bool]:
+    def _take_lock(self, call: "Call", nested: "Nested | None", on_lost) -> tuple[acquisition.WaitResult, bool]:
         """The lock claimed from the worker's lock agent, which queued for it before the pool got
         the request (prefork/solo with zklock_wait_in="worker"), or waited for here (acks_late
         tasks too: redelivered copies are recognised here); and whether its enqueue guard is
         this process's to end (it ends or moves where the lock is decided)."""
         req, direct, opts = call.req, call.direct, call.opts
         started = time.monotonic()
-        carried = agent_lock.carried_grant(req)  # off the request whether used or not: never republished
-        bypassed = agent_lock.bypassed(req)  # another delivery of its id waits in the agent: not ours to claim
+        carried = agent_client.carried_grant(req)  # off the request whether used or not: never republished
+        bypassed = agent_client.bypassed(req)  # another delivery of its id waits in the agent: not ours to claim
         claimed = (None if direct or nested is not None or self.acks_late or not req.id or bypassed
-                   else agent_lock.claim(req.id, _CLAIM_TIMEOUT, carried))
+                   else agent_client.claim(req.id, _CLAIM_TIMEOUT, carried))
         if claimed is not None:
             return acquisition.claimed_lock(self, claimed, opts, call.label, on_lost), False
         guarded = nested is None and not direct
@@ -225,7 +225,7 @@ class ZkLockedTask(Task):
             taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else call.label,
                                                 nested.take if nested else call.paths, on_lost, started,
                                                 give_back=(nested is None and not direct and not self.acks_late
-                                                           and bool(req.id) and agent_lock.beside_agent()),
+                                                           and bool(req.id) and agent_client.beside_agent()),
                                                 read_paths=call.read_paths)
         except (Retry, acquisition.GivenBack):
             raise  # the retry (or the request given back) took its enqueue guard over: publishes dedupe into it
@@ -240,7 +240,7 @@ class ZkLockedTask(Task):
             self._start_guard(req, opts, call.label, taken.lock, direct)
         return taken, guarded
 
-    def _run_holding(self, call: "Call", nested: "Nested | None", taken: acquisition.Taken, guarded: bool,
+    def _run_holding(self, call: "Call", nested: "Nested | None", taken: acquisition.WaitResult, guarded: bool,
                      run_state: RunState) -> Any:
         """Run the body with the hold set as :func:`current_lock`; release with the proof."""
         req, opts, paths, label, lock, waited = call.req, call.opts, call.paths, call.label, taken.lock, taken.waited
@@ -360,6 +360,6 @@ def lock_configured_tasks(app) -> list[str]:
     return by_config.lock_tasks(app, ZkLockedTask)
 
 
-worker_loss.before_validation.append(lock_configured_tasks)
-worker_loss.install()
+worker_hooks.before_validation.append(lock_configured_tasks)
+worker_hooks.install()
 prerun.install()

@@ -4,8 +4,8 @@ and pool processes around it), foreign contenders on the same keys, and an opera
 The agent is :class:`celery_zklock.worker.agent.Agent`, unchanged: its event thread is a
 simulated thread that runs :meth:`~celery_zklock.worker.agent.Agent.run_event`,
 its ZooKeeper client a :class:`~sim.zk.SimClient`, its peers' sockets simulated links
-carrying the same messages (:mod:`celery_zklock.worker.agent_link`).  The main process and
-pool processes are models that speak that protocol as ``worker_queue`` and ``agent_lock``
+carrying the same messages (:mod:`celery_zklock.worker.agent_protocol`).  The main process and
+pool processes are models that speak that protocol as ``worker_queue`` and ``agent_client``
 do, and record what each pool process *believes* it holds: that is what the invariants
 judge (:mod:`sim.checks`).
 """
@@ -20,8 +20,8 @@ from celery_zklock.engine.internals import LockInternals, State
 from celery_zklock.engine.kazoo_compat import on_ready
 from celery_zklock.engine.znodes import NodeKind
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_link import HEARTBEAT
-from celery_zklock.worker.agent_lock import starts_on_carried
+from celery_zklock.worker.agent_protocol import HEARTBEAT
+from celery_zklock.worker.agent_client import starts_on_carried
 from celery_zklock.worker.pool_handoff import Early, hand_over_early
 
 from .world import Proc, Thread, World
@@ -29,7 +29,7 @@ from .zk import SimClient
 from .zk_server import Server
 
 #: How long a pool process waits for a claim's first answer before it unclaims and locks
-#: in-process (agent_lock.claim's timeout in task.py).
+#: in-process (agent_client.claim's timeout in task.py).
 CLAIM_TIMEOUT = 5.0
 #: How long a pool process waits for a grant's lock to be confirmed safe before giving it back.
 CONFIRM_TIMEOUT = 2.0
@@ -61,7 +61,7 @@ class Wire:
 
 
 class AgentPeer:
-    """What the agent holds for a connected process (``agent_link.Connection``'s ``send``)."""
+    """What the agent holds for a connected process (``agent_protocol.Connection``'s ``send``)."""
 
     def __init__(self, wire: Wire, label: str) -> None:
         self.wire = wire
@@ -324,7 +324,7 @@ class MainProcess:
 
 
 class PoolProcess:
-    """A prefork child (``agent_lock``): claims a request, believes it holds the lock while
+    """A prefork child (``agent_client``): claims a request, believes it holds the lock while
     the agent says so and is not silent, holds, releases, or dies."""
 
     def __init__(self, worker: Worker, index: int, generation: int = 0) -> None:
@@ -386,7 +386,7 @@ class PoolProcess:
         if req.get("bypassed"):  # marked by the real main process: it locks in-process, never claims
             self.world.log(f"{self.proc.name}: {req['id']} bypassed: locks in-process")
             return self._lock_in_process()
-        carry = req.pop("carry", None)  # taken off the request, as agent_lock.carried_grant does
+        carry = req.pop("carry", None)  # taken off the request, as agent_client.carried_grant does
         if carry is not None and starts_on_carried(self._send, req["id"], carry):
             self.world.log(f"{self.proc.name}: starts {req['id']} on its carried grant")
             self.tokens, self.nodes = dict(carry.get("tokens") or {}), req.get("nodes") or {}
@@ -426,7 +426,7 @@ class PoolProcess:
         rid = msg.get("id")
         if self.req is None or rid != self.req["id"]:
             if rid in self.gave_up:
-                return  # a late answer to a call it stopped waiting for (agent_lock ignores it)
+                return  # a late answer to a call it stopped waiting for (agent_client ignores it)
             if op == "released" or op == "claimed":
                 self.worker.run.checks.fail(f"{self.proc.name}: {op} for {rid}, which it is not working on")
             return

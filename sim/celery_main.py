@@ -60,7 +60,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from celery_zklock.worker import agent_supervisor, held_lease, worker_queue
-from celery_zklock.worker.agent_link import BYPASSED, CARRIED, LineReader, encode
+from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, LineReader, encode
 
 import logging
 
@@ -708,7 +708,7 @@ class CeleryMain:
 
     def finished(self, job: dict) -> None:
         """The pool is done with it: a task that did not succeed tells the step (Celery's
-        failure path, worker_loss.LockAwareRequest); a free process takes the next job."""
+        failure path, worker_hooks.LockAwareRequest); a free process takes the next job."""
         job["done"] = True
         self.reserved.discard(job["creq"])  # task_ready
         self.active.discard(job["creq"])

@@ -145,7 +145,7 @@ MUTANTS = [
            "            pass\n"),
     Mutant("carry-stale", "20. a pool process starts on the grant its task carried however old it is "
            "(issue 39's carried grant without its lease window)",
-           "worker/agent_lock.py",
+           "worker/agent_client.py",
            "    if not fresh(proof, lease_clock(), session):\n        return False\n"
            "    if not send({\"op\": \"claim\", \"id\": request_id, \"carried\": True}):\n        return False\n"
            "    return fresh(proof, lease_clock(), session)\n",
@@ -174,13 +174,13 @@ MUTANTS = [
            killer="tests/engine/test_guards_confirm.py"),
     Mutant("link-dozes", "25. a lock registered while its pool process's link thread dozes does not wake it: "
            "a lost lock's state push waits out the idle sleep, is_held() stays True meanwhile",
-           "worker/agent_lock.py",
+           "worker/agent_client.py",
            "                self._dozing = False\n                self._turn.notify_all()\n",
            "                pass\n",
            killer="tests/worker/test_handoff_gap.py::test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll"),
     Mutant("dropped-keeps-grant", "26. a request Celery drops as expired after its grant (it waited for a pool "
            "process) does not let go of it: nobody claims the grant, the key stays held until the worker stops",
-           "worker/worker_loss.py",
+           "worker/worker_hooks.py",
            "        finally:\n            worker_queue.request_finished(self)\n\n    def on_timeout",
            "        finally:\n            pass\n\n    def on_timeout",
            killer="tests/worker/test_expired_grant.py::"

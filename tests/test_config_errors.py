@@ -18,7 +18,7 @@ from celery import Celery, signals
 from celery.beat import Service
 
 import celery_zklock.task  # noqa: F401  (installs the start-up hooks, as every `celery` command does)
-from celery_zklock.worker import worker_loss
+from celery_zklock.worker import worker_hooks
 
 SCHEDULER = "celery_zklock.beat:ZkScheduler"
 
@@ -32,7 +32,7 @@ def make_app(**conf) -> Celery:
 def worker_says(app: Celery) -> str:
     """What a starting worker stops with (its ``worker_init`` check)."""
     with pytest.raises(SystemExit) as info:
-        worker_loss.validate_app(app)
+        worker_hooks.validate_app(app)
     return str(info.value)
 
 
@@ -44,7 +44,7 @@ def beat_says(app: Celery) -> str:
         with pytest.raises(SystemExit) as info:
             Service(app=app, scheduler_cls=SCHEDULER).get_scheduler(lazy=True)
     finally:
-        worker_loss._started()  # as beat_init does
+        worker_hooks._started()  # as beat_init does
     return str(info.value)
 
 

@@ -271,7 +271,7 @@ def test_a_publish_waits_for_an_unconfirmed_guard_and_then_dedupes_into_it(mod, 
     slow = guards.Guard("slow-one", mod.refresh.name, "start", time.time() + 3600, 0, time.time(),
                         confirmed=False, publish_by=time.time() + 8.0)
     zk.create(path, slow.dumps(), makepath=True)
-    made = guards.Taken(guards.Outcome.TAKEN, nodes={path: zk.exists(path).czxid})  # what take() returns
+    made = guards.TakeResult(guards.TakeOutcome.TAKEN, nodes={path: zk.exists(path).czxid})  # what take() returns
     threading.Timer(0.5, lambda: guards.confirm(zk, made, slow)).start()
     assert mod.refresh.apply_async((key, 0), queue=f"nobody-{key}").id == "slow-one"
     _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
@@ -360,29 +360,29 @@ def test_a_takeover_keeps_the_deduped_count_and_another_guard_starts_over(env, z
 
     path = guards.guard_path(env["TEST_ZK_ROOT"], "noloss.counts", f"user:{_key()}")
 
-    def publish(task_id: str, retries: int = 0) -> guards.Taken:
+    def publish(task_id: str, retries: int = 0) -> guards.TakeResult:
         guard = guards.Guard(task_id, "noloss.counts", "start", time.time() + 60, retries, time.time())
         taken = guards.take(zk, [path], guard)
-        if taken.outcome is not guards.Outcome.HELD:
+        if taken.outcome is not guards.TakeOutcome.HELD:
             guards.confirm(zk, taken, guard)
         return taken
 
-    assert publish("T1").outcome is guards.Outcome.TAKEN
-    assert publish("D1").outcome is guards.Outcome.HELD
+    assert publish("T1").outcome is guards.TakeOutcome.TAKEN
+    assert publish("D1").outcome is guards.TakeOutcome.HELD
     _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
     before = zk.exists(path).czxid
-    assert publish("T1", retries=1).outcome is guards.Outcome.OWN  # the retry takes it over
+    assert publish("T1", retries=1).outcome is guards.TakeOutcome.OWN  # the retry takes it over
     assert zk.exists(path).czxid != before
     assert guards.dedupes(zk, path) == 1
-    assert publish("D2").outcome is guards.Outcome.HELD
+    assert publish("D2").outcome is guards.TakeOutcome.HELD
     _until(lambda: guards.dedupes(zk, path) == 2, 5, "the second dedupe to be counted")
     (gone,) = guards.release(zk, [path], "T1", 1)
     assert gone.deduped == 2 and zk.exists(guard_counts.counter_path(path)) is None
 
     zk.create(guard_counts.counter_path(path), b'{"guard":1,"id":"T0","n":5}')  # left by an older guard
-    assert publish("T2").outcome is guards.Outcome.TAKEN
+    assert publish("T2").outcome is guards.TakeOutcome.TAKEN
     assert guards.dedupes(zk, path) == 0
-    assert publish("D3").outcome is guards.Outcome.HELD
+    assert publish("D3").outcome is guards.TakeOutcome.HELD
     _until(lambda: guards.dedupes(zk, path) == 1, 5, "the count to start over")
     assert [g.deduped for g in guards.release(zk, [path], "T2", 0)] == [1]
 

@@ -304,11 +304,11 @@ OUR_PREFIXES = ("_zklock", "_zk_", "zklock_")
 #: Underscore names of our own, used on another object of ours: (module, name) -> what it is.
 OURS = {
     ("task", "_lock"): "HeldLock's and NestedLock's lock (held.py)",
-    ("worker.agent_lock", "_guard"): "AgentLink's own lock",
-    ("worker.agent_lock", "_locks"): "AgentLink's AgentLocks by request",
-    ("worker.agent_lock", "_early"): "AgentLink's verdicts that came before their claim",
-    ("worker.agent_lock", "_update"): "AgentLock._update, called by its AgentLink",
-    ("worker.agent_lock", "_drain"): "AgentLink._drain",
+    ("worker.agent_client", "_guard"): "AgentClient's own lock",
+    ("worker.agent_client", "_locks"): "AgentClient's AgentLocks by request",
+    ("worker.agent_client", "_early"): "AgentClient's verdicts that came before their claim",
+    ("worker.agent_client", "_update"): "AgentLock._update, called by its AgentClient",
+    ("worker.agent_client", "_drain"): "AgentClient._drain",
     ("worker.worker_queue", "_send"): "WaitOutsidePool._send (AgentSupervisor's), called by unguard",
 }
 
@@ -328,9 +328,9 @@ OWN_RECEIVERS = {
     ("engine.lock", "attempt"): "the lock's Attempt", ("engine.owner", "_per_thread"): "our thread-local",
     ("engine.rwlock", "self.write"): "the WriteLock", ("task", "run_state"): "interrupts.RunState",
     ("worker.agent", "self.claims"): "Claims", ("worker.agent", "handler"): "our EventLoopHandler",
-    ("worker.agent", "events"): "the agent's EventQueue", ("worker.agent_claims", "wait"): "the agent's Wait",
-    ("worker.agent_guards", "wait"): "the agent's Wait", ("worker.agent_lock", "self.conn"): "AgentLink's Connection",
-    ("worker.agent_requests", "wait"): "the agent's Wait", ("worker.agent_requests", "cohort"): "a Cohort",
+    ("worker.agent", "events"): "the agent's EventQueue", ("worker.agent_claims", "wait"): "the agent's WaitRequest",
+    ("worker.agent_guards", "wait"): "the agent's WaitRequest", ("worker.agent_client", "self.conn"): "AgentClient's Connection",
+    ("worker.agent_requests", "wait"): "the agent's WaitRequest", ("worker.agent_requests", "cohort"): "a Cohort",
     ("worker.cohort", "wait"): "the cohort's Waiter", ("worker.cohort", "slot"): "the cohort's Slot",
     ("by_config", "locked"): "the locked task class by_config made",
     ("security", "context"): "an ssl.SSLContext (the standard library's documented API)",
@@ -343,7 +343,7 @@ DOCUMENTED_WRITES = {
     ("beat.scheduler", "entry", "total_run_count"): "ScheduleEntry's documented fields",
     ("beat.scheduler", "entry", "options"): "ScheduleEntry's documented fields",
     ("beat.scheduler", "self.inner", "schedule"): "Scheduler.schedule, a documented property",
-    ("worker.worker_loss", "app.conf", "worker_send_task_events"): "a documented setting",
+    ("worker.worker_hooks", "app.conf", "worker_send_task_events"): "a documented setting",
     ("contrib.pytest_celery.worker_app", "app.conf", "zklock_hosts"): "our own setting",
 }
 

@@ -234,7 +234,7 @@ CELERY_TASK_OPTIONS = [
     ("retry_backoff", True),
     ("retry_backoff_max", 120),
     ("retry_jitter", False),
-    ("Request", "celery_zklock.worker.worker_loss:LockAwareRequest"),
+    ("Request", "celery_zklock.worker.worker_hooks:LockAwareRequest"),
 ]
 DECORATOR_ONLY_OPTIONS = [("bind", True), ("shared", False), ("lazy", False), ("pydantic", False)]
 

@@ -33,7 +33,7 @@ class Written(Enum):
     UNKNOWN = "unknown"  # no reply (connection loss, timeout): it may or may not be applied
 
 
-class Verdict(Enum):
+class TickVerdict(Enum):
     """Whether a recorded tick is published."""
 
     PUBLISH = "publish"
@@ -80,7 +80,7 @@ class TickRecord:
         return replace(self, state=TickState.SENT)
 
 
-def verdict(proof_age: float, session_timeout: float, connected_and_leader: bool) -> Verdict:
+def verdict(proof_age: float, session_timeout: float, connected_and_leader: bool) -> TickVerdict:
     """May a tick whose record was written ``proof_age`` seconds ago (counted from *sending*
     the write, so the server applied it no earlier) be published now?
 
@@ -89,10 +89,10 @@ def verdict(proof_age: float, session_timeout: float, connected_and_leader: bool
     within that time.  Publishing within a third of it leaves the rest for the broker.
     """
     if not connected_and_leader:
-        return Verdict.NOT_LEADER
+        return TickVerdict.NOT_LEADER
     if proof_age > session_margin(session_timeout):  # the lock's lease rule (worker.cohort), for a tick
-        return Verdict.STALE
-    return Verdict.PUBLISH
+        return TickVerdict.STALE
+    return TickVerdict.PUBLISH
 
 
 def already_sent(record: TickRecord | None, last_run_at: datetime | None) -> bool:

@@ -31,10 +31,10 @@ from ..engine.identity import Identity
 from ..engine.session import session_margin
 from ..errors import ConfigurationError, LockUnavailable
 from ..keys import encode_key
-from ..worker import worker_loss
+from ..worker import worker_hooks
 from .election import Election, Role
 from .ledger import Ledger
-from .rules import (TickRecord, TickState, Verdict, Written, already_sent, handover, on_own_clock, skew_to_say,
+from .rules import (TickRecord, TickState, TickVerdict, Written, already_sent, handover, on_own_clock, skew_to_say,
                     verdict)
 
 logger = get_logger("celery.beat.zklock")
@@ -89,7 +89,7 @@ class ZkScheduler(Scheduler):
         # A beat that is starting stops on a configuration error with the worker's one line
         # ("celery-zklock: configuration error: ...") and a non-zero exit, not a traceback:
         # Celery builds the scheduler for its banner, outside any handler of its own.
-        with worker_loss.configuration_exits():
+        with worker_hooks.configuration_exits():
             self._setup(app, *args, lazy=lazy, **kwargs)
 
     def _setup(self, app, *args, lazy: bool = False, **kwargs) -> None:
@@ -325,7 +325,7 @@ class ZkScheduler(Scheduler):
             return self._keep_due(entry)
         why = verdict(clock.boottime() - sent_at, self._session_timeout(), self.election.held())
         self._say_skew(entry)
-        if why is not Verdict.PUBLISH:
+        if why is not TickVerdict.PUBLISH:
             metrics.beat_tick(self.group, "withheld")
             logger.warning("beat: zklock: %s: tick %d not sent (%s); kept due", name, tick.seq, why.value)
             return self._keep_due(entry)

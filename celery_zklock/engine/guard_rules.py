@@ -31,7 +31,7 @@ MODES = ("dedupe", "reject")
 PUBLISH_WINDOW = 10.0
 
 
-class Verdict(enum.Enum):
+class GuardVerdict(enum.Enum):
     """What a publisher does about a guard found in place (:func:`verdict`)."""
 
     OWN = "own"  # it names this very task: a retry or a republish of it takes it over
@@ -40,7 +40,7 @@ class Verdict(enum.Enum):
     UNCONFIRMED = "unconfirmed"  # its publish is under way: wait for it, then decide
 
 
-OWN, STALE, HELD, UNCONFIRMED = Verdict.OWN, Verdict.STALE, Verdict.HELD, Verdict.UNCONFIRMED
+OWN, STALE, HELD, UNCONFIRMED = GuardVerdict.OWN, GuardVerdict.STALE, GuardVerdict.HELD, GuardVerdict.UNCONFIRMED
 
 
 def folder(root: str) -> str:
@@ -119,7 +119,7 @@ def misplaced(found: "Guard | None", czxid: int) -> bool:
     return found is not None and found.confirmed and bool(found.node) and bool(czxid) and found.node != czxid
 
 
-def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False, czxid: int = 0) -> Verdict:
+def verdict(found: "Guard | None", task_id: str, now: float, running: bool = False, czxid: int = 0) -> GuardVerdict:
     """What a publisher of ``task_id`` does about a guard it found in place (pure).
 
     ``running``: the guard is an ephemeral node (``lock_enqueue_until="finish"``, its task

@@ -21,7 +21,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from . import guard_counts, kazoo_compat
 from .guard_counts import dedupes  # noqa: F401  (re-exported)
 from .guard_rules import (  # noqa: F401  (the rules, re-exported: callers know one module)
-    FOLDER, HEADER, HELD, MODES, OWN, PUBLISH_WINDOW, STALE, UNCONFIRMED, UNTIL, Guard, Verdict, bound, folder,
+    FOLDER, HEADER, HELD, MODES, OWN, PUBLISH_WINDOW, STALE, UNCONFIRMED, UNTIL, Guard, GuardVerdict, bound, folder,
     guard_path, guarded, misplaced, verdict,
 )
 
@@ -29,7 +29,7 @@ from .guard_rules import (  # noqa: F401  (the rules, re-exported: callers know 
 DEFAULT_TIMEOUT = 10.0
 
 
-class Outcome(enum.Enum):
+class TakeOutcome(enum.Enum):
     """What :func:`take` did."""
 
     TAKEN = "taken"  # the guard is ours: publish
@@ -38,17 +38,17 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Taken:
+class TakeResult:
     """The outcome of :func:`take`, the guard in the way when it is another's, and when the
     guard is ours, the czxid of each node we made (what :func:`confirm` names)."""
 
-    outcome: Outcome
+    outcome: TakeOutcome
     path: str | None = None
     found: Guard | None = None
     nodes: dict | None = None
 
 
-def _judge(found: Guard | None, task_id: str, stat) -> Verdict:
+def _judge(found: Guard | None, task_id: str, stat) -> GuardVerdict:
     return verdict(found, task_id, time.time(), bool(stat.ephemeralOwner), stat.czxid)
 
 
@@ -81,7 +81,7 @@ class _Calls:
 
 
 def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: float | None = None,
-         count: bool = True) -> Taken:
+         count: bool = True) -> TakeResult:
     """Create the guard (unconfirmed: :func:`confirm` once published) at every path, all or
     none.  A stale guard in the way is deleted (only the version we read) and the create
     tried again; our own is taken over; an unconfirmed one is waited for; another's held
@@ -108,7 +108,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
         seen = _judge(found, guard.id, stat)
         if seen is HELD:
             _count(client, path, stat, found, count)
-            return Taken(Outcome.HELD, path, found)
+            return TakeResult(TakeOutcome.HELD, path, found)
         if seen is UNCONFIRMED:
             held = _settled(calls, path, guard.id, count)
             if held is not None:
@@ -125,7 +125,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
             ours = _made(calls, paths, made, guard.id)
             if ours is None:
                 continue  # a node we made was gone before we read it: make it again
-            return Taken(Outcome.TAKEN, nodes={**nodes, **ours})
+            return TakeResult(TakeOutcome.TAKEN, nodes={**nodes, **ours})
         path, error = failed[0]
         if isinstance(error, NoNodeError):
             calls.ensure(folder_of(path), kazoo_compat.acl_for(client, folder_of(path)))
@@ -145,14 +145,14 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
                 nodes[path] = node
                 paths = [p for p in paths if p != path]
                 if not paths:
-                    return Taken(Outcome.OWN, path, found, nodes)
+                    return TakeResult(TakeOutcome.OWN, path, found, nodes)
         elif seen is UNCONFIRMED:
             held = _settled(calls, path, guard.id, count)
             if held is not None:
                 return held
         else:
             _count(client, path, stat, found, count)
-            return Taken(Outcome.HELD, path, found)
+            return TakeResult(TakeOutcome.HELD, path, found)
     raise RuntimeError(f"could not take the enqueue guard {paths}: it kept changing under us")
 
 
@@ -162,7 +162,7 @@ def _count(client, path: str, stat, found: Guard | None, count: bool) -> None:
         guard_counts.count_dedupe(client, path, stat, found.id if found else "")
 
 
-def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> Taken | None:
+def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> TakeResult | None:
     """Another's guard at ``path`` once its publish is settled: HELD (counted as deduped into),
     or None when there is none in our way (no node, stale, or our own).
 
@@ -180,7 +180,7 @@ def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> Taken | Non
         seen = _judge(found, task_id, stat)
         if seen is HELD:
             _count(calls.client, path, stat, found, count)
-            return Taken(Outcome.HELD, path, found)
+            return TakeResult(TakeOutcome.HELD, path, found)
         if seen is not UNCONFIRMED:
             return None
         if seen_first is None or seen_first[0] != stat.czxid:
@@ -209,7 +209,7 @@ def _settle(calls: _Calls, path: str, step, what: str) -> None:
     raise RuntimeError(f"could not {what} the enqueue guard {path}: it kept changing under us")
 
 
-def confirm(client, taken: Taken, guard: Guard, timeout: float | None = None) -> None:
+def confirm(client, taken: TakeResult, guard: Guard, timeout: float | None = None) -> None:
     """Our message is with the broker: publishers that find the guard may now dedupe into it.
     One write per node :func:`take` made (``taken.nodes``: path -> czxid), conditional on
     version 0, all pipelined, each naming its node.  The condition alone cannot tell our node

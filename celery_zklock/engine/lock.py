@@ -20,14 +20,14 @@ from . import clock, kazoo_compat, znodes
 from .contenders import contenders
 from .internals import LockInternals, State
 from .owner import current_owner
-from .session import DELETED, EXPIRED, GONE, Outcome
+from .session import DELETED, EXPIRED, GONE, ReleaseOutcome
 from .znodes import Contender
 
 __all__ = ["FairLock", "MultiLock", "Contender", "contenders"]
 
 LostCallback = Callable[["FairLock"], None]
 
-DEFERRED = Outcome.DEFERRED
+DEFERRED = ReleaseOutcome.DEFERRED
 _LOST_AT_RELEASE = {
     GONE: "lock node was already gone at release",
     EXPIRED: "ZooKeeper session expired before release",

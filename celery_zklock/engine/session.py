@@ -69,7 +69,7 @@ UNANSWERED_FOR = 1 / 3
 
 logger = logging.getLogger("celery_zklock.engine.session")
 
-class Outcome(str, enum.Enum):
+class ReleaseOutcome(str, enum.Enum):
     """What a release (a guaranteed delete, or a local handoff's write) says about the hold.
 
     Str-valued, so that the value is the stable encoding wherever an outcome is logged or sent."""
@@ -86,9 +86,9 @@ class Outcome(str, enum.Enum):
     LOST = "lost"  # the hold was lost before the release
 
 
-DELETED, GONE, EXPIRED, WRITTEN, LEASED = Outcome.DELETED, Outcome.GONE, Outcome.EXPIRED, Outcome.WRITTEN, Outcome.LEASED
+DELETED, GONE, EXPIRED, WRITTEN, LEASED = ReleaseOutcome.DELETED, ReleaseOutcome.GONE, ReleaseOutcome.EXPIRED, ReleaseOutcome.WRITTEN, ReleaseOutcome.LEASED
 #: The outcomes that prove the lock was held to the end.
-PROOFS = (Outcome.DELETED, Outcome.WRITTEN, Outcome.LEASED)
+PROOFS = (ReleaseOutcome.DELETED, ReleaseOutcome.WRITTEN, ReleaseOutcome.LEASED)
 
 
 class Timers:

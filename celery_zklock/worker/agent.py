@@ -36,7 +36,7 @@ from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
 from .agent_guards import GuardJobs
-from .agent_link import AGENT_DIR_PREFIX, HEARTBEAT, OWNER, Cancel, Connection
+from .agent_protocol import AGENT_DIR_PREFIX, HEARTBEAT, OWNER, Cancel, Connection
 from .agent_requests import Requests
 
 logger = logging.getLogger("celery_zklock.worker.agent")
@@ -194,7 +194,7 @@ class Agent:
 
     def _backlog(self, peer: Connection) -> None:
         """A peer's socket took only part of what we sent: write the rest when it can take it
-        (the event thread never blocks on a peer: :class:`~.agent_link.Connection`)."""
+        (the event thread never blocks on a peer: :class:`~.agent_protocol.Connection`)."""
         if peer.pending and not peer.closed:
             self.selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                  lambda m: self._ready(peer, m))
@@ -232,7 +232,7 @@ class Agent:
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: Connection, msg: dict) -> None:
-        """One message from a peer (protocol: :mod:`celery_zklock.worker.agent_link`)."""
+        """One message from a peer (protocol: :mod:`celery_zklock.worker.agent_protocol`)."""
         op = msg.get("op")
         if op == "hello":
             if msg.get("role") == "main":

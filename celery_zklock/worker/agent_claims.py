@@ -15,8 +15,8 @@ from ..engine.internals import State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_all_ready
 from ..engine.session import PROOFS
-from .agent_link import ClaimAnswer, Connection, Verdict
-from .agent_requests import GuardsView, Requests, Wait
+from .agent_protocol import ClaimAnswer, Connection, Verdict
+from .agent_requests import GuardsView, Requests, WaitRequest
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
@@ -29,9 +29,9 @@ class Claims:
     def __init__(self, post, client, guards: GuardsView) -> None:
         self.post, self.client, self.guards = post, client, guards
         self.requests: Requests | None = None  # set by the Agent once both exist
-        self.claimed: set[Wait] = set()
+        self.claimed: set[WaitRequest] = set()
 
-    def discard(self, wait: Wait) -> None:
+    def discard(self, wait: WaitRequest) -> None:
         self.claimed.discard(wait)
 
     def claim(self, peer: Connection, request_id: str, carried: bool = False) -> None:
@@ -62,7 +62,7 @@ class Claims:
         if wait.verdict["verdict"] is not Verdict.GRANTED:
             self.requests.forget(wait)
 
-    def _carried(self, peer: Connection, request_id: str, wait: Wait | None) -> None:
+    def _carried(self, peer: Connection, request_id: str, wait: WaitRequest | None) -> None:
         granted = wait is not None and wait.verdict is not None and wait.verdict["verdict"] is Verdict.GRANTED
         if not granted or wait.done or wait.claimer is not None:
             # A pool process runs on a grant this agent does not hold for it (it was let
@@ -119,7 +119,7 @@ class Claims:
 
     # ------------------------------------------------------------------ lock state
     @staticmethod
-    def _lost_reason(wait: Wait) -> str | None:
+    def _lost_reason(wait: WaitRequest) -> str | None:
         for slot in (hold.slot for hold in wait.holds.values()):
             if slot.attempt.lost_reason:
                 return slot.attempt.lost_reason
@@ -127,7 +127,7 @@ class Claims:
                 return "lock lost"
         return None
 
-    def _state(self, wait: Wait) -> dict:
+    def _state(self, wait: WaitRequest) -> dict:
         """Whether the request's locks are safe to hold right now, as a claimer is told."""
         slots = [hold.slot for hold in wait.holds.values()]
         held = bool(slots) and all(s.held for s in slots)
@@ -138,7 +138,7 @@ class Claims:
             reason = "ZooKeeper connection suspended" if suspended else "not held"
         return {"held": held, "lost": lost, "reason": reason}
 
-    def push_state(self, wait: Wait) -> None:
+    def push_state(self, wait: WaitRequest) -> None:
         if (wait.claimer is None or wait.done or wait.verdict is None
                 or wait.verdict.get("verdict") is not Verdict.GRANTED):
             return
@@ -149,13 +149,13 @@ class Claims:
         wait.claimer.send({"op": "state", "id": wait.id, **state})
 
     @staticmethod
-    def _runs(wait: Wait) -> None:
+    def _runs(wait: WaitRequest) -> None:
         """A body runs (or is about to) under the request's holds: claimed on its verdict, or
         on the grant its task carried."""
         for hold in wait.holds.values():
             hold.slot.attempt.hold.running()  # its node is watched from now on
 
-    def send_verdict(self, wait: Wait) -> None:
+    def send_verdict(self, wait: WaitRequest) -> None:
         """Tell the claimer its verdict; a grant carries the locks' state *now*: a request
         granted before ZooKeeper became unreachable may be claimed only later (no free pool
         process until then), and its body must not start on the old grant alone."""
@@ -165,7 +165,7 @@ class Claims:
             state = self._state(wait)
             wait.shown_held = state["held"]
             # The session the server granted, which may be shorter than the one asked for:
-            # the claimer trusts our silence for a third of it (agent_lock.silence_grace).
+            # the claimer trusts our silence for a third of it (agent_client.silence_grace).
             message = {**message, **state, "session_timeout": kazoo_compat.session_timeout(self.client)}
         wait.claimer.send(message)
 

@@ -13,8 +13,8 @@ import queue
 import threading
 
 from ..engine import clock, guards
-from .agent_link import Verdict
-from .agent_requests import EventLoop, Wait
+from .agent_protocol import Verdict
+from .agent_requests import EventLoop, WaitRequest
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
@@ -27,7 +27,7 @@ class GuardJobs:
         self.client, self.monitor, self.post = loop.client, loop.monitor, loop.post
         self.jobs: queue.SimpleQueue | None = None
 
-    def start(self, wait: Wait, after) -> None:
+    def start(self, wait: WaitRequest, after) -> None:
         """A granted request's guard ends (or becomes ours) before its body may start."""
         guard = wait.guard
         self.op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"], after=after)
@@ -63,7 +63,7 @@ class GuardJobs:
             if after is not None:
                 self.post(after, error)
 
-    def decided(self, wait: Wait, verdict: Verdict) -> None:
+    def decided(self, wait: WaitRequest, verdict: Verdict) -> None:
         """Its lock is decided: granted, the guard ends (``start``) or becomes an ephemeral
         node of our session (``finish``); revoked, it ends.  ``shutdown`` leaves it: the
         message goes back to the broker, still queued.  ``timeout`` and ``unavailable`` leave
@@ -81,7 +81,7 @@ class GuardJobs:
             wait.guard = None
             self.op(guards.release, guard["paths"], wait.id, retries)
 
-    def finished(self, wait: Wait) -> None:
+    def finished(self, wait: WaitRequest) -> None:
         """A granted request ran (or its process died before it could claim it): its running
         guard goes; an undecided one's guard (never moved) goes too."""
         if wait.verdict is not None and wait.verdict.get("verdict") is Verdict.SHUTDOWN:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 
 from ..engine import clock, guards, kazoo_compat
 from ..engine.contenders import holders_async
-from .agent_link import HANDOFF_MAX_WAIT, Cancel, Connection, Verdict
+from .agent_protocol import HANDOFF_MAX_WAIT, Cancel, Connection, Verdict
 from .cohort import Cohort
 from .cohort_rules import fresh, lease_window
 from .lease_clock import lease_clock
@@ -48,7 +48,7 @@ class Hold:
 
 
 @dataclass(eq=False)
-class Wait:
+class WaitRequest:
     """One request's locks: taken in canonical order, all or nothing."""
 
     id: str
@@ -94,17 +94,17 @@ class EventLoop(Protocol):
 class ClaimsView(Protocol):
     """What :class:`Requests` tells :class:`~celery_zklock.worker.agent_claims.Claims`."""
 
-    def send_verdict(self, wait: Wait) -> None: ...
-    def push_state(self, wait: Wait) -> None: ...
-    def discard(self, wait: Wait) -> None: ...
+    def send_verdict(self, wait: WaitRequest) -> None: ...
+    def push_state(self, wait: WaitRequest) -> None: ...
+    def discard(self, wait: WaitRequest) -> None: ...
 
 
 class GuardsView(Protocol):
     """What :class:`Requests` asks of :class:`~celery_zklock.worker.agent_guards.GuardJobs`."""
 
-    def start(self, wait: Wait, after: Callable[[BaseException | None], None]) -> None: ...
-    def decided(self, wait: Wait, verdict: Verdict) -> None: ...
-    def finished(self, wait: Wait) -> None: ...
+    def start(self, wait: WaitRequest, after: Callable[[BaseException | None], None]) -> None: ...
+    def decided(self, wait: WaitRequest, verdict: Verdict) -> None: ...
+    def finished(self, wait: WaitRequest) -> None: ...
 
 
 class Requests:
@@ -126,7 +126,7 @@ class Requests:
         self.client, self.monitor, self.settings, self.post = loop.client, loop.monitor, loop.settings, loop.post
         self.claims = claims
         self.guards = guards
-        self.waits: dict[str, Wait] = {}
+        self.waits: dict[str, WaitRequest] = {}
         self.cohorts: dict[tuple[str, int, bool], Cohort] = {}
         self.on_path: dict[str, list[Cohort]] = {}  # the cohorts of each path (its readers', its writers')
         # Mean time a lock was held (grant to release), per lock path and per task name:
@@ -136,7 +136,7 @@ class Requests:
 
     def wait(self, peer: Connection, msg: dict) -> None:
         timeout = msg.get("timeout")
-        wait = Wait(
+        wait = WaitRequest(
             id=msg["id"],
             task=str(msg.get("task") or ""),
             paths=sorted(set(msg["paths"])),
@@ -163,7 +163,7 @@ class Requests:
             wait.timer = self.monitor.timers.call_at(wait.deadline, self.post, self._deadline, wait)
         self._take_next(wait)
 
-    def _take_next(self, wait: Wait) -> None:
+    def _take_next(self, wait: WaitRequest) -> None:
         """Join the next path's local queue (canonical order) or, with all taken, grant."""
         if wait.done:
             return
@@ -190,18 +190,18 @@ class Requests:
             self._deadline(wait)
 
     # The cohort's callbacks (on the event thread).
-    def on_granted(self, wait: Wait, cohort: Cohort, slot, token: int) -> None:
+    def on_granted(self, wait: WaitRequest, cohort: Cohort, slot, token: int) -> None:
         wait.holds[cohort.path] = Hold(cohort, slot, token)
         wait.current = None
         self._wake_siblings(cohort)
         self._take_next(wait)
 
-    def on_failed(self, wait: Wait, exc: BaseException) -> None:
+    def on_failed(self, wait: WaitRequest, exc: BaseException) -> None:
         self._left(wait)
         self.let_go(wait)
         self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": str(exc)})
 
-    def on_timed_out(self, wait: Wait, path: str) -> None:
+    def on_timed_out(self, wait: WaitRequest, path: str) -> None:
         """Free what it took, then say who holds the key: read asynchronously, and waited
         for at most :data:`HOLDERS_WITHIN` (a timeout is told on time, ZooKeeper or not;
         holders ``None``: they could not be read).  Cut off from ZooKeeper, the verdict is
@@ -218,13 +218,13 @@ class Requests:
         bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, None)
         holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))
 
-    def on_queued(self, wait: Wait, position: int) -> None:
+    def on_queued(self, wait: WaitRequest, position: int) -> None:
         if not wait.queued:
             wait.queued = True
             if wait.watched:
                 wait.owner.send({"op": "queued", "id": wait.id, "seq": wait.seq, "position": position})
 
-    def on_next(self, wait: Wait, ours: bool = True, streak_left: float | None = None) -> None:
+    def on_next(self, wait: WaitRequest, ours: bool = True, streak_left: float | None = None) -> None:
         """Every path but the last is held and only a holder is ahead of it on the last: the
         main process may hand it to the pool now (docs/waiting.md, "Next in line").  ``ours``:
         the holder is one of this worker's, whose release passes the node on, unless the
@@ -244,10 +244,10 @@ class Requests:
         wait.next_sent = True
         wait.owner.send({"op": "next", "id": wait.id, "seq": wait.seq, "hold": expected, "ours": ours})
 
-    def on_slot_lost(self, wait: Wait) -> None:
+    def on_slot_lost(self, wait: WaitRequest) -> None:
         self.claims.push_state(wait)
 
-    def _left(self, wait: Wait) -> None:
+    def _left(self, wait: WaitRequest) -> None:
         """``wait`` is out of its cohort's queue (failed, timed out): not waited for there."""
         if wait.current is not None:
             self._wake_siblings(wait.current)
@@ -269,17 +269,17 @@ class Requests:
         return min((other.queue.first().started for other in self.on_path.get(cohort.path, ())
                     if other is not cohort and other.queue), default=None)
 
-    def _deadline(self, wait: Wait) -> None:
+    def _deadline(self, wait: WaitRequest) -> None:
         if wait.done or wait.verdict is not None or wait.current is None:
             return
         if wait.current.expire(wait):
             self.on_timed_out(wait, wait.current.path)
 
-    def _expected_hold(self, wait: Wait) -> float | None:
+    def _expected_hold(self, wait: WaitRequest) -> float | None:
         held = self.hold_by_path.get(wait.paths[-1])
         return held if held is not None else self.hold_by_task.get(wait.task)
 
-    def learn_hold(self, wait: Wait) -> None:
+    def learn_hold(self, wait: WaitRequest) -> None:
         if wait.granted_at is None:
             return
         held = clock.monotonic() - wait.granted_at
@@ -289,7 +289,7 @@ class Requests:
             mean = table.get(key)
             table[key] = held if mean is None else mean + 0.3 * (held - mean)
 
-    def _tell_verdict(self, wait: Wait, verdict: dict) -> None:
+    def _tell_verdict(self, wait: WaitRequest, verdict: dict) -> None:
         """The request's one verdict, told to the main process (and to its claimer, if any).
         A grant is told only once its enqueue guard's start is done (step 3 above)."""
         if wait.done or wait.verdict is not None:
@@ -323,7 +323,7 @@ class Requests:
         if claimer is not None and verdict["verdict"] is not Verdict.GRANTED:
             self.forget(wait)
 
-    def _carry(self, wait: Wait) -> dict | None:
+    def _carry(self, wait: WaitRequest) -> dict | None:
         """The grant, for the main process to hand to the pool with the task, when every path
         was granted on a young proof (the lease: a write to the node, or the create that made
         it, sent less than the lease window ago): the pool process may start on it without
@@ -346,7 +346,7 @@ class Requests:
         verdict = wait.verdict
         return {"proof": proof, "session_timeout": session, "waited": verdict["waited"], "tokens": verdict["tokens"]}
 
-    def carry_left(self, wait: Wait) -> float:
+    def carry_left(self, wait: WaitRequest) -> float:
         """Seconds (monotonic) until a grant carried to the pool can no longer be started on
         and claimed, with :data:`CARRY_GRACE` for the claim to be read; 0 when none was."""
         if wait.carry_until is None or wait.claimer is not None:
@@ -354,7 +354,7 @@ class Requests:
         left = wait.carry_until - lease_clock() + CARRY_GRACE
         return max(0.0, left)
 
-    def _guard_started(self, wait: Wait, verdict: dict, error: BaseException | None) -> None:
+    def _guard_started(self, wait: WaitRequest, verdict: dict, error: BaseException | None) -> None:
         """A grant whose guard could not be ended (or moved) is not told as granted: its locks
         go and the pool process follows ``on_lock_unavailable`` (its retry takes the guard over)."""
         if error is None:
@@ -363,7 +363,7 @@ class Requests:
         self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE,
                                   "error": f"could not end the enqueue guard at the start: {error!r}"})
 
-    def delivery(self, request_id: str, seq: int | None) -> Wait | None:
+    def delivery(self, request_id: str, seq: int | None) -> WaitRequest | None:
         """The live wait of that delivery of ``request_id``: the same task id may come again
         (a retry with no countdown, a redelivery) once the first let go, and what the main
         process says of the first must not end the next (``seq`` None: whichever waits)."""
@@ -399,7 +399,7 @@ class Requests:
         self._tell_verdict(wait, {"verdict": Verdict(why.value)})
 
     # ------------------------------------------------------------------ letting go
-    def let_go(self, wait: Wait) -> list:
+    def let_go(self, wait: WaitRequest) -> list:
         """Leave the local queue and let go of every path taken (the next of ours may get
         it at once); the release proof per path, newest first."""
         if wait.current is not None:
@@ -428,12 +428,12 @@ class Requests:
                 cohort.pump()  # a node suspended while free: granted, or let go, once verified again
             self._tidy(cohort)
 
-    def abandon(self, wait: Wait) -> None:
+    def abandon(self, wait: WaitRequest) -> None:
         """Stop waiting for, or let go of, a request nobody runs."""
         self.forget(wait)
         self.let_go(wait)
 
-    def forget(self, wait: Wait) -> None:
+    def forget(self, wait: WaitRequest) -> None:
         wait.done = True
         self.claims.discard(wait)
         self.monitor.timers.cancel(wait.timer)

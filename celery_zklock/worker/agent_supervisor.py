@@ -6,7 +6,7 @@ own failure rules — the agent is exec'd before the pool forks and must answer 
 (else the worker does not start: locked tasks would run unprotected); a silent agent is
 killed; a dead one is restarted, with backoff while ZooKeeper is unreachable, and the
 requests held aside queue again.  The link runs in the hub (the event loop): no thread in
-the forking parent.  The messages: :mod:`celery_zklock.worker.agent_link`.
+the forking parent.  The messages: :mod:`celery_zklock.worker.agent_protocol`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from celery.utils.log import get_logger
 from ..config import ZkSettings, to_wire
 from ..engine.session import session_margin
 from ..process_records import process_record, record_alive
-from .agent_link import AGENT_DIR_PREFIX, ENV, HEARTBEAT, OWNER, SOCKET, LineReader, Verdict, encode, socket_path
+from .agent_protocol import AGENT_DIR_PREFIX, ENV, HEARTBEAT, OWNER, SOCKET, LineReader, Verdict, encode, socket_path
 
 logger = get_logger("celery_zklock.worker")
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_ready
-from ..engine.session import LEASED, WRITTEN, Outcome, guaranteed_proof, session_margin
+from ..engine.session import LEASED, WRITTEN, ReleaseOutcome, guaranteed_proof, session_margin
 from ..engine.znodes import NodeKind, exclusive_kind, fencing_token, sequence_of
 from .cohort_rules import fresh, passes_locally, renews, streak_left
 from .wait_queue import WaitQueue
@@ -51,7 +51,7 @@ class Slot:
     """One contender node of ours for the key, and which of our requests holds through it."""
 
     attempt: Attempt
-    holder: Any = None  # the agent's Wait holding through this node, if any
+    holder: Any = None  # the agent's WaitRequest holding through this node, if any
     handing_on: bool = False  # the holder is reserved: granted once the handoff's proof answers
     grants: int = 0  # holders this node has had
     since: float | None = None  # when it was first granted
@@ -133,15 +133,15 @@ class Cohort:
 
     def release(self, wait):
         """``wait`` lets go of its slot here.  Returns the proof: an async result resolving
-        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or an Outcome at once when none can come."""
+        to WRITTEN/DELETED (held to the end) or GONE/EXPIRED, or a ReleaseOutcome at once when none can come."""
         slot = next((s for s in self.slots if s.holder is wait), None)
         if slot is None:
-            return Outcome.NOT_HELD
+            return ReleaseOutcome.NOT_HELD
         slot.holder = None
         if slot.lost or slot.attempt.state is State.LOST:
             self._drop_slot(slot, replace=True)  # a node of ours may still be there: keep the place
             self.pump()
-            return Outcome.LOST
+            return ReleaseOutcome.LOST
         nxt = self._next_waiter()
         if nxt is not None and slot.held and self._passes_on(slot, self.clock(), nxt):
             # Ours to pass on only if ZooKeeper confirms it: on a young proof (the lease) the
@@ -348,7 +348,7 @@ class Cohort:
             self.pump()
         slot.attempt.cancel()
         _, outcome = slot.attempt.release()
-        return outcome if outcome is not None else Outcome.NOT_HELD
+        return outcome if outcome is not None else ReleaseOutcome.NOT_HELD
 
     # ------------------------------------------------------------------ ZooKeeper's answers
     def _decided(self, slot: Slot, result) -> None:

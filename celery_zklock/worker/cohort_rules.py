@@ -41,7 +41,7 @@ def lease_window(session_timeout: float) -> float:
     """How long (s) after its send a successful write proves the node ours: :data:`FRESH_MAX`,
     or a tenth of the negotiated session timeout when that is shorter (see :func:`fresh`).
     The pool process reads the same window for a grant that travels with its task
-    (:func:`celery_zklock.worker.agent_lock.claim`), and the agent keeps such a grant for it
+    (:func:`celery_zklock.worker.agent_client.claim`), and the agent keeps such a grant for it
     at least this long."""
     return min(FRESH_MAX, session_timeout / 10)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 
 from ..config import ZkSettings
-from .agent_link import HANDOFF_MAX_WAIT
+from .agent_protocol import HANDOFF_MAX_WAIT
 
 
 class Early(enum.Enum):

@@ -30,9 +30,9 @@ from ..engine.tick_fence import Fenced, Tick
 from ..options import is_locked_task
 from ..states import LOCK_WAITING, stores_waiting
 from . import agent_supervisor
-from .agent_link import BYPASSED, CARRIED, HEARTBEAT, Cancel, LineReader
-from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_loss calls it here)
-from .agent_supervisor import running as running_agent  # noqa: F401  (worker_loss logs its pid)
+from .agent_protocol import BYPASSED, CARRIED, HEARTBEAT, Cancel, LineReader
+from .agent_supervisor import AgentSupervisor, start_agent  # noqa: F401  (start_agent: worker_hooks calls it here)
+from .agent_supervisor import running as running_agent  # noqa: F401  (worker_hooks logs its pid)
 from .held_lease import SWEEP_EVERY, HeldLeases, forget_delivery, redis_channel
 from .pool_handoff import Early, hand_over_early, handoff_slots, may_park, pool_size, run_next
 
@@ -280,7 +280,7 @@ class WaitOutsidePool(AgentSupervisor, bootsteps.StartStopStep):
         self._not_waiting(request_id, req)
         if not ours:
             return self._taken_back(request_id, req)
-        # The grant travels with the task (agent_lock.claim), in the delivery's own fields:
+        # The grant travels with the task (agent_client.claim), in the delivery's own fields:
         # the worker builds them anew for every delivery, and they are not headers, which a
         # retry publishes again.  So does the mark of a delivery the agent bypassed.
         if carry is not None:
@@ -662,7 +662,7 @@ def zklock_waiting(state, **kwargs) -> dict:
 
 def request_finished(req) -> None:
     """A request of a locked task ended in this worker's main process (failed, or dropped
-    unrun: see :class:`~celery_zklock.worker.worker_loss.LockAwareRequest`)."""
+    unrun: see :class:`~celery_zklock.worker.worker_hooks.LockAwareRequest`)."""
     if _step is not None and _step.pid == os.getpid():
         _step.request_finished(req)
 

@@ -8,7 +8,7 @@ import pytest
 from celery.schedules import crontab, schedule
 
 from celery_zklock.beat.rules import (
-    Handover, TickRecord, TickState, Verdict, already_sent, handover, missed_due_times, on_own_clock, skew_to_say, verdict,
+    Handover, TickRecord, TickState, TickVerdict, already_sent, handover, missed_due_times, on_own_clock, skew_to_say, verdict,
 )
 
 T0 = datetime(2026, 11, 26, 12, 0, 0, tzinfo=timezone.utc)
@@ -20,12 +20,12 @@ def record(last_run_at=T0, seq=7, state=TickState.SENT) -> TickRecord:
 
 
 @pytest.mark.parametrize("age, session, leader, expected", [
-    (0.0, 9.0, True, Verdict.PUBLISH),
-    (2.999, 9.0, True, Verdict.PUBLISH),
-    (3.001, 9.0, True, Verdict.STALE),  # a third of the session: the lock's lease rule
-    (30.0, 9.0, True, Verdict.STALE),  # stopped between the write and the publish
-    (0.0, 9.0, False, Verdict.NOT_LEADER),  # suspended or lost: doubt wins
-    (30.0, 9.0, False, Verdict.NOT_LEADER),
+    (0.0, 9.0, True, TickVerdict.PUBLISH),
+    (2.999, 9.0, True, TickVerdict.PUBLISH),
+    (3.001, 9.0, True, TickVerdict.STALE),  # a third of the session: the lock's lease rule
+    (30.0, 9.0, True, TickVerdict.STALE),  # stopped between the write and the publish
+    (0.0, 9.0, False, TickVerdict.NOT_LEADER),  # suspended or lost: doubt wins
+    (30.0, 9.0, False, TickVerdict.NOT_LEADER),
 ])
 def test_verdict(age, session, leader, expected):
     assert verdict(age, session, leader) is expected

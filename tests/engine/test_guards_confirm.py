@@ -14,7 +14,7 @@ import pytest
 from kazoo.client import KazooClient
 
 from celery_zklock.engine import guards
-from celery_zklock.engine.guards import Guard, Outcome
+from celery_zklock.engine.guards import Guard, TakeOutcome
 
 
 @pytest.fixture
@@ -35,18 +35,18 @@ def test_a_late_confirm_never_names_a_run_already_under_way(zk, request, until):
     path = guards.guard_path("/g-confirm", "t", f"user:{request.node.name}")
     first = _guard("T1", until)
     taken = guards.take(zk, [path], first)
-    assert taken.outcome is Outcome.TAKEN  # T1 published; its publisher is slow to confirm
+    assert taken.outcome is TakeOutcome.TAKEN  # T1 published; its publisher is slow to confirm
     guards.start(zk, [path], "T1", 0, until)  # T1's worker starts it first
     if until == "finish":
         assert len(guards.release(zk, [path], "T1", 0, running=True)) == 1  # ... and finishes it
     assert zk.exists(path) is None
     second = guards.take(zk, [path], _guard("T2", until))
-    assert second.outcome is Outcome.TAKEN  # work published after T1 began: queued
+    assert second.outcome is TakeOutcome.TAKEN  # work published after T1 began: queued
     guards.confirm(zk, taken, first)  # T1's confirm arrives only now
     third = guards.take(zk, [path], _guard("T3", until))
-    assert not (third.outcome is Outcome.HELD and third.found.id == "T1"), \
+    assert not (third.outcome is TakeOutcome.HELD and third.found.id == "T1"), \
         "a publish after T1's start was deduped into T1: its work is lost"
-    assert third.outcome is Outcome.TAKEN  # T2's guard names nobody now: a duplicate at worst
+    assert third.outcome is TakeOutcome.TAKEN  # T2's guard names nobody now: a duplicate at worst
 
 
 def test_a_guard_confirmed_onto_another_node_is_cleared_by_a_start(zk, request):
@@ -56,7 +56,7 @@ def test_a_guard_confirmed_onto_another_node_is_cleared_by_a_start(zk, request):
     first = _guard("T1")
     taken = guards.take(zk, [path], first)
     guards.start(zk, [path], "T1", 0, "start")
-    assert guards.take(zk, [path], _guard("T2")).outcome is Outcome.TAKEN
+    assert guards.take(zk, [path], _guard("T2")).outcome is TakeOutcome.TAKEN
     guards.confirm(zk, taken, first)
     guards.start(zk, [path], "T2", 0, "start")
     assert zk.exists(path) is None
@@ -75,7 +75,7 @@ def test_a_late_confirm_never_lands_on_a_running_guard(zk, request):
     guards.start(zk, [path], "T2", 0, "finish")
     guards.confirm(zk, taken, first)  # T1's, only now
     held = guards.take(zk, [path], _guard("T3", "finish"))
-    assert held.outcome is Outcome.HELD and held.found.id == "T2"
+    assert held.outcome is TakeOutcome.HELD and held.found.id == "T2"
     assert [g.id for g in guards.release(zk, [path], "T2", 0, running=True)] == ["T2"]
     assert zk.exists(path) is None
 
@@ -86,6 +86,6 @@ def test_a_timely_confirm_still_dedupes(zk, request):
     taken = guards.take(zk, [path], first)
     guards.confirm(zk, taken, first)
     held = guards.take(zk, [path], _guard("T2"))
-    assert held.outcome is Outcome.HELD and held.found.id == "T1"
+    assert held.outcome is TakeOutcome.HELD and held.found.id == "T1"
     guards.start(zk, [path], "T1", 0, "start")
     assert zk.exists(path) is None

@@ -23,7 +23,7 @@ import uuid
 import pytest
 
 from celery_zklock.engine import guards
-from celery_zklock.engine.guards import Guard, Outcome
+from celery_zklock.engine.guards import Guard, TakeOutcome
 
 PAUSES = (0.0, 0.0, 0.0, 0.0005, 0.002, 0.01)
 
@@ -44,7 +44,7 @@ def test_no_publish_is_deduped_into_work_already_done(clients, until):
             made_at = time.time()
             guard = Guard(mine, "t", until, time.time() + 3600, 0, time.time())
             taken = guards.take(zk, [path], guard)
-            if taken.outcome is Outcome.HELD:
+            if taken.outcome is TakeOutcome.HELD:
                 rows.append((path, mine, taken.found.id, made_at))
                 continue
             broker.put((path, mine))  # the broker has the message: a worker may run it now

@@ -20,7 +20,7 @@ def _publish(client, path: str, task_id: str) -> str:
 def _first_run_died(clients, path: str, task_id: str) -> None:
     """Published and started on a worker whose session then ended (SIGKILL, expiry)."""
     first = clients()
-    assert _publish(first, path, task_id) is guards.Outcome.TAKEN
+    assert _publish(first, path, task_id) is guards.TakeOutcome.TAKEN
     guards.start(first, [path], task_id, 0, "finish")
     assert first.exists(path).ephemeralOwner == first.client_id[0]
     first.stop()  # its session ends: the running guard goes with it
@@ -36,7 +36,7 @@ def test_a_redelivered_copy_guards_its_run_again(clients, request):
     guards.start(second, [path], "T", 0, "finish")  # the redelivered copy starts
     raw, stat = checker.get(path)
     assert Guard.loads(raw).names("T", 0) and stat.ephemeralOwner == second.client_id[0]
-    assert _publish(checker, path, "U") is guards.Outcome.HELD  # at most one in flight again
+    assert _publish(checker, path, "U") is guards.TakeOutcome.HELD  # at most one in flight again
     assert len(guards.release(second, [path], "T", 0, running=True)) == 1  # and it ends with the run
     assert checker.exists(path) is None
 
@@ -45,7 +45,7 @@ def test_a_redelivered_copy_leaves_a_guard_queued_since_alone(clients, request):
     path = guards.guard_path("/g", "t", f"user:{request.node.name}")
     _first_run_died(clients, path, "T")
     publisher = clients()
-    assert _publish(publisher, path, "U") is guards.Outcome.TAKEN  # work that arrived after the crash
+    assert _publish(publisher, path, "U") is guards.TakeOutcome.TAKEN  # work that arrived after the crash
     _, before = publisher.get(path)
     second = clients()
     guards.start(second, [path], "T", 0, "finish")

@@ -294,10 +294,10 @@ def _exercise(zk_server, clients, root: str) -> None:
     gpath = guards.guard_path(root, "tasks.t", "user:1")
     g1 = guards.Guard("T1", "tasks.t", "finish", time.time() + 60, 0, time.time())
     taken = guards.take(a, [gpath], g1)
-    assert taken.outcome is guards.Outcome.TAKEN
+    assert taken.outcome is guards.TakeOutcome.TAKEN
     guards.confirm(a, taken, g1)
     g2 = guards.Guard("T2", "tasks.t", "finish", time.time() + 60, 0, time.time())
-    assert guards.take(b, [gpath], g2).outcome is guards.Outcome.HELD
+    assert guards.take(b, [gpath], g2).outcome is guards.TakeOutcome.HELD
     wait_until(lambda: guards.dedupes(c, gpath) == 1, timeout=10, what="the dedupe counted")
     assert guard_report(c, root)
     guards.start(a, [gpath], "T1", 0, "finish")

@@ -19,8 +19,8 @@ import uuid
 import pytest
 from celery.app.task import Context
 
-from celery_zklock.worker import agent_lock
-from celery_zklock.worker.agent_link import CARRIED, Connection
+from celery_zklock.worker import agent_client
+from celery_zklock.worker.agent_protocol import CARRIED, Connection
 from celery_zklock.worker.agent_requests import CARRY_GRACE
 from celery_zklock.worker.cohort_rules import lease_window
 from celery_zklock.worker.lease_clock import lease_clock
@@ -53,25 +53,25 @@ def test_a_carried_grant_is_started_on_only_inside_the_lease_window(monkeypatch,
         now[0] = 1000.0 + after
         return sent_ok
 
-    monkeypatch.setattr(agent_lock, "lease_clock", lambda: now[0])
+    monkeypatch.setattr(agent_client, "lease_clock", lambda: now[0])
     carry = {"proof": 1000.0, "session_timeout": 10.0, "tokens": {"/k": 7}, "waited": 0.0}
-    assert agent_lock.starts_on_carried(send, "r1", carry) is starts
+    assert agent_client.starts_on_carried(send, "r1", carry) is starts
     assert sent == ([] if before >= WINDOW or before < 0 else [{"op": "claim", "id": "r1", "carried": True}])
 
 
 @pytest.mark.parametrize("carry", [{}, {"proof": "soon", "session_timeout": 10.0}, {"proof": 1.0}])
 def test_a_malformed_carried_grant_is_not_started_on(carry):
-    assert agent_lock.starts_on_carried(lambda msg: True, "r1", carry) is False
+    assert agent_client.starts_on_carried(lambda msg: True, "r1", carry) is False
 
 
 def test_the_carried_grant_is_taken_off_the_request_before_the_body_runs():
     """Celery passes ``delivery_info`` on as a retry's publish options: once read, it is gone."""
     grant = {"proof": 1.0, "session_timeout": 4.0, "tokens": {}, "waited": 0.0}
     request = Context({"id": "t1", "delivery_info": {"routing_key": "celery", CARRIED: grant}})
-    assert agent_lock.carried_grant(request) == grant
+    assert agent_client.carried_grant(request) == grant
     assert CARRIED not in request.delivery_info and request.delivery_info == {"routing_key": "celery"}
-    assert agent_lock.carried_grant(request) is None
-    assert agent_lock.carried_grant(Context({"id": "t2"})) is None  # no delivery_info (called directly)
+    assert agent_client.carried_grant(request) is None
+    assert agent_client.carried_grant(Context({"id": "t2"})) is None  # no delivery_info (called directly)
 
 
 # ---------------------------------------------------------------------------- the agent

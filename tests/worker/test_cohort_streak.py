@@ -179,15 +179,15 @@ def test_the_agent_withholds_next_when_the_holders_release_ends_the_streak():
     """The agent's side of the rule above: ``next`` goes to the main process only when the
     expected hold fits in what is left of the streak; behind another contender's holders it
     goes with ``ours`` false (the main process parks it only in an idle pool)."""
-    from celery_zklock.worker.agent_requests import Requests, Wait
+    from celery_zklock.worker.agent_requests import Requests, WaitRequest
 
     sent: list = []
     loop = SimpleNamespace(client=None, monitor=None, settings=None, post=None)
     requests = Requests(loop, claims=None, guards=None)
     requests.hold_by_path["/k"] = 0.03  # holds on the key last 30 ms
 
-    def waiter(name: str) -> Wait:
-        return Wait(id=name, task="t", paths=["/k"], max_holders=1, deadline=None, identity=b"",
+    def waiter(name: str) -> WaitRequest:
+        return WaitRequest(id=name, task="t", paths=["/k"], max_holders=1, deadline=None, identity=b"",
                     owner=SimpleNamespace(send=sent.append), early=True)
 
     requests.on_next(waiter("ends"), True, 0.0)

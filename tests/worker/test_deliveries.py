@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 
-from celery_zklock.worker.agent_link import Connection
+from celery_zklock.worker.agent_protocol import Connection
 from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (agent: the fixture)
 
 

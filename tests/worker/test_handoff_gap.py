@@ -18,9 +18,9 @@ import time
 from types import SimpleNamespace
 
 from celery_zklock.engine.session import LEASED
-from celery_zklock.worker import agent_lock
-from celery_zklock.worker.agent_link import Connection, Verdict
-from celery_zklock.worker.agent_requests import Requests, Wait
+from celery_zklock.worker import agent_client
+from celery_zklock.worker.agent_protocol import Connection, Verdict
+from celery_zklock.worker.agent_requests import Requests, WaitRequest
 from tests.polling import wait_until
 from tests.worker.test_cohort_replies import first_granted
 
@@ -48,7 +48,7 @@ def test_a_grant_is_told_to_the_waiting_pool_process_before_the_main_process():
     claims = SimpleNamespace(send_verdict=lambda wait: order.append("pool process"))
     guards = SimpleNamespace(decided=lambda wait, verdict: None)
     requests = Requests(loop, claims, guards)
-    wait = Wait(id="r1", task="t", paths=["/k"], max_holders=1, deadline=None, identity=b"",
+    wait = WaitRequest(id="r1", task="t", paths=["/k"], max_holders=1, deadline=None, identity=b"",
                 owner=SimpleNamespace(send=lambda message: order.append("main process")), early=True)
     wait.claimer = object()  # claimed while next in line: its pool process waits for this verdict
 
@@ -87,7 +87,7 @@ class _FakeAgent:
 
 def test_a_callers_answer_is_read_by_the_caller_and_the_reader_thread_resumes_after(monkeypatch):
     agent = _FakeAgent()
-    link = agent_lock.AgentLink(agent.path)
+    link = agent_client.AgentClient(agent.path)
     agent.ready.wait(5)
     readers: list[tuple[str, int]] = []
     take = link._take
@@ -108,7 +108,7 @@ def test_a_callers_answer_is_read_by_the_caller_and_the_reader_thread_resumes_af
         assert {(op, tid == threading.get_ident()) for op, tid in readers} == {("claimed", True)}
 
         # Nobody calls now: the reader thread takes a state push for a lock held through the link.
-        lock = agent_lock.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
+        lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
         agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "session expired"})
         assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "session expired"
         assert readers[-1][0] == "state" and readers[-1][1] != threading.get_ident()
@@ -118,9 +118,9 @@ def test_a_callers_answer_is_read_by_the_caller_and_the_reader_thread_resumes_af
 
 def test_the_agent_gone_during_a_call_ends_it_and_loses_held_locks():
     agent = _FakeAgent()
-    link = agent_lock.AgentLink(agent.path)
+    link = agent_client.AgentClient(agent.path)
     agent.ready.wait(5)
-    held = agent_lock.AgentLock(link, "held", {"/k": 1}, grace=5.0, release_bound=5.0)
+    held = agent_client.AgentLock(link, "held", {"/k": 1}, grace=5.0, release_bound=5.0)
     threading.Thread(target=lambda: (agent.peer.receive(), agent.close()), daemon=True).start()
 
     assert link.call({"op": "claim", "id": "r2"}, "claimed", 5.0) is None
@@ -131,9 +131,9 @@ def test_the_agent_gone_during_a_call_ends_it_and_loses_held_locks():
 def test_with_no_lock_held_the_link_is_still_drained_so_the_agents_sends_never_block(monkeypatch):
     """Between tasks nobody needs the agent's heartbeats, but unread they would fill the
     socket's buffers, and the agent's next send to this process would block its thread."""
-    monkeypatch.setattr(agent_lock, "IDLE_DRAIN", 0.05)
+    monkeypatch.setattr(agent_client, "IDLE_DRAIN", 0.05)
     agent = _FakeAgent()
-    link = agent_lock.AgentLink(agent.path)
+    link = agent_client.AgentClient(agent.path)
     agent.ready.wait(5)
     ping = {"op": "ping", "pad": "x" * 1000}
     sent = threading.Event()
@@ -150,9 +150,9 @@ def _voluntary_switches(thread: threading.Thread) -> int:
         return int(status.read().split("voluntary_ctxt_switches:")[1].split()[0])
 
 
-def _link_with_thread(path: str) -> tuple[agent_lock.AgentLink, threading.Thread]:
+def _link_with_thread(path: str) -> tuple[agent_client.AgentClient, threading.Thread]:
     before = set(threading.enumerate())
-    link = agent_lock.AgentLink(path)
+    link = agent_client.AgentClient(path)
     [thread] = [t for t in set(threading.enumerate()) - before if t.name == "zklock-agent-link"]
     return link, thread
 
@@ -180,12 +180,12 @@ def test_the_links_thread_reads_on_a_clock_not_once_per_lock():
         time.sleep(0.1)
         before, started = _voluntary_switches(thread), time.monotonic()
         for i in range(cycles):
-            lock = agent_lock.AgentLock(link, f"r{i}", {"/k": i + 1}, grace=5.0, release_bound=5.0)
+            lock = agent_client.AgentLock(link, f"r{i}", {"/k": i + 1}, grace=5.0, release_bound=5.0)
             assert lock.release()
         wakes, elapsed = _voluntary_switches(thread) - before, time.monotonic() - started
         # The clock's wakes, and as many again for the GIL; the old reader woke twice per lock
         # (631 for 300 locks), so under any load that stretches the loop this still tells.
-        assert wakes <= 2 * (elapsed / agent_lock.POLL) + 10 and wakes < 1.5 * cycles, (wakes, elapsed)
+        assert wakes <= 2 * (elapsed / agent_client.POLL) + 10 and wakes < 1.5 * cycles, (wakes, elapsed)
     finally:
         agent.close()
 
@@ -193,13 +193,13 @@ def test_the_links_thread_reads_on_a_clock_not_once_per_lock():
 def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypatch):
     """With no lock held the link's thread sleeps IDLE_DRAIN; a lock registering wakes it,
     so a state push reaches the lock within POLL, not after the idle sleep."""
-    monkeypatch.setattr(agent_lock, "IDLE_DRAIN", 60.0)
+    monkeypatch.setattr(agent_client, "IDLE_DRAIN", 60.0)
     agent = _FakeAgent()
-    link = agent_lock.AgentLink(agent.path)
+    link = agent_client.AgentClient(agent.path)
     agent.ready.wait(5)
     try:
         time.sleep(0.2)  # the link's thread dozes now
-        lock = agent_lock.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
+        lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
         agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "node deleted"})
         assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "node deleted"
         assert not lock.is_held()

@@ -8,7 +8,7 @@ stayed blocked for every worker until that pool process exited.
 
 Agent-level, against a real ZooKeeper: the agent runs here (its socket, event thread and
 heartbeat), the main process is a socket, and the pool side is the production
-:func:`celery_zklock.worker.agent_lock.claim`; the agent is made busy for longer than the
+:func:`celery_zklock.worker.agent_client.claim`; the agent is made busy for longer than the
 claim's timeout by an event that sleeps on its event thread.
 """
 
@@ -24,9 +24,9 @@ import pytest
 
 from celery_zklock import FairLock
 from celery_zklock.config import ZkSettings
-from celery_zklock.worker import agent_lock
+from celery_zklock.worker import agent_client
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_link import ENV, Connection
+from celery_zklock.worker.agent_protocol import ENV, Connection
 
 
 def start_agent(settings: ZkSettings, path: str) -> Agent:
@@ -83,8 +83,8 @@ def test_a_late_claim_reply_does_not_leave_the_key_blocked(agent, zk_client, mon
 
     agent.post(time.sleep, 1.5)  # a busy agent: the claim is answered after its timeout
     monkeypatch.setenv(ENV, agent.path)
-    monkeypatch.setattr(agent_lock, "_link", None)
-    assert agent_lock.claim("r1", 0.5) is None  # the pool process goes on to lock in process
+    monkeypatch.setattr(agent_client, "_link", None)
+    assert agent_client.claim("r1", 0.5) is None  # the pool process goes on to lock in process
 
     mine = FairLock(zk_client, key)  # as the pool process's in-process lock does
     started = time.monotonic()

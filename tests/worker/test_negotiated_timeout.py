@@ -15,8 +15,8 @@ from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
 from celery_zklock.engine.session import LEASED, WRITTEN
 from celery_zklock.testing_servers import ZooKeeperServer
-from celery_zklock.worker import agent_lock
-from celery_zklock.worker.agent_link import ENV, Connection
+from celery_zklock.worker import agent_client
+from celery_zklock.worker.agent_protocol import ENV, Connection
 from tests.worker.test_late_claim import _answer, start_agent
 from tests.worker.test_lease_clock import Clock, _held_with_a_young_proof
 
@@ -66,7 +66,7 @@ def test_the_lease_follows_the_negotiated_session_timeout(short_client):
     ],
 )
 def test_silence_grace(requested, verdict, grace, why):
-    assert agent_lock.silence_grace(requested, verdict) == pytest.approx(grace), why
+    assert agent_client.silence_grace(requested, verdict) == pytest.approx(grace), why
 
 
 def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(short_session_server, tmp_path,
@@ -82,11 +82,11 @@ def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(sh
         main.send({"op": "wait", "id": "r1", "paths": ["/negotiated/k"], "timeout": None, "identity": "r1"})
         _answer(main, "granted", "r1")
         monkeypatch.setenv(ENV, agent.path)
-        monkeypatch.setattr(agent_lock, "_link", None)
-        link, verdict = agent_lock.claim("r1", 5.0)
+        monkeypatch.setattr(agent_client, "_link", None)
+        link, verdict = agent_client.claim("r1", 5.0)
         assert verdict["verdict"] == "granted"
         assert verdict["session_timeout"] == pytest.approx(0.4)
-        assert agent_lock.silence_grace(10.0, verdict) == pytest.approx(0.4 / 3)
+        assert agent_client.silence_grace(10.0, verdict) == pytest.approx(0.4 / 3)
         link.conn.send({"op": "release", "id": "r1"})
         main.close()
     finally:

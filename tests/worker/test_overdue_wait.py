@@ -20,7 +20,7 @@ import pytest
 
 from celery_zklock import FairLock
 from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.agent_link import Connection
+from celery_zklock.worker.agent_protocol import Connection
 from celery_zklock.worker.cohort import Cohort
 from tests.tcpproxy import wait_for
 from tests.worker.test_cohort_replies import _wait

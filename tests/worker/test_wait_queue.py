@@ -19,8 +19,8 @@ import pytest
 
 from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_link import Connection
-from celery_zklock.worker.agent_requests import Wait
+from celery_zklock.worker.agent_protocol import Connection
+from celery_zklock.worker.agent_requests import WaitRequest
 from celery_zklock.worker.agent import STUCK_AFTER
 from celery_zklock.worker.wait_queue import WaitQueue
 
@@ -93,7 +93,7 @@ def test_5000_requests_leaving_in_one_event_out_of_order_cost_no_scan(zk_server,
         compared[0] += 1
         return self is other
 
-    monkeypatch.setattr(Wait, "__eq__", counted_eq)  # Wait keeps identity's hash (eq=False)
+    monkeypatch.setattr(WaitRequest, "__eq__", counted_eq)  # WaitRequest keeps identity's hash (eq=False)
     agent = Agent(dataclasses.replace(ZkSettings(), hosts=zk_server.hosts), str(tmp_path / "agent.sock"))
     ours, theirs = socket.socketpair()
     main = Connection(ours)

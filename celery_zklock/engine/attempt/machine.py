@@ -17,7 +17,7 @@ from kazoo.exceptions import ConnectionClosedError, NoAuthError, NoNodeError, Se
 from kazoo.protocol.states import EventType, KazooState
 
 from .. import clock, kazoo_compat, znodes
-from ..session import RETRYABLE, Outcome, guaranteed_delete
+from ..session import RETRYABLE, ReleaseOutcome, guaranteed_delete
 from .ghosts import Ghosts
 from .holding import HoldWatch
 from .parents import KeyParent
@@ -315,7 +315,7 @@ class Attempt:
     # ------------------------------------------------------------------ 6. release
     def release(self):
         """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node,
-        :attr:`~celery_zklock.engine.session.Outcome.EXPIRED`, or the guaranteed delete's async result."""
+        :attr:`~celery_zklock.engine.session.ReleaseOutcome.EXPIRED`, or the guaranteed delete's async result."""
         with self.mutex:
             if not self.finished:
                 self.give_up(False)
@@ -330,7 +330,7 @@ class Attempt:
         if node is None:
             return was_held, None
         if session != kazoo_compat.session_id(self.client):
-            return was_held, Outcome.EXPIRED
+            return was_held, ReleaseOutcome.EXPIRED
         outcome = self.delete(node, session)
         if not znodes.uses_containers(self.client):
             self.client.delete_async(self.lk.path)  # best effort: goes once its last child has

@@ -3,8 +3,8 @@
 import json
 
 from celery_zklock.engine.attempt.state import Pending
-from celery_zklock.engine.session import PROOFS, Outcome
-from celery_zklock.worker.agent_link import Cancel, ClaimAnswer, LineReader, Verdict, encode
+from celery_zklock.engine.session import PROOFS, ReleaseOutcome
+from celery_zklock.worker.agent_protocol import Cancel, ClaimAnswer, LineReader, Verdict, encode
 
 
 def test_the_encodings_are_the_values_three_processes_agree_on():
@@ -12,7 +12,7 @@ def test_the_encodings_are_the_values_three_processes_agree_on():
     assert {c.value for c in ClaimAnswer} == {"pending", "unknown"}
     assert {c.value for c in Cancel} == {"revoked", "shutdown", "finished"}
     assert [k.value for k in Pending] == ["create", "ghost", "read", "cleanup"]
-    assert Outcome.EXPIRED == "expired" and set(PROOFS) == {Outcome.DELETED, Outcome.WRITTEN, Outcome.LEASED}
+    assert ReleaseOutcome.EXPIRED == "expired" and set(PROOFS) == {ReleaseOutcome.DELETED, ReleaseOutcome.WRITTEN, ReleaseOutcome.LEASED}
 
 
 def test_an_enum_crosses_the_wire_as_its_value_and_reads_back():

@@ -2,7 +2,7 @@
 
 Why a module of its own: three processes speak it — the agent
 (:mod:`celery_zklock.worker.agent`), the worker's main process (:mod:`celery_zklock.worker.worker_queue`)
-and each pool process (:mod:`celery_zklock.worker.agent_lock`) — and each message must mean the
+and each pool process (:mod:`celery_zklock.worker.agent_client`) — and each message must mean the
 same thing to all.  Messages are JSON objects, one per line, over a Unix stream socket
 private to the worker (a directory only this user can enter).  A Unix socket is what makes
 worker loss fast: when a pool process dies, the kernel closes its end, and the agent

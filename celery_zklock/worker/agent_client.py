@@ -17,7 +17,7 @@ import threading
 import time
 
 from ..engine.session import session_margin
-from .agent_link import BYPASSED, CARRIED, ENV, ClaimAnswer, Connection, Verdict
+from .agent_protocol import BYPASSED, CARRIED, ENV, ClaimAnswer, Connection, Verdict
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
 
@@ -31,10 +31,10 @@ IDLE_DRAIN = 1.0
 POLL = 0.05
 
 _link_guard = threading.Lock()
-_link: "AgentLink | None" = None
+_link: "AgentClient | None" = None
 
 
-class AgentLink:
+class AgentClient:
     """This process's connection to its worker's agent.
 
     Who reads the socket: a caller waiting for its answer (a claim, a release) reads it
@@ -199,7 +199,7 @@ def beside_agent() -> bool:
     return bool(os.environ.get(ENV))
 
 
-def link() -> AgentLink | None:
+def link() -> AgentClient | None:
     """This process's link to its worker's agent; None when tasks lock in-process."""
     global _link
     path = os.environ.get(ENV)
@@ -211,7 +211,7 @@ def link() -> AgentLink | None:
     with _link_guard:
         if _link is None or _link.pid != os.getpid() or not _link.alive:
             try:
-                _link = AgentLink(path)
+                _link = AgentClient(path)
             except OSError:
                 return None
         return _link
@@ -220,7 +220,7 @@ def link() -> AgentLink | None:
 class AgentLock:
     """The lock a pool process holds through the agent: what ``current_lock()`` wraps."""
 
-    def __init__(self, link: AgentLink, request_id: str, tokens: dict[str, int],
+    def __init__(self, link: AgentClient, request_id: str, tokens: dict[str, int],
                  grace: float, release_bound: float, on_lost=None, state: dict | None = None,
                  carried: bool = False) -> None:
         self.link = link
@@ -307,7 +307,7 @@ def silence_grace(requested: float, verdict: dict) -> float:
 def carried_grant(request) -> dict | None:
     """The grant this request brought from the main process, taken off the request.
 
-    Why in ``delivery_info`` (:data:`~celery_zklock.worker.agent_link.CARRIED`): the worker
+    Why in ``delivery_info`` (:data:`~celery_zklock.worker.agent_protocol.CARRIED`): the worker
     builds it anew for each delivery of a message, and a copy of the request's headers (a
     retry, a replacement) does not carry it into the next one.  Why taken off, before the
     body runs: a retry made from this request passes ``delivery_info`` on as publish options."""
@@ -317,7 +317,7 @@ def carried_grant(request) -> dict | None:
 
 def bypassed(request) -> bool:
     """Is this delivery one the agent knows its task id by another delivery of
-    (:data:`~celery_zklock.worker.agent_link.BYPASSED`)?  Then it must not claim by that id: it
+    (:data:`~celery_zklock.worker.agent_protocol.BYPASSED`)?  Then it must not claim by that id: it
     would take the other delivery's grant, and both would run on it.  Taken off the request,
     as the carried grant is."""
     return bool(_taken(request, BYPASSED))
@@ -346,7 +346,7 @@ def starts_on_carried(send, request_id: str, carry: dict) -> bool:
     return fresh(proof, lease_clock(), session)
 
 
-def _heard_lately(current: AgentLink, carry: dict) -> bool:
+def _heard_lately(current: AgentClient, carry: dict) -> bool:
     """Has the agent been heard within the silence a lock held through it tolerates?  Why:
     with no lock held the link is drained only now and then (:data:`IDLE_DRAIN`); a claim's
     answer used to refresh it, and a lock started on a carried grant would otherwise begin
@@ -359,7 +359,7 @@ def _heard_lately(current: AgentLink, carry: dict) -> bool:
     return current.alive and current.silent_for() < grace
 
 
-def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple[AgentLink, dict] | None:
+def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple[AgentClient, dict] | None:
     """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
 
     With a ``carried`` grant (:func:`carried_grant`) still young, that grant is the verdict:
