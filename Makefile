@@ -6,10 +6,16 @@ PYTEST_ARGS ?=
 # tests/docker/ each stay whole (tests/conftest.py).  `make test PARALLEL=` runs it serially.
 PARALLEL ?= -n 3 --dist loadfile
 
-.PHONY: setup test test-all demo bench clean sim sim-mutants matrix
+.PHONY: setup lint test test-all demo bench clean sim sim-mutants matrix
 
 setup:
 	@bash scripts/bootstrap.sh
+
+# mypy (strict on the public API) and ruff (pyflakes, bugbear, import order) on the package,
+# as pyproject.toml configures them; both run, and either failing fails the target.
+lint: setup
+	@$(PY) -m mypy; m=$$?; $(PY) -m ruff check celery_zklock; r=$$?; \
+	  [ $$m = 0 ] && [ $$r = 0 ]
 
 # scripts/docker-setup.sh: the engine, images for tests/docker/ (or one line saying why they
 # are skipped); `stop` stops the engine only if that script started it.  ZKLOCK_DOCKER_READY

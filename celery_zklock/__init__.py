@@ -43,7 +43,14 @@ _EXPORTS = {
     "LOCK_WAITING": "states",
 }
 
-__all__ = list(_EXPORTS)
+# Spelled out, for type checkers and linters (which do not run code); the same names as
+# _EXPORTS and the imports under TYPE_CHECKING below (tests/test_packaging.py).
+__all__ = [
+    "FairLock", "MultiLock", "KazooLock", "KazooReadLock", "KazooWriteLock", "ReadWriteLock", "Contender",
+    "contenders", "ZkLockError", "ConfigurationError", "LockTimeout", "LockLost", "LockUnavailable", "LockReentered",
+    "LockUpgradeRefused", "AlreadyQueued", "encode_key", "ZkLockedTask", "HeldLock", "current_lock", "lock_path",
+    "lock_configured_tasks", "SKIPPED", "LOCK_WAITING",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -69,11 +76,19 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     __version__: str
-    from .errors import (AlreadyQueued, ConfigurationError, LockLost, LockReentered, LockTimeout, LockUnavailable,
-                         LockUpgradeRefused, ZkLockError)
-    from .keys import encode_key
     from .engine.kazoo_lock import KazooLock, KazooReadLock, KazooWriteLock
     from .engine.lock import Contender, FairLock, MultiLock, contenders
     from .engine.rwlock import ReadWriteLock
+    from .errors import (
+        AlreadyQueued,
+        ConfigurationError,
+        LockLost,
+        LockReentered,
+        LockTimeout,
+        LockUnavailable,
+        LockUpgradeRefused,
+        ZkLockError,
+    )
+    from .keys import encode_key
     from .states import LOCK_WAITING, SKIPPED
     from .task import HeldLock, ZkLockedTask, current_lock, lock_configured_tasks, lock_path

@@ -13,6 +13,7 @@ import json
 import logging
 import socket
 import time
+from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand
@@ -20,7 +21,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 
 # Celery imports this module for every `celery` command (the celery.commands entry point),
 # so this is where `zklock_tasks` reaches a worker whose code never imports celery_zklock.
-from . import task  # noqa: F401
+from . import task as _hooks  # noqa: F401  (not `task`: a command's option has that name)
 from .beat.status import beat_report
 from .config import load_settings
 from .engine import guard_counts, guards
@@ -331,7 +332,7 @@ def release(ctx: click.Context, key: str, node: str, yes: bool, as_json: bool) -
     client = _client(settings)
     try:
         report = lock_report(client, settings.root, key)
-        rows = next(iter(report.values()), [])
+        rows: list[dict[str, Any]] = next(iter(report.values()), [])
         row = next((r for r in rows if r["node"] == node), None)
         lock = key_path(settings.root, key)
         if row is None:

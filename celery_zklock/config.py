@@ -1,7 +1,8 @@
 """Settings: the ``zklock_*`` keys of ``app.conf``, their defaults and their validation.
 
-Why a module: every setting is declared once here (name, default, checker, help), so the
-README table, the worker-start validation and the error messages cannot drift apart.
+Why a module: every setting is declared once here, as a typed field of :class:`ZkSettings`
+with its default, checker and help, so the README table, the worker-start validation, the
+error messages and what a type checker reads cannot drift apart.
 Settings are read with ``app.conf.get`` (Celery's lowercase convention) and a task may
 override the per-task ones through ``task_annotations`` or decorator options.
 """
@@ -13,7 +14,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .errors import ConfigurationError
 from .security import censored, check_acl, check_sasl_options, check_use_ssl
@@ -105,7 +106,7 @@ def _handoffs(value: Any) -> int:
     return value
 
 
-def _tasks(value: Any) -> tuple:
+def _tasks(value: Any) -> tuple[tuple[str, dict[str, Any]], ...]:
     """{task name or fnmatch glob: {lock option: value}}; normal form: a tuple of pairs
     (the options themselves are checked at worker start, against the tasks they lock)."""
     if not value:
@@ -147,7 +148,7 @@ def _name(value: Any) -> str:
     raise ValueError("must be a non-empty string")
 
 
-def check_lock_mode(value: Any) -> Any:
+def check_lock_mode(value: Any) -> str | dict[Any, str]:
     """``lock_mode``: "write" or "read" for every key, or ``{lock_key template: mode}`` (the
     templates not named write)."""
     if isinstance(value, dict):
@@ -201,9 +202,13 @@ def _bool(value: Any) -> bool:
     return value
 
 
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One ``zklock_*`` setting: the only place its name, default, checker and help live.
+    """One ``zklock_*`` setting as :data:`SETTINGS` lists it: its name, default, checker and
+    help, read from the metadata of its :class:`ZkSettings` field (the one declaration).
 
     ``option`` names the task option that overrides it per task (``lock_timeout=``), if any.
     """
@@ -221,44 +226,71 @@ class Setting:
         return self.name.removeprefix("zklock_")
 
 
+_SPEC = "zklock_setting"  # the metadata key of a ZkSettings field: the Setting's other fields
+
+
+def setting(default: Any, check: Callable[[Any], _T], help: str, option: str | None = None,
+            wire: bool = True) -> _T:
+    """A :class:`ZkSettings` field: its value is ``check(default)`` unless set, its type the
+    one ``check`` returns (mypy holds the field's annotation to it, tests/test_config_errors.py
+    to equality), and its metadata the rest of its :class:`Setting`."""
+    spec = {"default": default, "check": check, "help": help, "option": option, "wire": wire}
+    return dataclasses.field(default=check(default), metadata={_SPEC: spec})
+
+
+@dataclass(frozen=True, repr=False)
+class ZkSettings:
+    """The validated ``zklock_*`` settings of an app (with a task's overrides applied): one
+    field per setting (``settings.timeout`` for ``zklock_timeout``), each declared once here
+    with its default, checker and help; :data:`SETTINGS` and the README table follow it."""
+
+    hosts: str = setting("127.0.0.1:2181", _hosts, "ZooKeeper connect string (kazoo/ZooKeeper syntax, optional /chroot).")
+    root: str = setting("/celery-zklock", _root, "Znode under which lock keys live.")
+    session_timeout: float = setting(10.0, _positive, "ZooKeeper session timeout (s): bound on how long a dead worker's lock survives.")
+    connect_timeout: float = setting(10.0, _positive, "How long a worker process waits for ZooKeeper before the task follows zklock_on_unavailable.")
+    timeout: float | None = setting(60.0, _wait, "Default seconds a task waits in the lock queue (0 = try once, math.inf = no limit).", "lock_timeout")
+    on_timeout: str = setting("retry", _choice(TIMEOUT_POLICIES), "Default policy when the lock is not had in time.", "on_lock_timeout")
+    on_lost: str = setting("fail", _choice(LOST_POLICIES), "Default policy when a held lock is lost mid-run.", "on_lock_lost")
+    on_unavailable: str = setting("retry", _choice(UNAVAILABLE_POLICIES), "What a task does when ZooKeeper is unreachable (it never runs unprotected).", "on_lock_unavailable")
+    retry_countdown: float = setting(1.0, _non_negative, "First retry delay (s) for the retry policy.", "lock_retry_countdown")
+    retry_backoff: float = setting(2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant).", "lock_retry_backoff")
+    retry_backoff_max: float = setting(60.0, _non_negative, "Cap on the retry countdown (s).", "lock_retry_backoff_max")
+    max_retries: int | None = setting(None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries")
+    lock_mode: str | dict[Any, str] = setting("write", check_lock_mode, "How a task takes its keys: 'write' (alone, the mutex), 'read' (shared with readers, exclusive of writers), or per key {lock_key template: mode} (the rest write).", "lock_mode")
+    curator_interop: str = setting("mutex", _choice(CURATOR_RECIPES), "Which Curator recipe shares the keys: 'mutex' (InterProcessMutex; writers' nodes are named -lock-) or 'read-write' (InterProcessReadWriteLock; __WRIT__). Each recipe orders only its own names; ours order both.")
+    reentrant: bool = setting(True, _bool, "A locked call (direct, apply(), eager) inside a running locked task, on keys that task holds, runs at once under its hold; False = such a call raises LockReentered.", "lock_reentrant")
+    release_on_worker_loss: bool = setting(True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker).")
+    auth_secret: tuple[tuple[str, str], ...] | None = setting(None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')].")
+    use_ssl: tuple | None = setting(False, check_use_ssl, "TLS to ZooKeeper: True (system CAs) or a dict of kazoo's TLS options (ca, certfile, keyfile, keyfile_password, verify_certs, check_hostname), like broker_use_ssl.")
+    sasl_options: tuple | None = setting(None, check_sasl_options, "SASL authentication (kazoo sasl_options): {'mechanism': 'DIGEST-MD5', 'username': ..., 'password': ...} or GSSAPI.")
+    acl: tuple | str | None = setting(None, check_acl, "ACL of every node we create: None = with credentials, our identity all rights and anyone READ (without, open); a list of kazoo ACLs; or a callable path -> list of ACLs.")
+    tasks: tuple[tuple[str, dict[str, Any]], ...] = setting({}, _tasks, "Lock tasks without changing their code: {task name or fnmatch glob: {lock option: value}}, applied at worker start.", wire=False)
+    metrics_port: int | str | None = setting(None, _metrics_port, "Serve Prometheus metrics of the worker's locks on this port (127.0.0.1) or 'host:port'; needs the [metrics] extra.")
+    wait_in: str = setting("worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process).")
+    cohort_handoffs: int = setting(32, _handoffs, "Waiting in the worker: while another worker (or a Curator/kazoo peer) queues for a key, how many of this worker's tasks in a row may hold it before it passes on (lock cohorting; the fairness bound).")
+    cohort_hold: float = setting(0.5, _positive, "Waiting in the worker: while another contender queues for a key, how long (s) this worker's tasks may keep passing it among themselves before it passes on.")
+    enqueue: str | None = setting(None, _enqueue_mode, "Enqueue-time singletons: None (no check at publish), 'dedupe' (a publish while a task of the same key is queued returns that task's AsyncResult and sends nothing) or 'reject' (raises AlreadyQueued).", "lock_enqueue")
+    enqueue_until: str = setting("start", _choice(ENQUEUE_UNTIL), "How long a guarded task keeps its key from new publishes: 'start' (while queued; work arriving during a run is queued once) or 'finish' (queued or running: at most one in flight).", "lock_enqueue_until")
+    enqueue_unrun: str = setting("republish", _choice(ENQUEUE_UNRUN), "A guarded task that ends unrun (skipped or failed on its lock) after publishes were deduped into it: 'republish' (publish it once more, as a new task with the same arguments and queue, so the deduped work runs) or 'report' (only say so). Both log a WARNING, send the event task-lock-unrun and count zklock_enqueue_unrun_deduped_total.", "lock_enqueue_unrun")
+    enqueue_expires: float = setting(3600.0, _positive, "How long after its message's ETA (or publish) a queued enqueue guard is trusted (s): past it, the next publish queues again (a guard whose message the broker lost ends then). Never added to the message as an expires.")
+    handoff_slots: int | None = setting(None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool).")
+    beat_scheduler: str | type = setting("celery.beat:PersistentScheduler", _scheduler, "celery beat -S celery_zklock.beat:ZkScheduler: the scheduler it wraps (keeps the schedule, decides what is due), e.g. django_celery_beat.schedulers:DatabaseScheduler.", wire=False)
+    beat_group: str = setting("default", _name, "The beats that elect one active scheduler among them: those of one app, sharing one schedule.", wire=False)
+    beat_fence: bool = setting(True, _bool, "Worker: run each tick of the elected beat at most once (a tick already run, or older than one run, is acknowledged unrun and counted); False for idempotent tasks, or a task attribute zklock_beat_fence = False. Two ZooKeeper requests per tick.", wire=False)
+    beat_metrics_port: int | str | None = setting(None, _metrics_port, "Serve the elected beat's Prometheus metrics (zklock_beat_leader, zklock_beat_ticks_total) on this port (127.0.0.1) or 'host:port'.", wire=False)
+
+    def __repr__(self) -> str:  # never print credentials in logs or errors
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if shown["auth_secret"]:
+            shown["auth_secret"] = tuple((scheme, "***") for scheme, _ in shown["auth_secret"])
+        for name in ("use_ssl", "sasl_options"):
+            shown[name] = censored(shown[name])
+        return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+#: Every setting by its ``zklock_*`` name, in :class:`ZkSettings`' order (the README table's).
 SETTINGS: dict[str, Setting] = {
-    s.name: s
-    for s in (
-        Setting("zklock_hosts", "127.0.0.1:2181", _hosts, "ZooKeeper connect string (kazoo/ZooKeeper syntax, optional /chroot)."),
-        Setting("zklock_root", "/celery-zklock", _root, "Znode under which lock keys live."),
-        Setting("zklock_session_timeout", 10.0, _positive, "ZooKeeper session timeout (s): bound on how long a dead worker's lock survives."),
-        Setting("zklock_connect_timeout", 10.0, _positive, "How long a worker process waits for ZooKeeper before the task follows zklock_on_unavailable."),
-        Setting("zklock_timeout", 60.0, _wait, "Default seconds a task waits in the lock queue (0 = try once, math.inf = no limit).", "lock_timeout"),
-        Setting("zklock_on_timeout", "retry", _choice(TIMEOUT_POLICIES), "Default policy when the lock is not had in time.", "on_lock_timeout"),
-        Setting("zklock_on_lost", "fail", _choice(LOST_POLICIES), "Default policy when a held lock is lost mid-run.", "on_lock_lost"),
-        Setting("zklock_on_unavailable", "retry", _choice(UNAVAILABLE_POLICIES), "What a task does when ZooKeeper is unreachable (it never runs unprotected).", "on_lock_unavailable"),
-        Setting("zklock_retry_countdown", 1.0, _non_negative, "First retry delay (s) for the retry policy.", "lock_retry_countdown"),
-        Setting("zklock_retry_backoff", 2.0, _non_negative, "Multiplier applied to the countdown on each further retry (1 = constant).", "lock_retry_backoff"),
-        Setting("zklock_retry_backoff_max", 60.0, _non_negative, "Cap on the retry countdown (s).", "lock_retry_backoff_max"),
-        Setting("zklock_max_retries", None, _int_or_none, "Max lock retries (None = the task's max_retries).", "lock_max_retries"),
-        Setting("zklock_lock_mode", "write", check_lock_mode, "How a task takes its keys: 'write' (alone, the mutex), 'read' (shared with readers, exclusive of writers), or per key {lock_key template: mode} (the rest write).", "lock_mode"),
-        Setting("zklock_curator_interop", "mutex", _choice(CURATOR_RECIPES), "Which Curator recipe shares the keys: 'mutex' (InterProcessMutex; writers' nodes are named -lock-) or 'read-write' (InterProcessReadWriteLock; __WRIT__). Each recipe orders only its own names; ours order both."),
-        Setting("zklock_reentrant", True, _bool, "A locked call (direct, apply(), eager) inside a running locked task, on keys that task holds, runs at once under its hold; False = such a call raises LockReentered.", "lock_reentrant"),
-        Setting("zklock_release_on_worker_loss", True, _bool, "Waiting in the pool: the worker parent deletes a killed child's lock nodes at once (the agent always does, for waits in the worker)."),
-        Setting("zklock_auth_secret", None, _auth, "ZooKeeper credentials for an ACL-protected zklock_root: [('digest', 'user:password')]."),
-        Setting("zklock_use_ssl", False, check_use_ssl, "TLS to ZooKeeper: True (system CAs) or a dict of kazoo's TLS options (ca, certfile, keyfile, keyfile_password, verify_certs, check_hostname), like broker_use_ssl."),
-        Setting("zklock_sasl_options", None, check_sasl_options, "SASL authentication (kazoo sasl_options): {'mechanism': 'DIGEST-MD5', 'username': ..., 'password': ...} or GSSAPI."),
-        Setting("zklock_acl", None, check_acl, "ACL of every node we create: None = with credentials, our identity all rights and anyone READ (without, open); a list of kazoo ACLs; or a callable path -> list of ACLs."),
-        Setting("zklock_tasks", {}, _tasks, "Lock tasks without changing their code: {task name or fnmatch glob: {lock option: value}}, applied at worker start.", wire=False),
-        Setting("zklock_metrics_port", None, _metrics_port, "Serve Prometheus metrics of the worker's locks on this port (127.0.0.1) or 'host:port'; needs the [metrics] extra."),
-        Setting("zklock_wait_in", "worker", _choice(WAIT_PLACES), "Where prefork/solo tasks wait for their lock: 'worker' (the worker's lock agent; no pool slot taken) or 'pool' (inside the pool process)."),
-        Setting("zklock_cohort_handoffs", 32, _handoffs, "Waiting in the worker: while another worker (or a Curator/kazoo peer) queues for a key, how many of this worker's tasks in a row may hold it before it passes on (lock cohorting; the fairness bound)."),
-        Setting("zklock_cohort_hold", 0.5, _positive, "Waiting in the worker: while another contender queues for a key, how long (s) this worker's tasks may keep passing it among themselves before it passes on."),
-        Setting("zklock_enqueue", None, _enqueue_mode, "Enqueue-time singletons: None (no check at publish), 'dedupe' (a publish while a task of the same key is queued returns that task's AsyncResult and sends nothing) or 'reject' (raises AlreadyQueued).", "lock_enqueue"),
-        Setting("zklock_enqueue_until", "start", _choice(ENQUEUE_UNTIL), "How long a guarded task keeps its key from new publishes: 'start' (while queued; work arriving during a run is queued once) or 'finish' (queued or running: at most one in flight).", "lock_enqueue_until"),
-        Setting("zklock_enqueue_unrun", "republish", _choice(ENQUEUE_UNRUN), "A guarded task that ends unrun (skipped or failed on its lock) after publishes were deduped into it: 'republish' (publish it once more, as a new task with the same arguments and queue, so the deduped work runs) or 'report' (only say so). Both log a WARNING, send the event task-lock-unrun and count zklock_enqueue_unrun_deduped_total.", "lock_enqueue_unrun"),
-        Setting("zklock_enqueue_expires", 3600.0, _positive, "How long after its message's ETA (or publish) a queued enqueue guard is trusted (s): past it, the next publish queues again (a guard whose message the broker lost ends then). Never added to the message as an expires."),
-        Setting("zklock_handoff_slots", None, _slots_or_none, "Waiting in the worker (prefork): how many pool processes may take a task that is next in line for its lock, so it starts the moment the holder releases; used only for tasks whose next-in-line wait has averaged <= 0.5 s (None = half the pool, rounded down; 0 = only granted tasks reach the pool)."),
-        Setting("zklock_beat_scheduler", "celery.beat:PersistentScheduler", _scheduler, "celery beat -S celery_zklock.beat:ZkScheduler: the scheduler it wraps (keeps the schedule, decides what is due), e.g. django_celery_beat.schedulers:DatabaseScheduler.", wire=False),
-        Setting("zklock_beat_group", "default", _name, "The beats that elect one active scheduler among them: those of one app, sharing one schedule.", wire=False),
-        Setting("zklock_beat_fence", True, _bool, "Worker: run each tick of the elected beat at most once (a tick already run, or older than one run, is acknowledged unrun and counted); False for idempotent tasks, or a task attribute zklock_beat_fence = False. Two ZooKeeper requests per tick.", wire=False),
-        Setting("zklock_beat_metrics_port", None, _metrics_port, "Serve the elected beat's Prometheus metrics (zklock_beat_leader, zklock_beat_ticks_total) on this port (127.0.0.1) or 'host:port'.", wire=False),
-    )
+    f"zklock_{f.name}": Setting(f"zklock_{f.name}", **f.metadata[_SPEC]) for f in dataclasses.fields(ZkSettings)
 }
 
 #: Settings a task may override by option (``lock_timeout=``) or ``task_annotations``.
@@ -280,26 +312,6 @@ def check_setting(name: str, value: Any, where: str) -> Any:
 
 #: Settings whose values may hold credentials: never echoed in errors.
 _SECRET_SETTINGS = ("zklock_auth_secret", "zklock_sasl_options", "zklock_use_ssl")
-
-
-def _settings_repr(self) -> str:  # never print credentials in logs or errors
-    shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    if shown["auth_secret"]:
-        shown["auth_secret"] = tuple((scheme, "***") for scheme, _ in shown["auth_secret"])
-    for name in ("use_ssl", "sasl_options"):
-        shown[name] = censored(shown[name])
-    return "ZkSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
-
-
-#: The validated settings of an app, one attribute per :data:`SETTINGS` entry
-#: (``settings.timeout`` for ``zklock_timeout``), derived from it so the two cannot drift.
-ZkSettings = dataclasses.make_dataclass(
-    "ZkSettings",
-    [(s.field, Any, dataclasses.field(default=s.check(s.default))) for s in SETTINGS.values()],
-    frozen=True,
-    namespace={"__repr__": _settings_repr, "__module__": __name__,
-               "__doc__": "The validated zklock_* settings of an app (with a task's overrides applied)."},
-)
 
 
 def _namespace(conf: Any) -> str | None:

@@ -22,7 +22,6 @@ from celery import signals as celery_signals
 from celery.utils.log import get_logger
 
 from . import config, metrics
-
 from .engine import guards
 from .engine.client import get_client
 from .errors import AlreadyQueued, LockUnavailable
@@ -105,7 +104,7 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=
                               "nothing was published") from exc
     if taken.outcome is guards.TakeOutcome.HELD and not retrying:
         found_id = taken.found.id if taken.found else "?"
-        key = by_path.get(taken.path, keys[0])
+        key = by_path.get(taken.path or "", keys[0])  # a HELD result names its path
         if opts.enqueue == "reject":
             _event(task, "task-lock-rejected", key=key, queued=found_id)
             raise AlreadyQueued(key, found_id, task.name)
@@ -120,9 +119,10 @@ def publish(task, apply_async, args, kwargs, task_id, options: dict, opts, link=
     # with the header a retry copies from its request (the old try's, which may guard its run,
     # "finish", or name other paths).  A retry's run still ends any older guard of its own ("start").
     mine = taken.outcome is not guards.TakeOutcome.HELD
+    sent: dict[str, Any] | None = header
     if not mine:
-        header = {**header, "until": "start"} if retrying else None
-    options = _with_header(options, header)
+        sent = {**header, "until": "start"} if retrying else None
+    options = _with_header(options, sent)
     try:
         result = apply_async(args, kwargs, task_id=task_id, **options)
     except BaseException:
@@ -312,8 +312,10 @@ def _discarded(sender=None, request=None, **_kw) -> None:
         wire = config.to_wire(config.cached_settings(app))
         helper = subprocess.Popen([sys.executable, "-m", "celery_zklock.engine.guards"], stdin=subprocess.PIPE,
                                   start_new_session=True, env=os.environ.copy())
-        helper.stdin.write((json.dumps({**job, "settings": wire}) + "\n").encode())
-        helper.stdin.close()
+        stdin = helper.stdin
+        assert stdin is not None  # stdin=PIPE
+        stdin.write((json.dumps({**job, "settings": wire}) + "\n").encode())
+        stdin.close()
     except Exception as exc:
         logger.warning("celery-zklock: could not end the enqueue guard of %s (%r); its expires bounds it", request.id, exc)
 

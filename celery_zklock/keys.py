@@ -134,7 +134,7 @@ def number_text(value: Any, where: str = "lock key") -> str:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return str(int(value))  # int and numpy's ints
     if isinstance(value, numbers.Rational) and value.denominator == 1:
-        return str(int(value))  # a whole Fraction, exactly
+        return str(int(value.numerator))  # a whole Fraction, exactly
     if isinstance(value, decimal.Decimal):
         d = value
     else:
@@ -280,7 +280,7 @@ def compile_key(source: KeySource | Sequence[KeySource], fun: Callable | None, t
             if root == "" or root.isdigit():
                 raise ConfigurationError(
                     f"task {task_name}: lock_key {s!r} uses a positional field {{{field}}}; name the parameter, "
-                    f"e.g. {{{next(iter(params), 'sku_id')}}}"
+                    f"e.g. {{{next(iter(params or ()), 'sku_id')}}}"
                 )
             if params is not None and root not in params:
                 raise ConfigurationError(

@@ -176,10 +176,13 @@ class Redelivery:
 
     def _copies_queued(self, lock) -> bool:
         """After a timeout (our node deleted): is a node of our delivery in any queue?"""
+        delivery = self.delivery
+        if delivery is None:  # not a copy that can have an original
+            return False
         try:
-            return any(delivery_of(c) == self.delivery for lk in lock.locks for c in lk.contenders())
+            return any(delivery_of(c) == delivery for lk in lock.locks for c in lk.contenders())
         except Exception as exc:
-            logger.warning("could not look for an earlier copy of task %s: %r", self.delivery[0], exc)
+            logger.warning("could not look for an earlier copy of task %s: %r", delivery[0], exc)
             return False
 
     def finished_elsewhere(self) -> bool:
@@ -195,7 +198,8 @@ def wait_nodes_gone(client, nodes: list[str]) -> None:
     for node in nodes:
         while True:
             changed = client.handler.event_object()
-            if client.exists(node, watch=lambda _event: changed.set()) is None:
+            # Bound now: a watch left by an earlier turn (or node) sets its own event, not this one's.
+            if client.exists(node, watch=lambda _event, changed=changed: changed.set()) is None:
                 break
             # Re-checked every second too: a watch does not survive a session expiry.
             changed.wait(1.0)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything `make test`, `make demo` and `make bench` need on a fresh Debian machine:
 # Java + ZooKeeper jars (Debian packages), Curator jars for the interop test, a Redis server
-# binary, and the project's virtualenv.  Idempotent: each step is skipped when done.
+# binary, and the project's virtualenv (with pyproject's lint extra: `make lint`'s mypy and
+# ruff).  Idempotent: each step is skipped when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,9 +26,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.installed-$(cat pyproject.toml | md5sum | cut -c1-12)
 if [ ! -e "$stamp" ]; then
-  echo ">> installing celery-zklock and its test/bench dependencies into .venv"
+  echo ">> installing celery-zklock and its test/bench/lint dependencies into .venv"
   .venv/bin/pip install -q --disable-pip-version-check -U pip >/dev/null 2>&1 || true
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]" 2>&1 | grep -v -E "^\s*WARNING: Location" || true
-  .venv/bin/python -c "import celery_zklock, kazoo, celery, redis" 
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench,lint]" 2>&1 | grep -v -E "^\s*WARNING: Location" || true
+  .venv/bin/python -c "import celery_zklock, kazoo, celery, redis, mypy"
+  .venv/bin/ruff --version >/dev/null
   rm -f .venv/.installed-*; touch "$stamp"
 fi

@@ -304,7 +304,7 @@ MUTANTS = [
     Mutant("beat-asked-session", "45. the beat trusts a tick's proof for a third of the session it asked for, not "
            "the one the server granted: a deposed leader may publish after another was elected",
            "beat/scheduler.py",
-           "        return min(self.settings.session_timeout, kazoo_compat.session_timeout(self.election.client))\n",
+           "        return min(self.settings.session_timeout, kazoo_compat.session_timeout(self._started_election.client))\n",
            "        return self.settings.session_timeout\n",
            killer="tests/beat/test_scheduler.py::"
                   "test_the_publish_window_follows_the_session_timeout_the_server_granted"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import decimal
+import typing
 import uuid
 
 import enum
@@ -11,7 +12,7 @@ import pytest
 from celery import Celery
 
 from celery_zklock import ConfigurationError, ZkLockedTask, encode_key, lock_path
-from celery_zklock.config import load_settings
+from celery_zklock.config import SETTINGS, ZkSettings, load_settings
 from celery_zklock.keys import compile_key
 from tests.versions import needs
 
@@ -83,6 +84,17 @@ def test_good_settings_and_defaults():
     assert s.root == "/celery-zklock" and s.session_timeout == 10.0
 
 
+def test_each_setting_is_typed_as_its_checker_returns():
+    """A setting is declared once, as a ZkSettings field; its annotation (what a type checker
+    reads) must be exactly what its checker returns: mypy holds the annotation only to a
+    supertype of it, so a field typed wider than its checker is caught here."""
+    fields = typing.get_type_hints(ZkSettings)
+    assert list(fields) == [s.field for s in SETTINGS.values()]
+    for name, s in SETTINGS.items():
+        assert fields[s.field] == typing.get_type_hints(s.check)["return"], name
+        assert getattr(ZkSettings(), s.field) == s.check(s.default), name
+
+
 def test_template_binds_defaults_positionals_and_kwargs():
     def buy(sku_id, qty=1, *, region="eu"):
         pass
@@ -90,6 +102,13 @@ def test_template_binds_defaults_positionals_and_kwargs():
     spec = compile_key(["sku:{sku_id}:{region}", "qty:{qty}"], buy, "t")
     assert spec.keys((7,), {}) == ["qty:1", "sku:7:eu"]
     assert spec.keys((), {"sku_id": 7, "region": "us", "qty": 3}) == ["qty:3", "sku:7:us"]
+
+
+def test_a_positional_field_is_refused_without_a_signature_too():
+    """A template's ``{0}`` is a ConfigurationError naming the fix, also for a task whose
+    function has no signature to suggest a parameter from (it was a TypeError)."""
+    with pytest.raises(ConfigurationError, match=r"positional field \{0\}; name the parameter, e.g. \{sku_id\}"):
+        compile_key("{0}", None, "t")
 
 
 def test_keys_from_uuid_decimal_int_and_callables():

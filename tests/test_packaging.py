@@ -96,6 +96,24 @@ def test_version_is_read_from_the_installed_metadata(monkeypatch):
     assert getattr(celery_zklock, "__version__", None) is None  # an AttributeError, as for any missing name
 
 
+@pytest.mark.parametrize("package", ["celery_zklock", "celery_zklock.engine"])
+def test_the_lazy_exports_are_the_names_a_type_checker_reads(package):
+    """A package's public names are imported on first use (``_EXPORTS``: name -> module), and
+    spelled out twice for tools that do not run code: ``__all__`` and the imports under
+    ``TYPE_CHECKING`` (what mypy and the user's editor read).  The three must agree."""
+    import ast
+    import importlib
+
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(module._EXPORTS)
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.name: node.module for node in guarded.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == module._EXPORTS
+    for name in module.__all__:
+        assert getattr(module, name) is getattr(importlib.import_module(f"{package}.{typed[name]}"), name)
+
+
 def test_the_wheel_ships_the_library_and_its_type_marker_only(dists):
     names = zipfile.ZipFile(dists["wheel"]).namelist()
     assert "celery_zklock/py.typed" in names

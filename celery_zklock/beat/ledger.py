@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
-    BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError, OperationTimeoutError, RolledBackError,
-    SessionExpiredError, ZookeeperError,
+    BadVersionError,
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    OperationTimeoutError,
+    RolledBackError,
+    SessionExpiredError,
+    ZookeeperError,
 )
 
 from ..engine.kazoo_compat import acl_for

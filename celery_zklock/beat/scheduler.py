@@ -12,11 +12,10 @@ from __future__ import annotations
 import heapq
 import json
 import os
-from dataclasses import replace
 import socket
 import threading
 import uuid
-
+from dataclasses import replace
 from urllib.parse import unquote
 
 from celery.beat import Scheduler, event_t
@@ -34,8 +33,17 @@ from ..keys import encode_key
 from ..worker import worker_hooks
 from .election import Election, Role
 from .ledger import Ledger
-from .rules import (TickRecord, TickState, TickVerdict, Written, already_sent, handover, on_own_clock, skew_to_say,
-                    verdict)
+from .rules import (
+    TickRecord,
+    TickState,
+    TickVerdict,
+    Written,
+    already_sent,
+    handover,
+    on_own_clock,
+    skew_to_say,
+    verdict,
+)
 
 logger = get_logger("celery.beat.zklock")
 
@@ -102,7 +110,7 @@ class ZkScheduler(Scheduler):
         self.me = f"{socket.gethostname()}:{os.getpid()}"
         self.election: Election | None = None
         self.ledger: Ledger | None = None
-        self._adopted = None  # the election term whose records the inner scheduler holds
+        self._adopted: int | None = None  # the election term whose records the inner scheduler holds
         self._unsure: dict[str, str] = {}  # entry: nonce of a recorded (or maybe recorded) tick not yet published
         self._requeued: dict = {}  # entry name: the entry to put in the inner heap after this tick (see _reheap)
         self._retry = False
@@ -116,6 +124,20 @@ class ZkScheduler(Scheduler):
         self._advance = self.inner.reserve  # the inner scheduler's own reserve, called after a send
         if not lazy:
             self._start()
+
+    # The election is made by _start, the ledger by a leader's _adopt: whatever uses them
+    # below runs after (a lazy ZkScheduler, never started, ticks nothing).
+    @property
+    def _started_election(self) -> Election:
+        if self.election is None:
+            raise RuntimeError("celery-zklock beat: the election was never started")
+        return self.election
+
+    @property
+    def _adopted_ledger(self) -> Ledger:
+        if self.ledger is None:
+            raise RuntimeError("celery-zklock beat: no tick records were adopted")
+        return self.ledger
 
     # ------------------------------------------------------------------ start and stop
     def _start(self) -> None:
@@ -216,7 +238,7 @@ class ZkScheduler(Scheduler):
         the server granted (its maxSessionTimeout may cut the wish short), as the election's lock
         and the worker's lease count it.  A proof trusted for a third of the wish could outlive
         the session itself."""
-        return min(self.settings.session_timeout, kazoo_compat.session_timeout(self.election.client))
+        return min(self.settings.session_timeout, kazoo_compat.session_timeout(self._started_election.client))
 
     def _adopt(self) -> bool:
         """A new leader's first step: every entry continues from the group's records.
@@ -225,7 +247,7 @@ class ZkScheduler(Scheduler):
         published, in an earlier term, when the record is still ours: nobody recorded, so nobody
         sent, a tick since.  That entry is still kept due as it was before the send, and its
         next tick writes the same record again and publishes it."""
-        self.ledger = Ledger(self.election.client, self.path, session_margin(self._session_timeout()))
+        self.ledger = Ledger(self._started_election.client, self.path, session_margin(self._session_timeout()))
         try:
             self.ledger.load()
         except Exception as exc:
@@ -317,13 +339,15 @@ class ZkScheduler(Scheduler):
             return self._keep_due(entry)
         if tick is None:  # another leader sent it: continue from its record
             self._unsure.pop(name, None)
-            return self._take_record(name, entry, self.ledger.read(name))
+            record = self._adopted_ledger.read(name)
+            assert record is not None  # already_sent() saw it: read() answers from the same load
+            return self._take_record(name, entry, record)
         if written is Written.DEPOSED:
-            self.election.step_down("the election node was gone at a tick's write", node=node)
+            self._started_election.step_down("the election node was gone at a tick's write", node=node)
             return self._keep_due(entry)
         if written is not Written.RECORDED:  # UNKNOWN, or CONFLICT twice: the next tick looks again
             return self._keep_due(entry)
-        why = verdict(clock.boottime() - sent_at, self._session_timeout(), self.election.held())
+        why = verdict(clock.boottime() - sent_at, self._session_timeout(), self._started_election.held())
         self._say_skew(entry)
         if why is not TickVerdict.PUBLISH:
             metrics.beat_tick(self.group, "withheld")
@@ -337,7 +361,8 @@ class ZkScheduler(Scheduler):
         due time."""
         name = entry.name
         unsure = self._unsure.get(name)  # a tick of ours recorded (or maybe recorded), not published
-        record = self.ledger.refresh(name) if unsure else self.ledger.read(name)
+        ledger = self._adopted_ledger
+        record = ledger.refresh(name) if unsure else ledger.read(name)
         written, sent_at, tick, node = Written.CONFLICT, 0.0, None, None
         for _ in range(2):  # a conflict is read again once: it may be our own unanswered write
             pending = record is not None and record.nonce == unsure  # ours, never published: publish it now
@@ -345,16 +370,16 @@ class ZkScheduler(Scheduler):
             # than the record's came back stale (its send advanced it only after the record).
             if not pending and already_sent(record, entry.last_run_at):
                 return None, written, sent_at, node
-            tick = record if pending else self._new_tick(entry, record)
-            node = self.election.node_if_held()
+            tick = record if record is not None and pending else self._new_tick(entry, record)
+            node = self._started_election.node_if_held()
             if node is None:
                 return tick, Written.UNKNOWN, sent_at, node
             sent_at = clock.boottime()
-            written = self.ledger.write(name, tick, node, now=self._now_s)
+            written = ledger.write(name, tick, node, now=self._now_s)
             if written is not Written.CONFLICT:
                 break
-            record = self.ledger.refresh(name)
-        if written in (Written.RECORDED, Written.UNKNOWN):
+            record = ledger.refresh(name)
+        if tick is not None and written in (Written.RECORDED, Written.UNKNOWN):
             self._unsure[name] = tick.nonce
         return tick, written, sent_at, node
 
@@ -369,7 +394,7 @@ class ZkScheduler(Scheduler):
             due = now
         return TickRecord(last_run_at=now, due=due, seq=(record.seq + 1) if record else 1,
                           runs=(entry.total_run_count or 0) + 1, state=TickState.SENDING, by=self.me,
-                          token=self.election.token, nonce=uuid.uuid4().hex)
+                          token=self._started_election.token, nonce=uuid.uuid4().hex)
 
     def _publish(self, entry, tick: TickRecord, producer) -> None:
         """Send the recorded tick, then advance the entry (the inner scheduler's reserve, held
@@ -395,8 +420,11 @@ class ZkScheduler(Scheduler):
             self._requeue(self._advance(entry))
         metrics.beat_tick(self.group, "sent")
         logger.debug("%s sent. id->%s", entry.task, getattr(result, "id", None))
+        node = self._started_election.node
+        if node is None:  # stepped down meanwhile: its write would be refused
+            return
         try:
-            self.ledger.write(entry.name, tick.sent(), self.election.node)  # for the next leader's report only
+            self._adopted_ledger.write(entry.name, tick.sent(), node)  # for the next leader's report only
         except Exception:
             pass
 
@@ -406,7 +434,7 @@ class ZkScheduler(Scheduler):
     def _announce_standby(self) -> None:
         """A standby says which entries it has (once a minute): the leader compares them with its
         own (:meth:`_compare_schedules`).  ZooKeeper unreachable: said at the next turn."""
-        client = self.election.client
+        client = self._started_election.client
         if client is None or clock.monotonic() < self._next_look:
             return
         self._next_look = clock.monotonic() + LOOK_EVERY
@@ -423,7 +451,7 @@ class ZkScheduler(Scheduler):
         one): nobody sends them until a beat that has them leads.  Counted in
         ``zklock_beat_entries_unknown_to_leader``."""
         try:
-            others = self.ledger.others(self.me, watch=self._look_soon)
+            others = self._adopted_ledger.others(self.me, watch=self._look_soon)
         except Exception as exc:
             logger.debug("beat: zklock: cannot read the other beats' schedules: %r", exc)
             return
@@ -448,7 +476,7 @@ class ZkScheduler(Scheduler):
     def _say_skew(self, entry) -> None:
         """Warn (once a minute at most) while this leader's clock differs from ZooKeeper's by more
         than a period of ``entry``: its records are the next leader's base, and the skew moves due times."""
-        skew = self.ledger.last_skew
+        skew = self._adopted_ledger.last_skew
         metrics.beat_clock_skew(self.group, skew)
         now = clock.monotonic()
         if skew_to_say(skew, _period(entry)) and now - self._skew_said > 60.0:

@@ -15,7 +15,6 @@ from ..keys import encode_key
 from .rules import TickRecord, TickState
 from .scheduler import folder
 
-
 #: A tick record still "sending" this long after its write: its beat is stuck in the publish.
 STUCK_SENDING_S = 1.0
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {"FairLock": "lock", "MultiLock": "lock", "KazooLock": "kazoo_lock", "KazooReadLock": "kazoo_lock",
             "KazooWriteLock": "kazoo_lock", "ReadWriteLock": "rwlock"}
 
-__all__ = list(_EXPORTS)
+# Spelled out, for type checkers and linters (which do not run code); the same names as
+# _EXPORTS and the imports under TYPE_CHECKING below (tests/test_packaging.py).
+__all__ = ["FairLock", "MultiLock", "KazooLock", "KazooReadLock", "KazooWriteLock", "ReadWriteLock"]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,7 @@ import select
 import sys
 import threading
 import time
+from typing import Any, Iterable
 
 from kazoo.client import KazooClient
 from kazoo.handlers.threading import AsyncResult, SequentialThreadingHandler
@@ -72,7 +73,8 @@ class PollingThreadingHandler(SequentialThreadingHandler):
     ``FD_SETSIZE`` limit, so the semantics kazoo wanted from selectors are kept.
     """
 
-    def select(self, rlist, wlist, xlist, timeout=None):
+    def select(self, rlist: Iterable[Any], wlist: Iterable[Any], xlist: Iterable[Any],
+               timeout: float | None = None) -> tuple[list[Any], list[Any], list[Any]]:
         if timeout is not None and timeout < 0:
             raise ValueError("timeout must be non-negative")
         poller = select.poll()

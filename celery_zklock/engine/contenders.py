@@ -41,7 +41,7 @@ def contenders(client: KazooClient, path: str, max_holders: int | None = 1) -> l
         declared = [i.holders for _, data, _ in found if (i := Identity.parse(data)) is not None and i.holders]
         max_holders = max(declared) if declared else 1
     return [Contender(name, znodes.sequence_of(name) or 0, data, holds, created, znodes.is_shared(name))
-            for (name, data, created), holds in zip(found, holding([name for name, _, _ in found], max_holders))]
+            for (name, data, created), holds in zip(found, holding([name for name, _, _ in found], max_holders), strict=True)]
 
 
 def holding(ordered: list[str], max_holders: int) -> list[bool]:
@@ -68,7 +68,7 @@ def holders_async(client: KazooClient, path: str, max_holders: int, callback) ->
     def listed(result) -> None:
         try:
             ordered = znodes.sort_contenders(result.get())
-            names = [n for n, holds in zip(ordered, holding(ordered, max_holders)) if holds]
+            names = [n for n, holds in zip(ordered, holding(ordered, max_holders), strict=True) if holds]
         except NoNodeError:
             names = []  # nobody queues on it any more
         except Exception:

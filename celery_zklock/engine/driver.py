@@ -29,7 +29,7 @@ class Decision(NamedTuple):
     """
 
     holds: bool
-    index: int | None
+    index: int | None  # type: ignore[assignment]  # shadows tuple.index, which nobody calls on it
     watch: tuple[str, ...]
     handoff: bool
     soon: tuple[str, ...] = ()

@@ -87,7 +87,7 @@ class GroupCommit:
             for _, _, result in entries:
                 result.set_exception(exc)
         else:
-            for (_, _, result), value in zip(entries, replies):
+            for (_, _, result), value in zip(entries, replies, strict=True):  # one reply per op
                 if isinstance(value, Exception):
                     result.set_exception(value)
                 else:

@@ -21,8 +21,23 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, Roll
 from . import guard_counts, kazoo_compat
 from .guard_counts import dedupes  # noqa: F401  (re-exported)
 from .guard_rules import (  # noqa: F401  (the rules, re-exported: callers know one module)
-    FOLDER, HEADER, HELD, MODES, OWN, PUBLISH_WINDOW, STALE, UNCONFIRMED, UNTIL, Guard, GuardVerdict, bound, folder,
-    guard_path, guarded, misplaced, verdict,
+    FOLDER,
+    HEADER,
+    HELD,
+    MODES,
+    OWN,
+    PUBLISH_WINDOW,
+    STALE,
+    UNCONFIRMED,
+    UNTIL,
+    Guard,
+    GuardVerdict,
+    bound,
+    folder,
+    guard_path,
+    guarded,
+    misplaced,
+    verdict,
 )
 
 #: Bounds every ZooKeeper call of a guard when the caller gives none (seconds).
@@ -99,7 +114,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
     synced = client.sync_async(paths[0])
     reads = [client.get_async(path) for path in paths]
     synced.get(timeout=calls.timeout)
-    for path, pending in zip(paths, reads):
+    for path, pending in zip(paths, reads, strict=True):
         try:
             raw, stat = pending.get(timeout=calls.timeout)
         except NoNodeError:
@@ -119,7 +134,7 @@ def take(client, paths: list[str], guard: Guard, attempts: int = 20, timeout: fl
         for path in paths:
             txn.create(path, data, acl=acl)
         results, made = _commit_reading(calls, txn, paths)
-        failed = [(p, r) for p, r in zip(paths, results)
+        failed = [(p, r) for p, r in zip(paths, results, strict=True)
                   if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
         if not failed:
             ours = _made(calls, paths, made, guard.id)
@@ -172,7 +187,8 @@ def _settled(calls: _Calls, path: str, task_id: str, count: bool) -> TakeResult 
     seen_first: tuple[int, float] | None = None  # (the node's czxid, our deadline for it)
     while True:
         changed = calls.client.handler.event_object()
-        read = calls.read(path, watch=lambda _event: changed.set())
+        # Bound now: a watch left by an earlier turn sets its own turn's event, not this one's.
+        read = calls.read(path, watch=lambda _event, changed=changed: changed.set())
         if read is None:
             return None
         found, stat = read
@@ -255,7 +271,7 @@ def _made(calls: _Calls, paths: list[str], reads: list, task_id: str) -> dict[st
     requests are answered in order); None if one is no longer ours (deleted as stale and
     taken by another publisher meanwhile: only a publish slower than PUBLISH_WINDOW)."""
     nodes = {}
-    for path, pending in zip(paths, reads):
+    for path, pending in zip(paths, reads, strict=True):
         try:
             raw, stat = pending.get(timeout=calls.timeout)
         except NoNodeError:
@@ -286,12 +302,14 @@ def release(client, paths: list[str], task_id: str, retries: int, running: bool 
     guards that went, with ``deduped``: how many publishes each one served.  Raises when
     ZooKeeper cannot say it is done."""
     calls = _Calls(client, timeout)
-    gone = []
+    gone: list[Guard] = []
     session = kazoo_compat.session_id(client)
 
     def step(read) -> bool:
-        found, stat = read if read is not None else (None, None)
-        if stat is not None and misplaced(found, stat.czxid):
+        if read is None:  # no guard there
+            return True
+        found, stat = read
+        if misplaced(found, stat.czxid):
             _delete(calls, path, stat.version)  # names nobody: cleared by whoever finds it
             return True
         if found is None or not found.ended_by(task_id, retries) or (running and stat.ephemeralOwner != session):
@@ -367,8 +385,8 @@ def main() -> int:
     on stdin: ``{"settings": wire settings, "paths": [...], "id": ..., "retries": n}``."""
     import logging
 
-    from .client import connect, disconnect
     from ..config import from_wire
+    from .client import connect, disconnect
 
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s: %(levelname)s/zklock-guards] %(message)s")
     job = json.loads(sys.stdin.readline())

@@ -48,6 +48,8 @@ class Identity:
     @classmethod
     def parse(cls, data: bytes | str | None) -> "Identity | None":
         """The identity in a node's data; None for data of another shape (Curator's, kazoo's)."""
+        if data is None:
+            return None
         try:
             info = json.loads(data)
         except (TypeError, ValueError):

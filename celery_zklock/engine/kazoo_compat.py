@@ -17,8 +17,15 @@ from typing import Callable
 from kazoo.client import KazooClient
 from kazoo.exceptions import EXCEPTIONS
 from kazoo.protocol.connection import ConnectionHandler
-from kazoo.protocol.serialization import (CheckVersion, Create2, MultiHeader, Transaction, int_struct, read_string,
-                                         stat_struct)
+from kazoo.protocol.serialization import (
+    CheckVersion,
+    Create2,
+    MultiHeader,
+    Transaction,
+    int_struct,
+    read_string,
+    stat_struct,
+)
 from kazoo.protocol.states import KeeperState, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
 
@@ -101,7 +108,7 @@ def _record_negotiated_timeout() -> None:
         setattr(self.client, _NEGOTIATED, round(read_timeout * 3 / 2))
         return read_timeout, connect_timeout
 
-    _connect._zklock_records = True
+    _connect._zklock_records = True  # type: ignore[attr-defined]  # the mark of our patch
     ConnectionHandler._connect = _connect
 
 

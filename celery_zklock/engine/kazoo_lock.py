@@ -14,6 +14,8 @@ true to its own.  kazoo's own lock tests run against them (``tests/engine/test_k
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from kazoo.client import KazooClient
 from kazoo.exceptions import CancelledError, LockTimeout
 
@@ -44,7 +46,7 @@ class KazooLock:
     """
 
     def __init__(self, client: KazooClient, path: str, identifier: str | None = None,
-                 extra_lock_patterns=(), *, reentrant: bool = False) -> None:
+                 extra_lock_patterns: Iterable[str] = (), *, reentrant: bool = False) -> None:
         unknown = [p for p in extra_lock_patterns if p not in LOCK_MARKERS]
         if unknown:
             raise ValueError(
@@ -136,7 +138,7 @@ class KazooLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def __repr__(self) -> str:

@@ -10,7 +10,7 @@ wait on many keys at once (one thread, thousands of locks) uses
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionClosedError
@@ -23,12 +23,15 @@ from .owner import current_owner
 from .session import DELETED, EXPIRED, GONE, ReleaseOutcome
 from .znodes import Contender
 
+if TYPE_CHECKING:
+    from .attempt.machine import Attempt
+
 __all__ = ["FairLock", "MultiLock", "Contender", "contenders"]
 
 LostCallback = Callable[["FairLock"], None]
 
 DEFERRED = ReleaseOutcome.DEFERRED
-_LOST_AT_RELEASE = {
+_LOST_AT_RELEASE: dict[str | None, str] = {  # by ReleaseOutcome (a str), or None
     GONE: "lock node was already gone at release",
     EXPIRED: "ZooKeeper session expired before release",
     DEFERRED: "ZooKeeper unreachable at release for longer than the session timeout",
@@ -83,15 +86,31 @@ class FairLock:
         self._internals = LockInternals(
             client, path, max_holders, identifier, on_lost=self._lost if on_lost else None, suspended_grace=suspended_grace,
             kind=kind)
-        self._attempt = None
+        self._attempt: Attempt | None = None
         self._cancelled = False
 
     # ------------------------------------------------------------------ state
-    client = property(lambda self: self._internals.client)
-    path = property(lambda self: self._internals.path)
-    max_holders = property(lambda self: self._internals.max_holders)
-    identifier = property(lambda self: self._internals.identifier, doc="Our nodes' data (bytes).")
-    kind = property(lambda self: self._internals.kind, doc="What our nodes ask for: a mutex, a read or a write.")
+    @property
+    def client(self) -> KazooClient:
+        return self._internals.client
+
+    @property
+    def path(self) -> str:
+        return self._internals.path
+
+    @property
+    def max_holders(self) -> int:
+        return self._internals.max_holders
+
+    @property
+    def identifier(self) -> bytes:
+        """Our nodes' data."""
+        return self._internals.identifier
+
+    @property
+    def kind(self) -> znodes.NodeKind:
+        """What our nodes ask for: a mutex, a read or a write."""
+        return self._internals.kind
 
     @property
     def state(self) -> State:
@@ -245,7 +264,7 @@ class FairLock:
                         self.on_wait(self, position.pop())  # in the caller's thread, as documented
             # Waiting on the result itself: its set() wakes us directly, where a rawlink
             # callback would first pass through kazoo's completion queue (one hop more).
-            acquired = attempt.result.get()
+            acquired: bool = attempt.result.get()
         except BaseException:
             attempt.cancel()
             if attempt.state in (State.HELD, State.HELD_SUSPENDED):
@@ -260,7 +279,7 @@ class FairLock:
             self._settle(attempt)
         return acquired
 
-    def _settle(self, attempt) -> None:
+    def _settle(self, attempt: Attempt) -> None:
         """After giving up: wait (bounded) for the delete of our node, as a caller expects
         an acquire that returned False to have left nothing behind."""
         if attempt.cleanup is not None:
@@ -306,7 +325,7 @@ class FairLock:
             self._let_go_of_ownership()
         was_held, pending = attempt.release()
         if not was_held or not wait:
-            return was_held
+            return bool(was_held)
         if pending is None or isinstance(pending, str):
             outcome = pending
         else:
@@ -320,8 +339,9 @@ class FairLock:
             return False
         return True
 
-    def _lost(self) -> None:
-        self.on_lost(self)
+    def _lost(self) -> None:  # given to LockInternals only with an on_lost
+        if self.on_lost is not None:
+            self.on_lost(self)
 
     def contenders(self) -> list[Contender]:
         """Every contender on this path in queue order, with identifiers and holder flag."""
@@ -331,7 +351,7 @@ class FairLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def __repr__(self) -> str:
@@ -421,5 +441,5 @@ class MultiLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

@@ -18,7 +18,7 @@ slips in (readers behind wait for it, too).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from kazoo.client import KazooClient
 
@@ -38,7 +38,7 @@ class WriteLock(FairLock):
     node never left the head of the queue, so nobody came between.
     """
 
-    def __init__(self, client: KazooClient, path: str, **options) -> None:
+    def __init__(self, client: KazooClient, path: str, **options: Any) -> None:
         super().__init__(client, path, kind=NodeKind.WRITE, **options)
         self.read_side: ReadLock | None = None  # set by ReadWriteLock: the upgrade it refuses
         self.carried = 0  # read holds on our node
@@ -110,7 +110,7 @@ class ReadLock(FairLock):
     """The read side: shared with every reader, exclusive of writers.  The write side's
     holder reads under its write node (``carried``); anyone else queues a read node."""
 
-    def __init__(self, client: KazooClient, path: str, write_side: WriteLock, **options) -> None:
+    def __init__(self, client: KazooClient, path: str, write_side: WriteLock, **options: Any) -> None:
         super().__init__(client, path, kind=NodeKind.READ, **options)
         self._write_side = write_side
         self._carried = 0  # our holds that ride on the write node

@@ -27,8 +27,15 @@ from typing import Any, Callable
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
-    ConnectionClosedError, ConnectionLoss, NoAuthError, NoNodeError, OperationTimeoutError, RolledBackError,
-    RuntimeInconsistency, SessionExpiredError, SessionMovedError,
+    ConnectionClosedError,
+    ConnectionLoss,
+    NoAuthError,
+    NoNodeError,
+    OperationTimeoutError,
+    RolledBackError,
+    RuntimeInconsistency,
+    SessionExpiredError,
+    SessionMovedError,
 )
 from kazoo.protocol.states import KazooState
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from kazoo.client import KazooClient
-from pytest_docker_tools.exceptions import ContainerFailed
 from pytest_celery.api.container import CeleryTestContainer
+from pytest_docker_tools.exceptions import ContainerFailed
 
 from celery_zklock.contrib.pytest_celery import defaults
 
@@ -35,7 +35,7 @@ class ZooKeeperContainer(CeleryTestContainer):
         return f"{ip if ip not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
 
     @property
-    def ready_prompt(self) -> str:
+    def ready_prompt(self) -> str | None:
         return defaults.ZOOKEEPER_READY_PROMPT
 
     @classmethod

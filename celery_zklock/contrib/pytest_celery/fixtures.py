@@ -9,6 +9,7 @@ way it overrides the built-in vendors' (``default_zookeeper_image``, ``default_w
 from __future__ import annotations
 
 import uuid
+from typing import Iterator
 
 import pytest
 from pytest_celery.vendors.worker.defaults import DEFAULT_WORKER_CONTAINER_TIMEOUT, DEFAULT_WORKER_VOLUME
@@ -25,7 +26,7 @@ ENSEMBLE_SIZE = 3
 
 
 @pytest.fixture
-def celery_zookeeper(default_zookeeper: ZooKeeperContainer) -> ZooKeeperTestNode:
+def celery_zookeeper(default_zookeeper: ZooKeeperContainer) -> Iterator[ZooKeeperTestNode]:
     """The ZooKeeper the setup's workers lock on (override to return ``celery_zookeeper_ensemble``)."""
     node = ZooKeeperTestNode(default_zookeeper)
     yield node
@@ -110,7 +111,7 @@ def celery_zookeeper_ensemble(
     zookeeper_ensemble_member_1: ZooKeeperMemberContainer,
     zookeeper_ensemble_member_2: ZooKeeperMemberContainer,
     zookeeper_ensemble_member_3: ZooKeeperMemberContainer,
-) -> ZooKeeperCluster:
+) -> Iterator[ZooKeeperCluster]:
     """Three servers in one quorum, serving. To lock on it, override ``celery_zookeeper`` to
     return this fixture."""
     cluster = ZooKeeperCluster(zookeeper_ensemble_member_1, zookeeper_ensemble_member_2, zookeeper_ensemble_member_3)
