@@ -9,7 +9,7 @@ broker, ZooKeeper and the publisher.  This builds the design with nothing else i
 
 * the worker's main process holds each request of a ``bench.skeleton.*`` task aside and
   sends ``wait`` to its agent (a consumer step wrapping ``on_task_request``, the hook
-  :mod:`celery_zklock.worker.worker_queue` uses), and hands the request to the pool on
+  :mod:`celery_zklock.worker.wait_outside_pool` uses), and hands the request to the pool on
   ``granted``;
 * the agent (its own process, one for both workers) joins the key with the one multi
   ours sends for a new key (container + ephemeral sequential node, from a stock kazoo

@@ -293,9 +293,9 @@ def _discarded(sender=None, request=None, **_kw) -> None:
     if header is None:
         return
     job = {"paths": header["paths"], "id": request.id, "retries": int(header.get("retries") or 0)}
-    from .worker import worker_queue
+    from .worker import wait_outside_pool
 
-    if worker_queue.unguard(job):
+    if wait_outside_pool.unguard(job):
         return
     # The sender is the task; the request's ``task`` is only its name (Celery's Context).
     app = getattr(sender, "app", None)

@@ -61,7 +61,7 @@ class Internal:
     kind: Kind
     on: On
     why: str  # why we touch it, one line
-    used_in: tuple[str, ...]  # our modules, dotted below the package ("worker.worker_queue")
+    used_in: tuple[str, ...]  # our modules, dotted below the package ("worker.wait_outside_pool")
     since: str  # "<distribution> <major>.<minor>"
     breaks: str  # what breaks if it disappears
 
@@ -84,7 +84,8 @@ CHECKED_ON = {
 _PAT, _REA, _CAL, _OVR = Kind.PATCHED, Kind.READ, Kind.CALLED, Kind.OVERRIDDEN
 _MOD, _CLS, _INS = On.MODULE, On.CLASS, On.INSTANCE
 
-_WQ = ("worker.worker_queue",)
+_WQ = ("worker.wait_outside_pool",)
+_PW = ("worker.prefetch_window",)
 _HL = ("worker.held_lease",)
 _PH = ("worker.pool_handoff",)
 _KC = ("engine.kazoo_compat",)
@@ -122,7 +123,7 @@ INTERNALS: tuple[Internal, ...] = (
              "getattr default None: every reconnection is handled as a shutdown, rejecting waiting requests on "
              "a dead connection"),
     Internal("celery.bootsteps", "RUN", _REA, _MOD, "the blueprint state a reconnection keeps", _WQ, "celery 5.3",
-             "ImportError: worker_queue (and so every worker with locked tasks) cannot load"),
+             "ImportError: wait_outside_pool (and so every worker with locked tasks) cannot load"),
     Internal("celery.worker.consumer.Consumer", "on_connection_error_after_connected", _PAT, _CLS,
              "turn kombu's restore off on the lost Redis channel before Celery closes the connection", _WQ,
              "celery 5.3",
@@ -274,16 +275,16 @@ INTERNALS: tuple[Internal, ...] = (
              "celery 5.3", "ImportError: the package cannot load"),
     # ---------------------------------------------------------------- kombu
     Internal("kombu.common.QoS", "prev", _PAT, _CLS,
-             "set to None so that asynloop sends the window at its next turn (it compares prev with value)", _WQ,
+             "set to None so that asynloop sends the window at its next turn (it compares prev with value)", _PW,
              "kombu 5.3", "the raised window is sent only at Celery's own next change"),
     Internal("kombu.common.QoS", "callback", _PAT, _INS,
-             "wrapped: the window sent to the broker adds the band for requests held aside", _WQ, "kombu 5.3",
+             "wrapped: the window sent to the broker adds the band for requests held aside", _PW, "kombu 5.3",
              "AttributeError as the first request is held aside"),
     Internal("kombu.common.QoS", "max_prefetch", _REA, _INS,
-             "worker_eta_task_limit caps the band too", _WQ, "kombu 5.6",
+             "worker_eta_task_limit caps the band too", _PW, "kombu 5.6",
              "getattr default None: the band is capped by AMQP's maximum only (as before kombu 5.6)"),
-    Internal("kombu.common", "PREFETCH_COUNT_MAX", _REA, _MOD, "the largest window AMQP can say", _WQ, "kombu 5.3",
-             "ImportError: worker_queue cannot load"),
+    Internal("kombu.common", "PREFETCH_COUNT_MAX", _REA, _MOD, "the largest window AMQP can say", _PW, "kombu 5.3",
+             "ImportError: prefetch_window (and so wait_outside_pool) cannot load"),
     Internal("kombu.connection.Connection", "_default_channel", _REA, _CLS,
              "the lost connection's Redis channel, whose restore we turn off", _WQ, "kombu 5.3",
              "getattr default: no patch (see on_connection_error_after_connected)"),

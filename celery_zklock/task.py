@@ -8,8 +8,9 @@ Lock state lives in locals and a context variable (:mod:`celery_zklock.held`), n
 ``self``: one task instance is shared by every thread of a process.
 
 This module holds the class users subclass: its options and the call path, each step in
-one place.  How the lock is waited for is :mod:`celery_zklock.acquisition`; what a task
-does when it does not get or loses it, :mod:`celery_zklock.outcomes` (functions of the task).
+one place.  How the lock is waited for is :mod:`celery_zklock.acquisition`; what follows
+the decision (prerun, the policy, the enqueue guard), :mod:`celery_zklock.decision`; what a
+task does when it does not get or loses it, :mod:`celery_zklock.outcomes` (functions of the task).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import dataclasses
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Retry
 
 from .logs import task_logger
 from .worker import agent_client, worker_hooks
 
-from . import acquisition, by_config, config, enqueue, outcomes, prerun, signals
+from . import acquisition, by_config, config, decision, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
-from .errors import LockLost, LockReentered, LockUnavailable, LockUpgradeRefused
+from .decision import Guard, Reentry
+from .errors import LockLost, LockReentered, LockUpgradeRefused
 from .held import CURRENT, HeldLock, NestedLock, current_lock, lost_reason_of, tokens_of
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
@@ -146,24 +147,23 @@ class ZkLockedTask(Task):
         (Curator's re-entry, at task level): it runs at once under the outer hold, which
         it never releases; only keys the outer does not hold are taken (and released) here."""
         keys, paths, label = call.keys, call.paths, call.label
-        held_paths = [p for p in paths if p in outer.paths]
-        upgrades = [p for p in held_paths if p in outer.read_paths and p not in call.read_paths]
-        if upgrades:  # the outer reads a key this call writes: it would wait for itself
-            prerun.fire(self)
-            raise LockUpgradeRefused(keys[paths.index(upgrades[0])])
-        missing = [p for p in paths if p not in outer.paths]
-        if not call.opts.reentrant:
-            prerun.fire(self)
-            holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
-            outcomes.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
-            raise LockReentered(label, holder)
-        if missing:
+        entry = decision.reentry(outer.paths, outer.read_paths, paths, call.read_paths, call.opts.reentrant)
+        if entry is Reentry.TAKES_THE_REST:
             # The rest are taken in process, as a nested call always waits (see the README
             # on deadlocks: the canonical order no longer spans the whole set).
+            missing = [p for p in paths if p not in outer.paths]
             sub_keys = [k for k, p in zip(keys, paths) if p in missing]
             inner_label = sub_keys[0] if len(sub_keys) == 1 else sub_keys
             return self._locked_call(call, Nested(outer, missing, inner_label))
-        prerun.fire(self)
+        prerun.fire(self)  # decided at once: under the outer hold, or refused
+        held_paths = [p for p in paths if p in outer.paths]
+        if entry is Reentry.UPGRADE_REFUSED:
+            upgrade = next(p for p in held_paths if p in outer.read_paths and p not in call.read_paths)
+            raise LockUpgradeRefused(keys[paths.index(upgrade)])
+        if entry is Reentry.REFUSED:
+            holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
+            outcomes.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
+            raise LockReentered(label, holder)
         held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
                         acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id,
                         read_paths=frozenset(p for p in paths if p in outer.read_paths))
@@ -175,75 +175,49 @@ class ZkLockedTask(Task):
         finally:
             CURRENT.reset(ctx_token)
 
-    def _start_guard(self, req, opts: ZkSettings, label, lock, direct: bool) -> None:
-        """End (or move) its enqueue guard before the body runs; if ZooKeeper cannot, the body
-        does not run: that guard would swallow the work published during the run.  The lock
-        goes and ``on_lock_unavailable`` decides (its retry takes the guard over)."""
-        try:
-            enqueue.started(self, req, opts)
-        except LockUnavailable as exc:
-            lock.release()
-            try:
-                outcomes.unavailable(self, exc, opts, label, direct)
-            except Retry:
-                raise  # the retry names this id in the guard: publishes dedupe into it
-            except BaseException:
-                enqueue.finished(self, req, opts, ran=False, why="LockUnavailable")
-                raise
-
     def _locked_call(self, call: "Call", nested: "Nested | None" = None) -> Any:
         """Take the lock (all of the call's paths, or only those a ``nested`` call's outer hold
-        lacks), run the body, release with the proof."""
+        lacks), run the body, release with the proof.  The lock is claimed from the worker's
+        lock agent, which queued for it before the pool got the request (prefork/solo with
+        zklock_wait_in="worker"), or waited for here (acks_late tasks too: redelivered copies
+        are recognised here); :func:`celery_zklock.decision.act` acts on what either decided."""
         run_state = RunState(threading.get_ident())
+        started = time.monotonic()
 
         def on_lost(lock) -> None:
             run_state.lost(lock.lost_reason or "lock lost", call.opts.on_lost == "interrupt")
 
-        try:
-            taken, guarded = self._take_lock(call, nested, on_lost)
-        finally:
-            prerun.fire(self)  # decided (held or given up), or failed: prerun never goes unsent
+        req, direct, opts = call.req, call.direct, call.opts
+        label = nested.label if nested else call.label
+        taken = decision.act(
+            self, opts, label, direct,
+            claim=lambda: self._claimed(call, nested, on_lost),
+            wait_here=lambda: acquisition.lock_in_process(
+                self, req, direct, opts, label, nested.take if nested else call.paths, on_lost, started,
+                give_back=(nested is None and not direct and not self.acks_late and bool(req.id)
+                           and agent_client.beside_agent()),
+                read_paths=call.read_paths),
+            guard_here=Guard.RUN if nested is None and not direct else Guard.NONE)
         if taken.lock is None:
             return taken.result  # not run: the policy's value
-        return self._run_holding(call, nested, taken, guarded, run_state)
+        return self._run_holding(call, nested, taken, run_state)
 
-    def _take_lock(self, call: "Call", nested: "Nested | None", on_lost) -> tuple[acquisition.WaitResult, bool]:
-        """The lock claimed from the worker's lock agent, which queued for it before the pool got
-        the request (prefork/solo with zklock_wait_in="worker"), or waited for here (acks_late
-        tasks too: redelivered copies are recognised here); and whether its enqueue guard is
-        this process's to end (it ends or moves where the lock is decided)."""
-        req, direct, opts = call.req, call.direct, call.opts
-        started = time.monotonic()
+    def _claimed(self, call: "Call", nested: "Nested | None", on_lost) -> "decision.Decision | None":
+        """The agent's verdict on this request; None when there is none to claim (a direct,
+        nested or acks_late call, or another delivery of its id waits in the agent): the
+        lock is waited for here."""
+        req = call.req
         carried = agent_client.carried_grant(req)  # off the request whether used or not: never republished
         bypassed = agent_client.bypassed(req)  # another delivery of its id waits in the agent: not ours to claim
-        claimed = (None if direct or nested is not None or self.acks_late or not req.id or bypassed
-                   else agent_client.claim(req.id, _CLAIM_TIMEOUT, carried))
-        if claimed is not None:
-            return acquisition.claimed_lock(self, claimed, opts, call.label, on_lost), False
-        guarded = nested is None and not direct
-        try:
-            taken = acquisition.lock_in_process(self, req, direct, opts, nested.label if nested else call.label,
-                                                nested.take if nested else call.paths, on_lost, started,
-                                                give_back=(nested is None and not direct and not self.acks_late
-                                                           and bool(req.id) and agent_client.beside_agent()),
-                                                read_paths=call.read_paths)
-        except (Retry, acquisition.GivenBack):
-            raise  # the retry (or the request given back) took its enqueue guard over: publishes dedupe into it
-        except BaseException as exc:
-            if guarded:  # ends unrun
-                enqueue.finished(self, req, opts, ran=False, why=type(exc).__name__)
-            raise
-        if taken.lock is None:
-            if guarded:
-                enqueue.finished(self, req, opts, ran=False, why="not run")
-        elif guarded:
-            self._start_guard(req, opts, call.label, taken.lock, direct)
-        return taken, guarded
+        if call.direct or nested is not None or self.acks_late or not req.id or bypassed:
+            return None
+        claimed = agent_client.claim(req.id, _CLAIM_TIMEOUT, carried)
+        return None if claimed is None else acquisition.claimed_lock(self, claimed, call.opts, on_lost)
 
-    def _run_holding(self, call: "Call", nested: "Nested | None", taken: acquisition.WaitResult, guarded: bool,
-                     run_state: RunState) -> Any:
+    def _run_holding(self, call: "Call", nested: "Nested | None", taken: decision.Taken, run_state: RunState) -> Any:
         """Run the body with the hold set as :func:`current_lock`; release with the proof."""
         req, opts, paths, label, lock, waited = call.req, call.opts, call.paths, call.label, taken.lock, taken.waited
+        guarded = taken.guard is Guard.RUN  # started before the body: it ends after it
         tokens = tokens_of(lock)
         if nested is not None:  # keys the outer holds keep its tokens; the lock is both
             tokens = {**{p: nested.outer.tokens[p] for p in paths if p in nested.outer.tokens}, **tokens}

@@ -5,7 +5,7 @@ The agent is :class:`celery_zklock.worker.agent.Agent`, unchanged: its event thr
 simulated thread that runs :meth:`~celery_zklock.worker.agent.Agent.run_event`,
 its ZooKeeper client a :class:`~sim.zk.SimClient`, its peers' sockets simulated links
 carrying the same messages (:mod:`celery_zklock.worker.agent_protocol`).  The main process and
-pool processes are models that speak that protocol as ``worker_queue`` and ``agent_client``
+pool processes are models that speak that protocol as ``wait_outside_pool`` and ``agent_client``
 do, and record what each pool process *believes* it holds: that is what the invariants
 judge (:mod:`sim.checks`).
 """
@@ -20,7 +20,9 @@ from celery_zklock.engine.internals import LockInternals, State
 from celery_zklock.engine.kazoo_compat import on_ready
 from celery_zklock.engine.znodes import NodeKind
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_protocol import HEARTBEAT
+from celery_zklock.worker.agent_protocol import (HEARTBEAT, Bypass, Cancel, Claim, ClaimAnswer, Claimed, Decided,
+                                                 Finished, Hello, LockState, Next, Ping, Release, Released, Role,
+                                                 StopWaiting, Unclaim, Verdict, Wait)
 from celery_zklock.worker.agent_client import starts_on_carried
 from celery_zklock.worker.pool_handoff import Early, hand_over_early
 
@@ -49,25 +51,25 @@ class Wire:
         self.last = 0.0
         self.open = True
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg) -> None:
         if not self.open:
             return
         self.last = max(self.last, self.world.now + 0.00005 + 0.0005 * self.rng.random())
         self.world.at(self.last, self.name, self._arrive, msg, proc=self.proc)
 
-    def _arrive(self, msg: dict) -> None:
+    def _arrive(self, msg) -> None:
         if self.open:
             self.deliver(msg)
 
 
 class AgentPeer:
-    """What the agent holds for a connected process (``agent_protocol.Connection``'s ``send``)."""
+    """What the agent holds for a connected process (``agent_socket.Connection``'s ``send``)."""
 
     def __init__(self, wire: Wire, label: str) -> None:
         self.wire = wire
         self.label = label
 
-    def send(self, msg: dict) -> bool:
+    def send(self, msg) -> bool:
         self.wire.send(msg)
         return True
 
@@ -101,8 +103,9 @@ class _Events:
 
 
 def _brief(value) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items() if k in ("op", "id", "verdict", "why")) + "}"
+    if hasattr(value, "op"):  # a message
+        shown = [f"{k}: {getattr(value, k)}" for k in ("id", "verdict", "why") if getattr(value, k, None) is not None]
+        return f"{value.op} {{{', '.join(shown)}}}"
     ident = getattr(value, "id", None)
     if isinstance(ident, str):
         return ident
@@ -110,6 +113,12 @@ def _brief(value) -> str:
     if node is not None:
         return f"slot {node[-10:]}"
     return type(value).__name__
+
+
+def _nodes(wait) -> dict:
+    """The nodes of the grant the agent made for ``wait`` (None: it is gone), read for the checks."""
+    verdict = wait.verdict if wait is not None else None
+    return dict(verdict.nodes or {}) if verdict is not None else {}
 
 
 class Worker:
@@ -172,7 +181,7 @@ class Worker:
         if self.agent.stopped.is_set():
             return self._stopped()
         for peer in list(self.agent.peers):
-            peer.send({"op": "ping"})
+            peer.send(Ping())
         self.agent.post(self.agent.tick)
         self.world.at(self.world.now + HEARTBEAT, f"{self.name}.heartbeat", self._heartbeat, proc=self.agent_proc)
 
@@ -188,7 +197,7 @@ class Worker:
 
 
 class MainProcess:
-    """The worker's main process (``worker_queue``): asks the agent for each request's lock,
+    """The worker's main process (``wait_outside_pool``): asks the agent for each request's lock,
     hands decided (or next-in-line) requests to a free pool process, may revoke."""
 
     def __init__(self, worker: Worker) -> None:
@@ -199,7 +208,7 @@ class MainProcess:
         self.rng = self.world.rng(self.proc.name)
         self.peer = worker.connect(self, "main")
         worker.agent.peers.add(self.peer)
-        self.to_agent.send({"op": "hello", "role": "main"})
+        self.to_agent.send(Hello(Role.MAIN))
         self.requests: dict[str, dict] = {}
         self.backlog: deque = deque()  # decided or next in line, waiting for a free pool process
         self.early: set[str] = set()  # handed to the pool while next in line
@@ -208,12 +217,12 @@ class MainProcess:
         self.alive = True
         self.die_after_carry = False  # a fault: killed right after it hands over a carried grant
 
-    def receive(self, msg: dict) -> None:
-        op = msg.get("op")
-        req = self.requests.get(msg.get("id"))
-        if op == "ping" or req is None:
+    def receive(self, msg) -> None:
+        req = self.requests.get(getattr(msg, "id", None))
+        if req is None:
             return
-        if op in ("granted", "timeout", "unavailable", "revoked", "shutdown"):
+        if isinstance(msg, Decided):
+            op = msg.verdict.value
             if self.world.full_trace is not None:
                 self.world.log(f"{self.proc.name}: {op} {req['id']}")
             if req.get("dropped"):
@@ -221,19 +230,19 @@ class MainProcess:
             if req.get("verdict") is not None:
                 self.worker.run.checks.fail(f"{self.proc.name}: a second verdict {op} for {req['id']}")
             req["verdict"] = op
-            if msg.get("carry") is not None:
-                # The grant travels with the task (worker_queue._hand_over); the nodes it
+            if msg.carry is not None:
+                # The grant travels with the task (wait_outside_pool's hand-over); the nodes it
                 # names are read from the agent, for the checks (the pool does not need them).
                 wait = self.worker.agent.requests.waits.get(req["id"])
-                req["carry"] = msg["carry"]
-                req["nodes"] = dict((wait.verdict or {}).get("nodes") or {}) if wait is not None else {}
+                req["carry"] = msg.carry
+                req["nodes"] = _nodes(wait)
             self.next_up.pop(req["id"], None)
-            self._dispatch(req, first=op == "granted" and bool(msg.get("queued")))
-        elif op == "next":
+            self._dispatch(req, first=msg.verdict is Verdict.GRANTED and msg.queued)
+        elif isinstance(msg, Next):
             if self.world.full_trace is not None:
                 self.world.log(f"{self.proc.name}: next {req['id']}")
-            self._next_in_line(req, msg.get("hold"), msg.get("ours", True))
-        elif op == "bypass":
+            self._next_in_line(req, msg.hold, msg.ours)
+        elif isinstance(msg, Bypass):
             req["verdict"] = "bypass"
             req["done"] = True
 
@@ -243,7 +252,7 @@ class MainProcess:
         return not self.backlog and (ours or sum(1 for pool in self.worker.pools if pool.free()) >= 2)
 
     def slots(self) -> int:
-        """worker_queue._slots: handoff slots, never the whole pool."""
+        """wait_outside_pool's handoff slots: never the whole pool."""
         return max(0, min(len(self.worker.pools) // 2, len(self.worker.pools) - 1))
 
     def _next_in_line(self, req: dict, hold, ours: bool = True) -> None:
@@ -263,9 +272,7 @@ class MainProcess:
         rid = f"{self.worker.name}-{self.count}"
         self.requests[rid] = {"id": rid, "seq": self.count, "path": path, "verdict": None, "dispatched": False, "done": False,
                               "sent_at": self.world.now, "timeout": timeout}
-        self.to_agent.send({"op": "wait", "id": rid, "seq": self.count, "task": "t", "paths": [path], "max_holders": 1,
-                            "timeout": timeout, "identity": f"{rid}", "early": early and self.slots() > 0,
-                            "watched": True})
+        self.to_agent.send(Wait(rid, (path,), self.count, "t", 1, timeout, rid, early=early and self.slots() > 0))
 
     def revoke(self, rid: str) -> None:
         req = self.requests.get(rid)
@@ -273,7 +280,7 @@ class MainProcess:
             return
         self.world.log(f"{self.proc.name}: revokes {rid}")
         in_pool = rid in self.early
-        self.to_agent.send({"op": "cancel", "id": rid, "why": "revoked", "in_pool": in_pool})
+        self.to_agent.send(StopWaiting(rid, Cancel.REVOKED, in_pool))
         if not in_pool:  # Celery drops it; only one handed to the pool hears back
             self.next_up.pop(rid, None)
             if req["dispatched"]:
@@ -311,9 +318,9 @@ class MainProcess:
 
     def finished(self, req: dict) -> None:
         req["done"] = True
-        self.to_agent.send({"op": "finished", "ids": [req["id"]], "seqs": [req["seq"]]})
+        self.to_agent.send(Finished((req["id"],), (req["seq"],)))
         self.early.discard(req["id"])
-        for rid, (hold, ours) in list(self.next_up.items()):  # worker_queue._park_next_up
+        for rid, (hold, ours) in list(self.next_up.items()):  # wait_outside_pool: parking the next in line
             if len(self.early) >= self.slots():
                 break
             if not self.may_park(ours):
@@ -389,18 +396,18 @@ class PoolProcess:
         carry = req.pop("carry", None)  # taken off the request, as agent_client.carried_grant does
         if carry is not None and starts_on_carried(self._send, req["id"], carry):
             self.world.log(f"{self.proc.name}: starts {req['id']} on its carried grant")
-            self.tokens, self.nodes = dict(carry.get("tokens") or {}), req.get("nodes") or {}
+            self.tokens, self.nodes = dict(carry.tokens), req.get("nodes") or {}
             self.held = True
-            self.grace = float(carry["session_timeout"]) / 3.0
+            self.grace = carry.session_timeout / 3.0
             self.worker.run.checks.carried_start(self, self.nodes, self.tokens)
             return self._confirmed()
         self.world.log(f"{self.proc.name}: claims {req['id']}")
-        self.to_agent.send({"op": "claim", "id": req["id"]})
+        self.to_agent.send(Claim(req["id"]))
         no = self.claim_no
         self.world.at(self.world.now + CLAIM_TIMEOUT, f"{self.proc.name}.claim-timeout", self._claim_timeout, no,
                       proc=self.proc)
 
-    def _send(self, msg: dict) -> bool:
+    def _send(self, msg) -> bool:
         self.to_agent.send(msg)
         return True
 
@@ -411,57 +418,57 @@ class PoolProcess:
             return  # a pending claim waits while the agent is alive
         self.world.log(f"{self.proc.name}: no answer to its claim of {self.req['id']}: unclaims, locks in-process")
         self.gave_up.add(self.req["id"])
-        self.to_agent.send({"op": "unclaim", "id": self.req["id"]})
+        self.to_agent.send(Unclaim(self.req["id"]))
         self._lock_in_process()
 
     def _lock_in_process(self) -> None:
         self.phase = "inprocess"
         self.inprocess = InProcessLock(self, self.req["path"])
 
-    def receive(self, msg: dict) -> None:
+    def receive(self, msg) -> None:
         self.last_heard = self.proc.monotonic()
-        op = msg.get("op")
-        if op == "ping":
+        if isinstance(msg, Ping):
             return
-        rid = msg.get("id")
+        rid = msg.id
         if self.req is None or rid != self.req["id"]:
             if rid in self.gave_up:
                 return  # a late answer to a call it stopped waiting for (agent_client ignores it)
-            if op == "released" or op == "claimed":
-                self.worker.run.checks.fail(f"{self.proc.name}: {op} for {rid}, which it is not working on")
+            if isinstance(msg, (Released, Claimed)):
+                self.worker.run.checks.fail(f"{self.proc.name}: {msg.op} for {rid}, which it is not working on")
             return
-        if op == "claimed":
+        if isinstance(msg, Claimed):
             self._claimed(msg)
-        elif op == "state":
-            self.held = bool(msg.get("held"))
-            if msg.get("lost"):
+        elif isinstance(msg, LockState):
+            self.held = msg.held
+            if msg.lost:
                 self.lost = True
             self._note()
             if self.phase == "confirming" and (self.held or self.lost):
                 self._confirmed()
-        elif op == "released":
+        elif isinstance(msg, Released):
             if self.phase != "releasing":
                 self.worker.run.checks.fail(f"{self.proc.name}: released {rid} while {self.phase}")
             self._done()
 
-    def _claimed(self, msg: dict) -> None:
-        verdict = msg.get("verdict")
+    def _claimed(self, msg: Claimed) -> None:
+        verdict = msg.verdict
         if self.phase not in ("claiming", "pending"):
             if self.phase != "inprocess":
-                self.worker.run.checks.fail(f"{self.proc.name}: claimed {verdict} for {self.req['id']} while {self.phase}")
+                self.worker.run.checks.fail(f"{self.proc.name}: claimed {verdict.value} for {self.req['id']} "
+                                            f"while {self.phase}")
             return
-        if verdict == "pending":
+        if verdict is ClaimAnswer.PENDING:
             self.phase = "pending"
             return
-        if verdict != "granted":
-            if verdict == "unknown":
+        if verdict is not Verdict.GRANTED:
+            if verdict is ClaimAnswer.UNKNOWN:
                 return self._lock_in_process()
-            if verdict == "shutdown" and self.req.get("on_shutdown") is not None:
+            if verdict is Verdict.SHUTDOWN and self.req.get("on_shutdown") is not None:
                 self.req["on_shutdown"](self, self.req)
             return self._done()
-        self.tokens, self.nodes = msg.get("tokens") or {}, msg.get("nodes") or {}
-        self.held, self.lost = bool(msg.get("held")), bool(msg.get("lost"))
-        self.grace = float(msg.get("session_timeout") or 3.0) / 3.0
+        self.tokens, self.nodes = msg.tokens or {}, msg.nodes or {}
+        self.held, self.lost = msg.held, msg.lost
+        self.grace = float(msg.session_timeout or 3.0) / 3.0
         if self.held and not self.lost:
             return self._confirmed()
         self.phase = "confirming"
@@ -499,7 +506,7 @@ class PoolProcess:
         self._note()
         if self.req.get("body") is not None:
             self.req["body"].released_at = self.world.now
-        self.to_agent.send({"op": "release", "id": self.req["id"]})
+        self.to_agent.send(Release(self.req["id"]))
         no = self.claim_no
         self.world.at(self.world.now + RELEASE_BOUND, f"{self.proc.name}.release-bound", self._release_bound, no,
                       proc=self.proc)

@@ -1,9 +1,9 @@
 """The worker's main process for real: ``WaitOutsidePool`` and its ``HeldLeases`` on virtual time.
 
 The held-aside scenarios (``sim/run.py``, shape ``broker``) run the production consumer
-step, :class:`celery_zklock.worker.worker_queue.WaitOutsidePool`, unchanged, with its link
-to the real agent the simulator already runs (``agent_supervisor``'s ``_connect``,
-``_readable``, ``Outbox``) and its Redis leases (``held_lease``), against a broker model
+step, :class:`celery_zklock.worker.wait_outside_pool.WaitOutsidePool`, unchanged, with its
+connection to the real agent the simulator already runs (``agent_connection``: the socket read
+in the hub, the ``Outbox``) and its Redis leases (``held_lease``), against a broker model
 (:mod:`sim.broker`: Redis or RabbitMQ).  Around it, what Celery gives it, modelled:
 
 * the consumer ``c``: kombu's hub (``call_soon``, ``call_later``, ``call_repeatedly``,
@@ -42,7 +42,7 @@ to the real agent the simulator already runs (``agent_supervisor``'s ``_connect`
 
 Seams, all in the simulator (nothing in ``celery_zklock`` changes): the modules' ``time``,
 ``socket`` and ``select`` are replaced by virtual ones; ``agent_supervisor._agent``,
-``worker_queue._step`` and Celery's ``reserved_requests`` and ``active_requests`` (one per
+``wait_outside_pool._step`` and Celery's ``reserved_requests`` and ``active_requests`` (one per
 process in production) are set to the running worker's at every turn of its loop.  Each
 turn runs the hub's ``call_soon`` callbacks first (kombu's ``_ready``), then its due timers,
 the agent's socket and the broker's socket in an order the seed draws per turn: after a
@@ -59,8 +59,9 @@ import heapq
 from collections import deque
 from types import SimpleNamespace
 
-from celery_zklock.worker import agent_supervisor, held_lease, worker_queue
-from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, LineReader, encode
+from celery_zklock.worker import agent_connection, agent_supervisor, held_lease, wait_outside_pool
+from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, Carry, encode, from_wire
+from celery_zklock.worker.agent_socket import LineReader
 
 import logging
 
@@ -79,7 +80,7 @@ _by_fd: dict = {}  # fake descriptor -> its socket
 
 # ---------------------------------------------------------------------- the seams
 class _Time:
-    """``time`` as worker_queue, agent_supervisor and held_lease read it."""
+    """``time`` as wait_outside_pool, agent_connection, agent_supervisor and held_lease read it."""
 
     @staticmethod
     def monotonic() -> float:
@@ -124,12 +125,13 @@ def install(world) -> None:
     _world = world
     _by_path.clear()
     _by_fd.clear()
-    for module in (worker_queue, agent_supervisor, held_lease):
+    for module in (wait_outside_pool, agent_connection, agent_supervisor, held_lease):
         module.time = _Time
-    agent_supervisor.socket = _SocketModule
-    agent_supervisor.select = _SelectModule
+    for module in (agent_connection, agent_supervisor):
+        module.socket = _SocketModule
+        module.select = _SelectModule
     agent_supervisor._agent = None
-    worker_queue._step = None
+    wait_outside_pool._step = None
 
 
 class SimSocket:
@@ -199,9 +201,12 @@ class SimAgentProcess:
     def start(self) -> None:
         self.worker.run.checks.fail(f"{self.worker.name}: its lock agent is started again (not modelled)")
 
+    def start_again(self) -> None:
+        self.start()
+
     def kill(self) -> None:
         self.worker.run.checks.fail(f"{self.worker.name}: its main process kills its lock agent (silent for "
-                                    f"{_Time.monotonic() - self.worker.main.step.last_ping:.2f} s)")
+                                    f"{self.worker.main.step.agent.silence():.2f} s)")
 
     @property
     def alive(self) -> bool:
@@ -474,6 +479,43 @@ class _Semaphore:
         return sum(1 for pool in getattr(self.main.worker, "pools", ()) if pool.free())
 
 
+class _Requests:
+    """Celery's ``reserved_requests`` or ``active_requests`` for one process.  Celery's is a
+    ``WeakSet``: it iterates in the order of its requests' addresses, which follow when the
+    garbage collector last freed memory (a plain set here did the same, so the step's
+    ``dropped`` list came out in a heap-dependent order).  The seed draws that order here,
+    from the order the requests came in: a replay does not depend on the heap, and the
+    step meets every order."""
+
+    def __init__(self, rng) -> None:
+        self.rng = rng
+        self._in: dict = {}  # request -> None, in the order added
+
+    def add(self, req) -> None:
+        self._in[req] = None
+
+    def discard(self, req) -> None:
+        self._in.pop(req, None)
+
+    def clear(self) -> None:
+        self._in.clear()
+
+    def update(self, reqs) -> None:
+        for req in reqs:
+            self._in[req] = None
+
+    def __contains__(self, req) -> bool:
+        return req in self._in
+
+    def __len__(self) -> int:
+        return len(self._in)
+
+    def __iter__(self):
+        order = list(self._in)
+        self.rng.shuffle(order)
+        return iter(order)
+
+
 PreforkPool = type("TaskPool", (), {"__module__": "celery.concurrency.prefork"})
 
 
@@ -493,8 +535,8 @@ class CeleryMain:
         self.hub = SimHub(self)
         self.thread = _PostToLoop(self)
         # Celery's worker state (celery.worker.state), per process: set at every turn (enter)
-        self.reserved: set = set()  # task_reserved: delivered, not yet done
-        self.active: set = set()  # task_accepted: a pool process took it
+        self.reserved = _Requests(self.world.rng(f"{self.proc.name}.reserved"))  # task_reserved: delivered, not done
+        self.active = _Requests(self.world.rng(f"{self.proc.name}.active"))  # task_accepted: a pool process took it
         # BRPOP: Redis answers the blocked clients in turn; who reads first is a draw
         self.brpop = self.world.rng(f"{self.proc.name}.brpop")
         self.cuts = 0
@@ -520,7 +562,7 @@ class CeleryMain:
         self.agent_process = SimAgentProcess(worker)
         _by_path[self.agent_process.path] = self
         self.enter()
-        self.step = worker_queue.WaitOutsidePool(c)
+        self.step = wait_outside_pool.WaitOutsidePool(c)
         if not self.step.active:
             raise AssertionError("the consumer step is not active")
         self.enter()
@@ -531,7 +573,7 @@ class CeleryMain:
     def enter(self) -> None:
         """This process's module state (one worker per process in production)."""
         agent_supervisor._agent = self.agent_process
-        worker_queue._step = getattr(self, "step", None)
+        wait_outside_pool._step = getattr(self, "step", None)
         worker_state.reserved_requests = self.reserved
         worker_state.active_requests = self.active
 
@@ -611,7 +653,7 @@ class CeleryMain:
         self.peer = self.worker.connect(self, "main")
         self.worker.agent.peers.add(self.peer)
 
-    def receive(self, msg: dict) -> None:
+    def receive(self, msg) -> None:
         """A message from the agent reaches the socket (the wire runs on this process)."""
         if self.sock is not None and not self.sock.closed:
             self.sock.inbound += encode(msg)
@@ -641,12 +683,13 @@ class CeleryMain:
     def to_pool(self, req: SimRequest) -> None:
         req.delivery.handed_at = self.world.now
         info = req.delivery_info
-        nodes = {}
+        nodes, carry = {}, None
         if info.get(CARRIED) is not None:
+            carry = from_wire(Carry, info[CARRIED])  # as agent_client.carried_grant reads it
             wait = self.worker.agent.requests.waits.get(req.id)
-            nodes = dict((wait.verdict or {}).get("nodes") or {}) if wait is not None else {}
+            nodes = dict(wait.verdict.nodes or {}) if wait is not None and wait.verdict is not None else {}
         job = {"id": req.id, "seq": getattr(req, "zklock_seq", None), "path": req.path, "verdict": "handed",
-               "dispatched": True, "done": False, "carry": info.get(CARRIED), "nodes": nodes,
+               "dispatched": True, "done": False, "carry": carry, "nodes": nodes,
                "bypassed": bool(info.get(BYPASSED)), "creq": req,
                "on_start": self._accepting, "on_body": self._body, "on_end": self._stored,
                "on_shutdown": self._published_back}

@@ -69,8 +69,8 @@ MUTANTS = [
     Mutant("late-claim", "5. a claim answered after the pool process gave up on it keeps its grant "
            "(finding 4: the agent ignores unclaim)",
            "worker/agent.py",
-           '        elif op == "unclaim":\n            self.claims.unclaim(peer, msg["id"])\n',
-           '        elif op == "unclaim":\n            pass\n'),
+           "            case Unclaim():\n                self.claims.unclaim(peer, msg.id)\n",
+           "            case Unclaim():\n                pass\n"),
     Mutant("delete-first", "6. a streak ends by deleting the old node before queueing the new one",
            "worker/cohort.py",
            "        if replace and self._next_waiter() is not None:\n            self.pump()\n"
@@ -92,11 +92,11 @@ MUTANTS = [
            "        if self.create_in_flight:\n            return  # its reply",
            "        if False:\n            return  # its reply"),
     Mutant("batch-not-resent", "10. a group-commit batch whose rolled-back creates are not sent again",
-           "engine/attempt/parents.py",
-           "                if not at.finished and at.state is State.CREATING:\n"
-           "                    at.send_create(same_try=True)\n",
-           "                if not rolled_back and not at.finished and at.state is State.CREATING:\n"
-           "                    at.send_create(same_try=True)\n"),
+           "engine/attempt/machine.py",
+           "            if answer.step in (Multi.ROLLED_BACK, Multi.KEY_EXISTS):\n"
+           "                if not self.finished and self.state is State.CREATING:\n",
+           "            if answer.step in (Multi.ROLLED_BACK, Multi.KEY_EXISTS):\n"
+           "                if answer.step is not Multi.ROLLED_BACK and not self.finished and self.state is State.CREATING:\n"),
     Mutant("same-token", "11. a local handoff that does not count its grant: two holders share a token",
            "worker/cohort.py",
            "        slot.grants += 1\n",
@@ -131,8 +131,8 @@ MUTANTS = [
     Mutant("exists-own-watch", "17. the holder's own-node watch set with exists: a creation watch left on the "
            "server for a deleted node, and the deletion not seen",
            "engine/attempt/holding.py",
-           "        kazoo_compat.on_ready(at.client.get_async(f\"{at.lk.path}/{node}\", watch=self._own_watcher[2]),",
-           "        kazoo_compat.on_ready(at.client.exists_async(f\"{at.lk.path}/{node}\", watch=self._own_watcher[2]),"),
+           "        kazoo_compat.on_ready(self._client.get_async(f\"{self._path}/{node}\", watch=self._own_watcher[2]),",
+           "        kazoo_compat.on_ready(self._client.exists_async(f\"{self._path}/{node}\", watch=self._own_watcher[2]),"),
     Mutant("blocking-holders", "18. a timeout's verdict waits for a blocking read of the key's holders",
            "worker/agent_requests.py",
            "        holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))\n",
@@ -147,9 +147,9 @@ MUTANTS = [
            "(issue 39's carried grant without its lease window)",
            "worker/agent_client.py",
            "    if not fresh(proof, lease_clock(), session):\n        return False\n"
-           "    if not send({\"op\": \"claim\", \"id\": request_id, \"carried\": True}):\n        return False\n"
+           "    if not send(Claim(request_id, carried=True)):\n        return False\n"
            "    return fresh(proof, lease_clock(), session)\n",
-           "    return send({\"op\": \"claim\", \"id\": request_id, \"carried\": True})\n"),
+           "    return send(Claim(request_id, carried=True))\n"),
     Mutant("carry-abandoned", "21. the agent lets go of a carried grant nobody has claimed yet as soon as the "
            "main process is gone, or Celery drops its request (its pool process may be starting on it)",
            "worker/agent.py",
@@ -177,17 +177,17 @@ MUTANTS = [
            "worker/agent_client.py",
            "                self._dozing = False\n                self._turn.notify_all()\n",
            "                pass\n",
-           killer="tests/worker/test_handoff_gap.py::test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll"),
+           killer="tests/worker/test_grant_delivery.py::test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll"),
     Mutant("dropped-keeps-grant", "26. a request Celery drops as expired after its grant (it waited for a pool "
            "process) does not let go of it: nobody claims the grant, the key stays held until the worker stops",
            "worker/worker_hooks.py",
-           "        finally:\n            worker_queue.request_finished(self)\n\n    def on_timeout",
+           "        finally:\n            wait_outside_pool.request_finished(self)\n\n    def on_timeout",
            "        finally:\n            pass\n\n    def on_timeout",
            killer="tests/worker/test_expired_grant.py::"
                   "test_a_granted_request_that_expires_before_a_process_frees_lets_go_of_its_key"),
     Mutant("expired-waits-on", "27. a request whose expires passes while it waits for its lock keeps waiting: "
            "granted after the holder, then dropped",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "            elif req.maybe_expire():  # past it: revoked, as Celery marks an expired request\n",
            "            elif False:\n",
            killer="tests/worker/test_expired_grant.py::test_a_request_that_expires_while_it_waits_stops_waiting"),
@@ -195,12 +195,12 @@ MUTANTS = [
            "a pool process) is kept: nobody claims it, the key stays held until the message comes back (found by "
            "tests/faults/test_broker_faults.py first; the simulator's held-aside-reconnect since)",
            "worker/agent.py",
-           "                if wait is not None and wait.claimer is None:\n                    self._unless_claimed(wait)\n",
-           "                pass\n"),
+           "                    if wait is not None and wait.claimer is None:\n                        self._unless_claimed(wait)\n",
+           "                    pass\n"),
     Mutant("reconnect-republishes-parked", "29. at a broker reconnection, requests parked next in line in pool processes "
            "are told to publish themselves again, into the broker that has just gone: lost (found by "
            "tests/faults/test_broker_faults.py first; the simulator's held-aside-reconnect since)",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "        if restarting:\n            return  # next in line in the pool: still listed (paths), still waiting for grants\n",
            ""),
     Mutant("finished-by-id", "30. the end of a delivery is told by task id alone: a retry with no countdown that "
@@ -211,14 +211,14 @@ MUTANTS = [
            killer="tests/worker/test_deliveries.py::test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id"),
     Mutant("blind-consumer-start", "31. a consumer (re)start connects to its agent blindly: with the agent dead and its "
            "restart waiting for ZooKeeper, a broker reconnection fails the start again and again, for good",
-           "worker/worker_queue.py",
-           "            except OSError as exc:\n",
-           "            except ZeroDivisionError as exc:\n",
+           "worker/agent_connection.py",
+           "        except OSError as exc:\n",
+           "        except ZeroDivisionError as exc:\n",
            killer="-mslow tests/faults/test_broker_faults.py::"
                   "test_a_worker_whose_agent_died_while_zookeeper_was_down_consumes_after_a_broker_reconnection"),
     Mutant("reader-forgotten", "32. the agent's reader is not registered again when the event loop restarts: after a "
            "broker reconnection grants are read only by the 0.4 s liveness check",
-           "worker/worker_queue.py",
+           "worker/agent_connection.py",
            "            hub.add_reader(self.sock.fileno(), self._readable)\n            self.outbox.register(hub)\n",
            "            self.outbox.register(hub)\n",
            killer="tests/worker/test_prefetch_accounting.py::"
@@ -226,8 +226,8 @@ MUTANTS = [
     Mutant("grace-by-epoch", "33. a suspension's grace judged by the connection's epoch: a reconnection whose "
            "re-verification is cut off again leaves no grace running, and the partition goes unreported",
            "engine/attempt/holding.py",
-           "            if at.state is State.HELD_SUSPENDED and self._suspension == suspension:\n",
-           "            if at.state is State.HELD_SUSPENDED and at.monitor.epoch == _epoch:\n",
+           "            if self._attempt.state is State.HELD_SUSPENDED and self._suspension == suspension:\n",
+           "            if self._attempt.state is State.HELD_SUSPENDED and self._monitor.epoch == _epoch:\n",
            killer="tests/engine/test_lock_faults.py::"
                   "test_a_suspension_that_resumes_during_reverification_keeps_its_grace"),
     Mutant("lost-node-kept-on-reacquire", "34. the owner acquiring again after a hold lost by its grace (session alive) "
@@ -250,9 +250,9 @@ MUTANTS = [
            killer="tests/engine/test_lock_basic.py::test_a_cancel_that_comes_as_the_acquire_starts_is_not_lost"),
     Mutant("ghost-look-unpending", "37. the look for a ghost (a create whose reply was lost) clears the attempt's "
            "pending work before it is answered: a cancel meanwhile seals the cleanup and the ghost stays",
-           "engine/attempt/ghosts.py",
-           "        at.pending = Pending.GHOST\n        look = at.next_look()\n",
-           "        at.pending = None\n        look = at.next_look()\n",
+           "engine/attempt/machine.py",
+           "        self.pending = Pending.GHOST\n        self.ghosts.look(self._next_look())\n",
+           "        self.pending = None\n        self.ghosts.look(self._next_look())\n",
            killer="tests/engine/test_lock_faults.py::test_a_cancel_while_a_ghost_is_looked_for_still_deletes_the_ghost"),
     Mutant("busy-partition-unseen", "38. no watch on unanswered requests: kazoo pings only when idle, so a client "
            "that keeps sending (an agent renewing leases) never notices a silent partition, and its holders run "
@@ -311,8 +311,8 @@ MUTANTS = [
     Mutant("duplicate-claims-by-id", "46. a second delivery of a task id whose first waits in the agent claims the "
            "agent's request by that id: it runs on the first's grant while the first starts on the same grant, carried",
            "task.py",
-           "        claimed = (None if direct or nested is not None or self.acks_late or not req.id or bypassed\n",
-           "        claimed = (None if direct or nested is not None or self.acks_late or not req.id\n",
+           "        if call.direct or nested is not None or self.acks_late or not req.id or bypassed:\n",
+           "        if call.direct or nested is not None or self.acks_late or not req.id:\n",
            killer="tests/worker/test_duplicate_delivery.py::test_two_deliveries_of_one_task_id_never_run_at_once"),
     Mutant("bound-judged-at-release", "47. a streak's bound judged only when a handoff is decided, not again when its "
            "write answers: handoffs decided before another contender was seen (their replies held back by a "
@@ -333,15 +333,15 @@ MUTANTS = [
            "worker/agent_requests.py",
            "        if wait.expired and wait.current is cohort:\n",
            "        if False:\n",
-           killer="tests/worker/test_overdue_wait.py::"
+           killer="tests/worker/test_wait_deadline.py::"
                   "test_a_multi_key_wait_past_its_deadline_does_not_wait_on_its_next_key"),
     Mutant("stalled-create-decides", "50. a request on a new key while ZooKeeper is unreachable waits for its node's "
            "first answer past its deadline, for as long as ZooKeeper stays away",
            "worker/cohort.py",
            "        return sum(1 for s in self.slots if s.holder is None and not s.answered and s.attempt.pending is None)\n",
            "        return sum(1 for s in self.slots if s.holder is None and not s.answered)\n",
-           killer="tests/worker/test_overdue_wait.py::"
-                  "test_a_wait_on_a_new_key_while_zookeeper_is_unreachable_times_out"),
+           killer="tests/worker/test_wait_deadline.py::"
+                  "test_a_wait_while_zookeeper_is_unreachable_ends_unavailable_at_its_deadline"),
     Mutant("check-reply-ignored", "51. a lease's proof (a check of the node in a multi) reads the multi's reply as "
            "success whatever it holds: a node an operator deleted is proved ours, and handed on locally beside "
            "the contender that holds the key now",
@@ -375,25 +375,25 @@ MUTANTS = [
     Mutant("hand-over-unchecked", "56. the hand-over of a held request skips its lease check (leases.ours): a worker "
            "that stalled past its lease runs the held delivery of a message the sweep gave back, and its next "
            "delivery runs too",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "        ours = self.leases.ours(req)\n",
            "        ours = True\n"),
     Mutant("redelivery-bypassed", "57. the same message redelivered to the worker that holds it (same tag: its lease "
            "lapsed in a stall) takes the bypass path: it runs in-process, and the held delivery, its lease renewed "
            "on the new one's entry, runs when granted",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "        if held is not None and _tag(held) == _tag(req):\n",
            "        if False:\n"),
     Mutant("answer-by-id", "58. the agent's answers applied by task id alone (their seq not checked): a verdict or "
            "next for a delivery swept back during a stall decides the same message's new delivery (the simulator's "
            "first finding on the held-aside path: a claim pending for good, or a grant held for nobody)",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "        return req is None or _seq(req) in (None, seq)\n",
            "        return True\n"),
     Mutant("lease-ends-at-hand-over", "59. a held message's lease ends when it is handed to the pool, not when a pool "
            "process takes it (its ack): one granted while every process is busy waits in the pool's queue unleased, "
            "is swept back, delivered again and run twice (found by a real-broker test first: Redis out of reach twice)",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "            metrics.record(\"waited\", req.task)\n\n    def _taken_back(",
            "            metrics.record(\"waited\", req.task)\n        self.leases.let_go(req)\n\n    def _taken_back(",
            killer="tests/worker/test_held_aside.py::test_repeated_broker_outages_while_tasks_run_lose_nothing[redis]"),
@@ -403,9 +403,9 @@ MUTANTS = [
            "aside are kept, their waits left in the agent: granted after the reconnection, they are handed to the "
            "pool from the lost connection's deliveries, whose messages the broker has back (RabbitMQ requeued them "
            "at once): run twice",
-           "worker/worker_queue.py",
-           "        held = [*self.fencing.values(), *self.aside.values()]\n",
-           "        if restarting:\n            return\n        held = [*self.fencing.values(), *self.aside.values()]\n"),
+           "worker/wait_outside_pool.py",
+           "        held = [*self.ticks.take_all(), *self.aside.values()]\n",
+           "        if restarting:\n            return\n        held = [*self.ticks.take_all(), *self.aside.values()]\n"),
     Mutant("success-unknown", "61. redelivery.earlier_run reads SUCCESS as saying nothing: the redelivered copy of an "
            "acks-early task whose ack was lost with its connection (its body began in a pool process as the "
            "connection dropped) runs again after the first run finished",
@@ -415,7 +415,7 @@ MUTANTS = [
     Mutant("rejects-counted", "62. a warm shutdown's stop counts the rejects it attempted as tasks gone back to the "
            "broker: with the connection lost as the shutdown begins, none went back, and the log says they did "
            "(issue 59 item 5)",
-           "worker/worker_queue.py",
+           "worker/wait_outside_pool.py",
            "            returned = sum(returned_to_broker(req) for req in held)\n",
            "            returned = sum(returned_to_broker(req) or True for req in held)\n"),
     # Read/write locks (issue 62), found in the scenarios readers-writers, readers-writers-wrap

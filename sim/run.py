@@ -73,7 +73,7 @@ SCENARIOS = {
                        "cversion_start": (2**31 - 40, -40)},
     "main-paused-cut-off": {"workers": 2, "pools": 2, "keys": 1, "rate": 60.0, "peers": 0, "session": 1.0,
                             "plan": [("main-paused-cut-off", 1.0, 1.5), ("main-paused-cut-off", 3.5, 1.5)]},
-    # The worker's main process for real (worker_queue.WaitOutsidePool, held_lease) against a
+    # The worker's main process for real (wait_outside_pool.WaitOutsidePool, held_lease) against a
     # Redis broker model (sim/broker.py, sim/celery_main.py): three workers on one hot key,
     # the tasks published to one queue, another worker's sweeps at random moments.  w2, then
     # w3, is killed whole with requests held aside: their leases lapse, a sweep puts them
@@ -530,7 +530,7 @@ class Run:
                 continue
             if worker.stopping_at is not None and not worker.main.alive:
                 continue  # stopped warm: the pool finished, the main process exited
-            if self.broker is not None and (worker.main.step.aside or worker.main.step.early):
+            if self.broker is not None and worker.main.step.holding():
                 return False
             if worker.main.alive and any(not r["done"] for r in worker.main.requests.values()):
                 return False

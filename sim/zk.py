@@ -275,15 +275,18 @@ class SimHandler:
 def _takes_engine_lock(fn, seen: set | None = None) -> bool:
     """Would this completion callback take an attempt's lock?  Then it must wait for the
     caller (which may hold it); others may run while the caller is descheduled.  It does if
-    an Attempt (or one of its collaborators, which take its lock) is reachable through its
-    partials, bound self or closures (wrappers such as ``on_ready``'s ``once`` included)."""
+    an Attempt or one of its collaborators (which take its lock, or hand their replies to
+    the attempt) is reachable through its partials, bound self or closures (wrappers such
+    as ``on_ready``'s ``once`` included)."""
     from functools import partial
 
+    from celery_zklock.engine.attempt.ghosts import Ghosts
+    from celery_zklock.engine.attempt.holding import HoldWatch
     from celery_zklock.engine.attempt.machine import Attempt
+    from celery_zklock.engine.attempt.parents import KeyParent
 
     def engine(value) -> bool:
-        return isinstance(value, Attempt) or isinstance(getattr(value, "attempt", None), Attempt) and \
-            type(value).__module__.startswith("celery_zklock.engine.attempt.")
+        return isinstance(value, (Attempt, KeyParent, Ghosts, HoldWatch))
 
     seen = set() if seen is None else seen
     if id(fn) in seen:

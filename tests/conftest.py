@@ -117,3 +117,72 @@ def curators(curator_classpath, zk_server):
     yield start
     for cur in started:
         cur.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The locked-task app (tests/apps/locked.py) and its real workers, per test module
+# ---------------------------------------------------------------------------------------
+# Module-scoped: each module using them gets a root of its own, the app reloaded with it,
+# and (``workers``) two ``-c 2`` workers.  A module with an app of its own defines its own
+# ``env``/``mod``, which take precedence over these.
+@pytest.fixture(scope="module")
+def env(redis_server, zk_server):
+    from tests.lockutil import worker_env
+
+    yield worker_env(redis_server, zk_server)
+
+
+@pytest.fixture(scope="module")
+def mod(env):
+    import importlib
+
+    import tests.apps.locked as m
+
+    return importlib.reload(m)
+
+
+@pytest.fixture(scope="module")
+def workers(mod, env):
+    from support.workers import Worker
+
+    ws = [Worker(env, f"w{i}") for i in (1, 2)]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.wait_ready(mod.app)
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def short_session_server():
+    """A server that grants at most 400 ms sessions (tickTime 200: the least it may grant too)."""
+    from celery_zklock.testing_servers import ZooKeeperServer
+
+    server = ZooKeeperServer(extra_config={"maxSessionTimeout": "400"}).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def sends():
+    """(scheduler id, tick seq, when) of every publish of the in-process beat's task
+    (tests/beat/running.py) by a ZkScheduler in this process."""
+    import threading
+    import time
+
+    from celery import signals
+
+    from tests.beat.running import TASK
+
+    found: list[tuple[int, int, float]] = []
+
+    def count(sender=None, headers=None, **_):
+        tick = (headers or {}).get("zklock_beat")
+        if sender == TASK and tick:
+            found.append((threading.get_ident(), tick["seq"], time.monotonic()))
+
+    signals.before_task_publish.connect(count, weak=False)
+    yield found
+    signals.before_task_publish.disconnect(count)

@@ -89,6 +89,12 @@ def children(zk, path):
         return []
 
 
+def watching(client, node: str) -> bool:
+    """Whether ``client`` has a data watch set on ``node`` (kazoo registers a watcher once the
+    server's reply to the watching read is in, so the server has it then)."""
+    return bool(client._data_watchers.get(node))
+
+
 @contextlib.contextmanager
 def locked_app(env: dict[str, str]):
     """The real-worker tests' app (``tests.apps.locked``) configured by ``env``

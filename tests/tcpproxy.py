@@ -27,11 +27,9 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 
 __all__ = [
     "TcpProxy",
-    "wait_for",
     "OP_CREATE",
     "OP_CREATE2",
     "OP_DELETE",
@@ -347,13 +345,3 @@ class TcpProxy:
     def _forget(self, conn: _Conn) -> None:
         with self._guard:
             self._conns.discard(conn)
-
-
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.005) -> bool:
-    """Poll ``predicate`` until it is truthy or ``timeout`` passes; return its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)

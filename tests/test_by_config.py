@@ -5,7 +5,6 @@ every configuration mistake stops the worker with a message naming what to fix."
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pytest

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from celery import Celery
 
 from tests.lockutil import children
+from tests.polling import wait_until
 
 from celery_zklock import FairLock, LockTimeout, LockUnavailable, ZkLockedTask, current_lock, lock_path
 
@@ -30,10 +29,8 @@ def test_direct_call_is_locked_and_exposes_the_lock(app, zk_client):
     key, path, token, held, n = buy(42)
     assert key == "sku:42" and path == lock_path("sku:42", app) == "/inproc/sku:42"
     assert held and token > 0 and n == 1
-    deadline = time.monotonic() + 5  # the release is pipelined: the delete lands a moment later
-    while children(zk_client, path) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert children(zk_client, path) == []
+    # The release is pipelined: the delete lands a moment later.
+    wait_until(lambda: children(zk_client, path) == [], 5, interval=0.01, what="the node deleted")
 
 
 def test_current_lock_outside_a_task_is_an_error():

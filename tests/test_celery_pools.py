@@ -12,8 +12,10 @@ import uuid
 import pytest
 
 from support.workers import ROOT, Worker
-from tests.lockutil import overlapping
-from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
+from tests.celery_events import received_events
+from tests.lockedapp import history, started, started_pid
+from tests.lockutil import children, overlapping
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +88,7 @@ def test_whole_worker_sigkill_frees_lock_after_session_timeout(mod, env):
     try:
         key = f"wk-{uuid.uuid4().hex[:6]}"
         mod.report_pid.delay(key, 60000)
-        pid = _wait_pid(mod, key)
+        pid = started_pid(mod, key)
         assert pid in victim.child_pids()  # the holder runs in the victim
         other.start(mod.app)
         killed = time.time()
@@ -103,7 +105,7 @@ def test_whole_worker_sigkill_frees_lock_after_session_timeout(mod, env):
         other.stop()
 
 
-def test_redelivered_copy_with_same_task_id_does_not_run_twice(mod, env):
+def test_redelivered_copy_with_same_task_id_does_not_run_twice(mod, env, zk_client):
     """acks_late redelivery looks like the same task id arriving again while it runs."""
     workers = [Worker(env, f"dup{i}", concurrency=1).start(mod.app) for i in (1, 2)]
     try:
@@ -111,11 +113,13 @@ def test_redelivered_copy_with_same_task_id_does_not_run_twice(mod, env):
         tid = str(uuid.uuid4())
         sig = mod.hold_late.signature((key, 800, "orig"))
         sig.apply_async(task_id=tid)
-        time.sleep(0.3)
+        wait_until(lambda: children(zk_client, f"{env['TEST_ZK_ROOT']}/k:{key}"), 10, what="the first delivery holds")
         sig.apply_async(task_id=tid)
-        time.sleep(2.5)
-        rows = [r for r in history(mod, "hold") if r["key"] == key]
-        assert len(rows) == 1, rows
+        def rows():
+            return [r for r in history(mod, "hold") if r["key"] == key]
+        wait_until(rows, 10, what="the first delivery's run")
+        # The copy waits behind it, then sees its result and drops out (within the result grace).
+        holds_for(lambda: len(rows()) == 1, 1.7, what=lambda: f"one run: {rows()}")
     finally:
         for w in workers:
             w.stop()
@@ -132,19 +136,14 @@ def test_redelivered_copy_never_applies_its_timeout_policy_over_the_original(mod
         tid = str(uuid.uuid4())
         sig = getattr(mod, task).signature((key, 1500, "orig"))
         result = sig.apply_async(task_id=tid)
-        deadline = time.time() + 15
-        while time.time() < deadline and result.state != "STARTED":
-            time.sleep(0.05)
+        wait_until(lambda: result.state == "STARTED", 15, interval=0.05, what="the original started")
         sig.apply_async(task_id=tid)
-        seen = set()
-        deadline = time.time() + 6
-        while time.time() < deadline:
-            seen.add(result.state)
-            time.sleep(0.05)
+        # The original's run (1.5 s) and the copy's decision after it: only ever STARTED, then SUCCESS.
+        holds_for(lambda: result.state in ("STARTED", "SUCCESS"), 6.0, interval=0.05,
+                  what=lambda: f"the original's state STARTED or SUCCESS (is {result.state})")
         rows = [r for r in history(mod, "hold") if r["key"] == key]
         assert len(rows) == 1, rows
         assert result.state == "SUCCESS", result.state
-        assert seen <= {"STARTED", "SUCCESS"}, seen
     finally:
         for w in workers:
             w.stop()
@@ -157,12 +156,10 @@ def test_a_retry_published_while_holding_is_not_mistaken_for_a_copy(mod, env):
     try:
         key = f"rh-{uuid.uuid4().hex[:6]}"
         mod.late_retry_while_holding.delay(key)
-        deadline = time.time() + 20
-        tags = []
-        while time.time() < deadline and "attempt1" not in tags:
-            tags = [r["tag"] for r in history(mod, "hold") if r["key"] == key]
-            time.sleep(0.1)
-        assert tags == ["attempt0", "attempt1"], tags
+        def tags():
+            return [r["tag"] for r in history(mod, "hold") if r["key"] == key]
+        wait_until(lambda: "attempt1" in tags(), 20, interval=0.1, what="the retry's run")
+        assert tags() == ["attempt0", "attempt1"], tags()
     finally:
         worker.stop()
 
@@ -175,18 +172,17 @@ def test_redelivered_copies_racing_for_the_lock_run_exactly_once(mod, env):
     try:
         key = f"race-{uuid.uuid4().hex[:6]}"
         blocker = mod.hold.delay(key, 700, "blocker")
-        time.sleep(0.3)
+        wait_until(lambda: started(mod, "blocker"), 10, what="the blocker holds")
         tid = str(uuid.uuid4())
         sig = mod.hold_late.signature((key, 50, "copy"))
         sig.apply_async(task_id=tid)
         sig.apply_async(task_id=tid)
         blocker.get(timeout=30)
-        deadline = time.time() + 15
-        while time.time() < deadline and not [r for r in history(mod, "hold") if r["tag"] == "copy"]:
-            time.sleep(0.1)
-        time.sleep(3.0)  # the second copy's decision (result grace) is over by now
-        rows = [r for r in history(mod, "hold") if r["key"] == key and r["tag"] == "copy"]
-        assert len(rows) == 1, rows
+        def rows():
+            return [r for r in history(mod, "hold") if r["key"] == key and r["tag"] == "copy"]
+        wait_until(rows, 15, interval=0.1, what="a copy's run")
+        # The second copy's decision (result grace) is over within 3 s: it never runs.
+        holds_for(lambda: len(rows()) == 1, 3.0, what=lambda: f"one run of the copies: {rows()}")
     finally:
         for w in workers:
             w.stop()
@@ -203,12 +199,12 @@ def test_beat_sent_tasks_are_locked(mod, env, tmp_path):
                 [sys.executable, "-m", "celery", "-A", "tests.apps.beat", "beat", "-s", str(tmp_path / f"sched{i}"),
                  "-l", "info"], env={**os.environ, **env, "PYTHONPATH": ROOT}, cwd=ROOT, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True))
-        time.sleep(6)
+        # Both beats send the job (longer than its period); runs never overlap.
+        wait_until(lambda: len(history(mod, "singleton")) >= 3, 30, what="three runs of the job")
     finally:
         for b in beats:
             b.terminate()
             b.wait(10)
-        time.sleep(1.5)
         worker.stop()
     rows = history(mod, "singleton")
     assert len(rows) >= 3, rows
@@ -216,25 +212,14 @@ def test_beat_sent_tasks_are_locked(mod, env, tmp_path):
 
 
 def test_lock_events_are_sent(mod, env):
-    import threading
-
     worker = Worker(env, "events", concurrency=2, extra=["-E"]).start(mod.app)
-    seen = []
     try:
-        with mod.app.connection() as conn:
-            recv = mod.app.events.Receiver(conn, handlers={"*": seen.append})
-            listener = threading.Thread(target=lambda: recv.capture(limit=None, timeout=None, wakeup=False), daemon=True)
-            listener.start()
-            time.sleep(1.0)  # the receiver's queue is bound before events are sent
+        with received_events(mod.app) as seen:
             key = f"ev-{uuid.uuid4().hex[:6]}"
             r1, r2 = mod.hold.delay(key, 300, 1), mod.hold.delay(key, 300, 2)  # either may go first
             r1.get(timeout=30), r2.get(timeout=30)
-            deadline = time.time() + 10
-            while time.time() < deadline and not any(
-                e["type"] == "task-lock-acquired" and e.get("uuid") == r2.id for e in seen
-            ):
-                time.sleep(0.1)
-            recv.should_stop = True
+            wait_until(lambda: any(e["type"] == "task-lock-acquired" and e.get("uuid") == r2.id for e in seen), 10,
+                       interval=0.1, what="the second task's task-lock-acquired event")
     finally:
         worker.stop()
     types = {(e["type"], e.get("uuid")) for e in seen}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -12,43 +11,15 @@ import uuid
 import pytest
 
 from celery_zklock import LockLost, LockTimeout
-from support.workers import Worker
-from tests.lockutil import children, overlapping, worker_env
-
-
-@pytest.fixture(scope="module")
-def env(redis_server, zk_server):
-    yield worker_env(redis_server, zk_server)
-
-
-@pytest.fixture(scope="module")
-def mod(env):
-    import tests.apps.locked as m
-
-    return importlib.reload(m)
-
-
-@pytest.fixture(scope="module")
-def workers(mod, env):
-    ws = [Worker(env, f"w{i}") for i in (1, 2)]
-    for w in ws:
-        w.start()
-    for w in ws:
-        w.wait_ready(mod.app)
-    yield ws
-    for w in ws:
-        w.stop()
+from tests.lockedapp import history, in_broker, started, started_pid
+from tests.lockutil import children, overlapping
+from tests.polling import wait_until
 
 
 @pytest.fixture(autouse=True)
 def clean(mod):
     mod._r.delete("history", "arrivals", "retry-runs")
     yield
-
-
-def history(mod, kind=None):
-    rows = [json.loads(x) for x in mod._r.lrange("history", 0, -1)]
-    return [r for r in rows if kind is None or r["kind"] == kind]
 
 
 def test_many_tasks_one_key_never_overlap_and_run_fifo(mod, workers):
@@ -80,16 +51,12 @@ def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
     holder's worker may pass the node to its own waiters first, within the streak bound
     (``zklock_cohort_handoffs``; the bound itself is tests/worker/test_cohort.py's)."""
     blocker = mod.hold.delay("fifo", 1500, "blocker")
-    deadline = time.time() + 10
-    while time.time() < deadline and not children(zk_client, f"{env['TEST_ZK_ROOT']}/k:fifo"):
-        time.sleep(0.02)  # the blocker holds before anyone else arrives
+    wait_until(lambda: children(zk_client, f"{env['TEST_ZK_ROOT']}/k:fifo"), 10,
+               what="the blocker to hold before anyone else arrives")
     rs = []
     for i in range(4):
         r = mod.hold_tracked.delay("fifo", 10, i)
-        deadline = time.time() + 10
-        while r.state != "LOCK_WAITING" and time.time() < deadline:
-            time.sleep(0.01)
-        assert r.state == "LOCK_WAITING", f"waiter {i} never reached the lock"
+        wait_until(lambda: r.state == "LOCK_WAITING", 10, interval=0.01, what=f"waiter {i} at the lock")
         rs.append(r)
     for r in [blocker, *rs]:
         r.get(timeout=30)
@@ -106,7 +73,7 @@ def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
 
 def test_timeout_policy_fail_raises_lock_timeout_with_holder(mod, workers):
     blocker = mod.report_pid.delay("tf", 1500)
-    time.sleep(0.4)
+    started_pid(mod, "tf")  # the blocker holds the key
     r = mod.hold_fail.delay("tf")
     with pytest.raises(LockTimeout) as info:
         r.get(timeout=30)
@@ -124,7 +91,7 @@ def test_a_skipped_run_is_finished_for_every_celery_api_that_waits(mod, workers)
     from celery import chord, group
 
     blocker = mod.report_pid.delay("ts", 3000)
-    time.sleep(0.4)
+    started_pid(mod, "ts")  # the blocker holds the key
     r = mod.hold_skip.delay("ts")
     assert r.get(timeout=10) is None
     assert r.ready() and r.successful()
@@ -135,13 +102,13 @@ def test_a_skipped_run_is_finished_for_every_celery_api_that_waits(mod, workers)
 
 def test_timeout_policy_retry_keeps_no_lock_and_eventually_runs(mod, workers, zk_client, env):
     blocker = mod.report_pid.delay("tr", 1500)
-    time.sleep(0.4)
+    started_pid(mod, "tr")  # the blocker holds the key
     r = mod.hold_retry.delay("tr")
     path = f"{env['TEST_ZK_ROOT']}/k:tr"
     seen_max = 0
     while not r.ready():
         seen_max = max(seen_max, len(children(zk_client, path)))
-        time.sleep(0.02)
+        time.sleep(0.02)  # the sampling period
     assert r.get(timeout=30) >= 1  # it ran after at least one retry
     blocker.get(timeout=30)
     # between retries the retrying task held no node: only blocker + one waiting attempt at once
@@ -174,16 +141,6 @@ def test_singleton_and_send_task(mod, workers):
     assert len(iv) == 6 and overlapping(iv) is None
 
 
-def _wait_pid(mod, key, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        pid = mod._r.get(f"pid:{key}")
-        if pid:
-            return int(pid)
-        time.sleep(0.01)
-    raise AssertionError("task never started")
-
-
 def test_sigkill_of_child_frees_lock_fast(mod, workers):
     """Five kills in a row: Celery's own notice of a dead child can lag by its 5-second
     maintenance period when the child is not yet reapable at the first look, so one lucky
@@ -192,9 +149,9 @@ def test_sigkill_of_child_frees_lock_fast(mod, workers):
     for round_ in range(5):
         key = f"kill-{round_}-{uuid.uuid4().hex[:6]}"
         victim = mod.report_pid.delay(key, 30000)
-        pid = _wait_pid(mod, key)
+        pid = started_pid(mod, key)
         waiter = mod.hold.delay(key, 1, f"after-kill-{round_}")
-        time.sleep(0.3)
+        wait_until(lambda: in_broker(mod) == 0, 10, what="the waiter at a worker, behind the victim")
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         waiter.get(timeout=30)
@@ -211,7 +168,7 @@ def test_sigkill_of_child_frees_lock_fast(mod, workers):
 def test_lock_lost_mid_run_fails_even_if_body_returns(mod, workers, zk_client, env):
     key = f"lost-{uuid.uuid4().hex[:6]}"
     r = mod.lose_fail.delay(key, 1500)
-    _wait_pid(mod, key)
+    started_pid(mod, key)
     path = f"{env['TEST_ZK_ROOT']}/k:{key}"
     for name in zk_client.get_children(path):  # an operator force-releases the lock
         zk_client.delete(f"{path}/{name}")
@@ -222,7 +179,7 @@ def test_lock_lost_mid_run_fails_even_if_body_returns(mod, workers, zk_client, e
 def test_lock_lost_interrupt_stops_the_body(mod, workers, zk_client, env):
     key = f"int-{uuid.uuid4().hex[:6]}"
     r = mod.lose_interrupt.delay(key, 4000)
-    _wait_pid(mod, key)
+    started_pid(mod, key)
     path = f"{env['TEST_ZK_ROOT']}/k:{key}"
     for name in zk_client.get_children(path):
         zk_client.delete(f"{path}/{name}")
@@ -238,10 +195,7 @@ def test_celery_autoretry_with_backoff_retries_through_the_lock(mod, workers):
     blocker = mod.hold.delay(key, 400, f"blocker-{key}")
     # Its body runs, so it holds the lock: the first attempt must queue behind it.  (Published
     # one after the other, the two could reach ZooKeeper in either order from two workers.)
-    deadline = time.time() + 20
-    while not any(json.loads(x)["tag"] == f"blocker-{key}" for x in mod._r.lrange("arrivals", 0, -1)):
-        assert time.time() < deadline, "the blocker never started"
-        time.sleep(0.01)
+    wait_until(lambda: started(mod, f"blocker-{key}"), 20, interval=0.01, what="the blocker to start")
     r = mod.autoretry_backoff.delay(key, fail_times=2)
     out = r.get(timeout=60)
     blocker.get(timeout=30)
@@ -257,7 +211,10 @@ def test_celery_autoretry_with_backoff_retries_through_the_lock(mod, workers):
 
 def test_no_lock_nodes_left_behind(mod, workers, zk_client, env):
     mod.hold.delay("left", 1).get(timeout=30)
-    time.sleep(0.5)
     root = env["TEST_ZK_ROOT"]
-    leftovers = [(k, children(zk_client, f"{root}/{k}")) for k in children(zk_client, root)]
-    assert [x for x in leftovers if x[1] and not x[0].startswith("k:kill")] == []
+
+    def leftovers() -> list:  # a released node goes a moment after the task's result is in
+        found = [(k, children(zk_client, f"{root}/{k}")) for k in children(zk_client, root)]
+        return [x for x in found if x[1] and not x[0].startswith("k:kill")]
+
+    wait_until(lambda: leftovers() == [], 5, what=lambda: f"no lock nodes left: {leftovers()}")

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
@@ -151,10 +150,15 @@ def test_release_deletes_exactly_the_named_node_and_logs_who(cli_env, zk_server,
 def test_watch_streams_lock_events_for_a_prefix(cli_env, zk_server):
     values, mod, w = cli_env
     env = {**os.environ, "PYTHONPATH": ROOT, **values}
+
+    def bound() -> set:  # the event queues bound to Celery's events exchange (kombu's Redis transport)
+        return mod._r.smembers("_kombu.binding.celeryev")
+
+    before = bound()
     watcher = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.locked", "zklock", "watch",
                                 "--prefix", "k:watched", "--json", "--limit", "4", "--timeout", "30"],
                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)  # the receiver binds its queue
+    wait_until(lambda: bound() - before, 30, interval=0.1, what="the watcher's event queue bound")
     mod.hold.delay("other", 10, "ignored").get(timeout=10)
     first = mod.hold.delay("watched", 300, "a")
     second = mod.hold.delay("watched", 10, "b")

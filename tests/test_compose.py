@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 from urllib.parse import urlsplit
 
 import pytest
+
+from tests.compose_command import compose_cli
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the 'test' extra: pip install -e '.[test]'")
 
@@ -201,18 +202,8 @@ def test_beat_has_a_schedule():
     assert schedule and all(registered for _, registered in schedule.values()), schedule
 
 
-def _compose_cli() -> list[str] | None:
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    legacy = shutil.which("docker-compose")
-    if legacy and subprocess.run([legacy, "version"], capture_output=True).returncode == 0:
-        return [legacy]
-    return None
-
-
 def test_docker_compose_config_accepts_the_file():
-    cli = _compose_cli()
+    cli = compose_cli()
     if cli is None:
         pytest.skip("no docker compose plugin (or docker-compose) installed")
     out = subprocess.run([*cli, "-f", COMPOSE, "config", "--quiet"], capture_output=True, text=True, cwd=ROOT,

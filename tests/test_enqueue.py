@@ -19,9 +19,10 @@ from kazoo.client import KazooClient
 from celery_zklock import AlreadyQueued
 from celery_zklock.engine import guards
 from support.workers import Worker
+from tests.celery_events import received_events
 from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs
-from tests.polling import wait_until as _until
 from tests.lockutil import worker_env
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_dedupe_while_queued_returns_the_queued_task(worker, mod, zk):
     publish returns the queued one's AsyncResult and sends nothing; the guard ends at its start."""
     key = _key()
     first = mod.refresh.delay(key, 1500)
-    _until(lambda: _runs(mod, key), what="the first to start")
+    wait_until(lambda: _runs(mod, key), what="the first to start")
     queued = mod.refresh.delay(key, 0)
     dupes = [mod.refresh.delay(key, 0) for _ in range(20)]
     assert {d.id for d in dupes} == {queued.id} != {first.id}
@@ -66,7 +67,7 @@ def test_dedupe_while_queued_returns_the_queued_task(worker, mod, zk):
     assert guard.id == queued.id and stat.ephemeralOwner == 0  # a queued guard outlives its publisher
     assert first.get(timeout=20) == key and queued.get(timeout=20) == key
     assert sorted(r["id"] for r in _runs(mod, key)) == sorted([first.id, queued.id])
-    _until(lambda: _guard(zk, mod, mod.refresh, key) is None, 5, "the guard to end at the start")
+    wait_until(lambda: _guard(zk, mod, mod.refresh, key) is None, 5, "the guard to end at the start")
     again = mod.refresh.delay(key, 0)
     assert again.id not in (first.id, queued.id) and again.get(timeout=20) == key
 
@@ -74,7 +75,7 @@ def test_dedupe_while_queued_returns_the_queued_task(worker, mod, zk):
 def test_reject_raises_already_queued_with_the_queued_task(worker, mod):
     key = _key()
     mod.refresh.delay(key, 1500)  # holds the execution lock of user:<key>
-    _until(lambda: _runs(mod, key), what="the holder to start")
+    wait_until(lambda: _runs(mod, key), what="the holder to start")
     queued = mod.rejecting.delay(key, 0)
     with pytest.raises(AlreadyQueued) as refused:
         mod.rejecting.delay(key, 0)
@@ -86,13 +87,13 @@ def test_reject_raises_already_queued_with_the_queued_task(worker, mod):
 def test_until_finish_guards_the_running_task_and_ends_with_it(worker, mod, zk):
     key = _key()
     running = mod.in_flight.delay(key, 1200)
-    _until(lambda: _runs(mod, key), what="it to start")
-    guard, stat = _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
+    wait_until(lambda: _runs(mod, key), what="it to start")
+    guard, stat = wait_until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
                          5, "the guard to become the running session's")
     assert guard.id == running.id
     assert mod.in_flight.delay(key, 0).id == running.id  # deduped while it runs
     assert running.get(timeout=20) == key
-    _until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
+    wait_until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
     after = mod.in_flight.delay(key, 0)
     assert after.id != running.id and after.get(timeout=20) == key
 
@@ -102,17 +103,17 @@ def test_a_retry_is_never_refused_by_its_own_guard(worker, mod, zk):
     result = mod.retrying.delay(key, 0)
     assert result.get(timeout=30) == 2
     assert [r["id"] for r in _runs(mod, key)] == [result.id] * 3
-    _until(lambda: _guard(zk, mod, mod.retrying, key) is None, 5, "the guard to end after the last try")
+    wait_until(lambda: _guard(zk, mod, mod.retrying, key) is None, 5, "the guard to end after the last try")
 
 
 def test_revoking_a_queued_task_ends_its_guard(worker, mod, zk):
     key = _key()
     mod.refresh.delay(key, 2500)
-    _until(lambda: _runs(mod, key), what="the holder to start")
+    wait_until(lambda: _runs(mod, key), what="the holder to start")
     queued = mod.refresh.delay(key, 0)
     assert _guard(zk, mod, mod.refresh, key)[0].id == queued.id
     mod.app.control.revoke(queued.id)
-    _until(lambda: _guard(zk, mod, mod.refresh, key) is None, 5, "the revoked task's guard to end")
+    wait_until(lambda: _guard(zk, mod, mod.refresh, key) is None, 5, "the revoked task's guard to end")
     fresh = mod.refresh.delay(key, 0)
     assert fresh.id != queued.id and fresh.get(timeout=20) == key
     assert queued.id not in [r["id"] for r in _runs(mod, key)]
@@ -124,7 +125,7 @@ def test_a_guard_whose_message_is_lost_ends_at_its_expires(worker, mod, zk):
     key = _key()
     lost = mod.refresh.apply_async((key, 0), queue=f"nobody-{key}", expires=1.0)
     assert mod.refresh.delay(key, 0).id == lost.id  # still guarded
-    time.sleep(1.1)
+    time.sleep(1.1)  # past the lost message's expires
     taken = mod.refresh.delay(key, 0)
     assert taken.id != lost.id and taken.get(timeout=20) == key
 
@@ -138,11 +139,11 @@ def test_sigkill_of_the_running_worker_frees_a_finish_guard_within_the_session(m
     try:
         key = _key()
         running = mod.in_flight.apply_async((key, 30_000), queue="enq-victim")
-        _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner, 10,
+        wait_until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner, 10,
                "the running guard")
         w.kill()
         killed = time.monotonic()
-        free = _until(lambda: (r := mod.in_flight.apply_async((key, 0), queue="nobody")) and r.id != running.id and r,
+        free = wait_until(lambda: (r := mod.in_flight.apply_async((key, 0), queue="nobody")) and r.id != running.id and r,
                       10, "the key to accept a new publish")
         assert time.monotonic() - killed <= 4.0 + 2.0  # session timeout 4 s (+ tick rounding)
         assert free.id != running.id
@@ -179,7 +180,7 @@ def test_a_publish_storm_queues_at_most_one_per_key(worker, mod, env):
         rows = [row for part in pool.map(_storm, jobs) for row in part]
     assert len(rows) == 10_000
     queued = {mine for _k, mine, got, _b in rows if got == mine}
-    _until(lambda: len({r["id"] for r in _runs(mod) if r["key"] in keys}) >= len(queued), 120,
+    wait_until(lambda: len({r["id"] for r in _runs(mod) if r["key"] in keys}) >= len(queued), 120,
            "every queued task to run")
     runs = [r for r in _runs(mod) if r["key"] in keys]
     assert sorted(r["id"] for r in runs) == sorted(queued)  # each queued task ran exactly once
@@ -200,19 +201,19 @@ def test_waiting_in_the_pool_the_pool_process_ends_and_moves_guards(mod, env, zk
     try:
         key = _key()
         running = mod.in_flight.apply_async((key, 1000), queue="enq-pool")
-        guard, stat = _until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
+        guard, stat = wait_until(lambda: (g := _guard(zk, mod, mod.in_flight, key)) and g[1].ephemeralOwner and g,
                              10, "the running guard in the pool process's session")
         assert guard.id == running.id and mod.in_flight.apply_async((key, 0), queue="enq-pool").id == running.id
         assert running.get(timeout=20) == key
-        _until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
+        wait_until(lambda: _guard(zk, mod, mod.in_flight, key) is None, 5, "the guard to end with the run")
 
         other = _key()
         holder = mod.refresh.apply_async((other, 1000), queue="enq-pool")
-        _until(lambda: _runs(mod, other), what="the holder to start")
+        wait_until(lambda: _runs(mod, other), what="the holder to start")
         queued = mod.refresh.apply_async((other, 0), queue="enq-pool")
         assert mod.refresh.apply_async((other, 0), queue="enq-pool").id == queued.id
         assert holder.get(timeout=20) == other and queued.get(timeout=20) == other
-        _until(lambda: _guard(zk, mod, mod.refresh, other) is None, 5, "the guard to end at its start")
+        wait_until(lambda: _guard(zk, mod, mod.refresh, other) is None, 5, "the guard to end at its start")
     finally:
         w.stop()
 
@@ -280,14 +281,14 @@ def test_a_dedupe_beat_job_never_piles_up(worker, mod, env, tmp_path):
     try:
         # Until beat has sent 12 ticks (3.6 s of ticking), not a fixed 5 s: beat's own start
         # takes 1.5 s on an idle machine but seconds more on a loaded one (7 ticks were seen).
-        deadline = time.monotonic() + 60
-        while sent() < 12 and time.monotonic() < deadline and beat.poll() is None:
-            time.sleep(0.05)
+        wait_until(lambda: sent() >= 12 or beat.poll() is not None, 60, interval=0.05, what="12 ticks sent")
     finally:
         beat.terminate()
         beat.wait(10)
     stopped = time.time()
-    time.sleep(2.5)  # a run in flight at the stop finishes (1.2 s); nothing queued behind it
+    # A run in flight at the stop finishes (1.2 s); nothing queued behind it runs after it.
+    holds_for(lambda: all(r["start"] < stopped + 1.3 for r in _runs(mod, key)), 2.5,
+              what="no tick piled up to run after beat stopped")
     runs = _runs(mod, key)
     ticks = sent()
     assert ticks >= 10, ticks
@@ -322,14 +323,7 @@ def test_zklock_tasks_turns_on_enqueue_guards_for_tasks_you_cannot_edit(env, red
 def test_deduped_and_rejected_publishes_send_events(mod, env):
     """With task_send_sent_event (Celery's switch for publisher events, as task-sent), a
     dedupe and a rejection each send a task-lock-* event naming the queued task."""
-    import threading
-
-    seen = []
-    with mod.app.connection() as conn:
-        recv = mod.app.events.Receiver(conn, handlers={"*": seen.append})
-        listener = threading.Thread(target=lambda: recv.capture(limit=None, timeout=None, wakeup=False), daemon=True)
-        listener.start()
-        time.sleep(1.0)  # the receiver's queue is bound before events are sent
+    with received_events(mod.app) as seen:
         mod.app.conf.task_send_sent_event = True
         try:
             key = _key()
@@ -338,10 +332,9 @@ def test_deduped_and_rejected_publishes_send_events(mod, env):
             other = mod.rejecting.apply_async((key, 0), queue=f"nobody-{key}")
             with pytest.raises(AlreadyQueued):
                 mod.rejecting.apply_async((key, 0), queue=f"nobody-{key}")
-            _until(lambda: {"task-lock-deduped", "task-lock-rejected"} <= {e["type"] for e in seen}, 10, "the events")
+            wait_until(lambda: {"task-lock-deduped", "task-lock-rejected"} <= {e["type"] for e in seen}, 10, "the events")
         finally:
             mod.app.conf.task_send_sent_event = False
-            recv.should_stop = True
     deduped = next(e for e in seen if e["type"] == "task-lock-deduped")
     rejected = next(e for e in seen if e["type"] == "task-lock-rejected")
     assert deduped["queued"] == queued.id and deduped["key"] == f"user:{key}"
@@ -362,7 +355,7 @@ def test_revoking_a_countdown_task_ends_its_guard_waiting_in_the_pool(mod, env, 
         queued = mod.refresh.apply_async((key, 0), queue="enq-pool-revoke", countdown=2)
         assert _guard(zk, mod, mod.refresh, key)[0].id == queued.id
         mod.app.control.revoke(queued.id)
-        _until(lambda: _guard(zk, mod, mod.refresh, key) is None, 2 + 5, "the revoked task's guard to end")
+        wait_until(lambda: _guard(zk, mod, mod.refresh, key) is None, 2 + 5, "the revoked task's guard to end")
         fresh = mod.refresh.apply_async((key, 0), queue="enq-pool-revoke")
         assert fresh.id != queued.id and fresh.get(timeout=20) == key
     finally:
@@ -378,7 +371,7 @@ def test_a_publish_that_carries_more_work_is_never_deduped(worker, mod, carrying
 
     key = _key()
     holder = mod.refresh.delay(key, 1500)
-    _until(lambda: _runs(mod, key), what="the holder to start")
+    wait_until(lambda: _runs(mod, key), what="the holder to start")
     queued = mod.refresh.delay(key, 0)
     if carrying == "link":
         callback = mod.echo.s()
@@ -406,7 +399,7 @@ def test_a_guarded_task_published_as_a_callback_is_never_deduped(worker, mod):
     its key: the parent's result never reached it, and its own result never came."""
     key = _key()
     holder = mod.refresh.delay(key, 1500)
-    _until(lambda: _runs(mod, key), what="the holder to start")
+    wait_until(lambda: _runs(mod, key), what="the holder to start")
     queued = mod.refresh.delay(key, 0)
     callback = mod.refresh.s()
     callback.freeze()

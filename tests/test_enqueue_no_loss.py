@@ -22,8 +22,8 @@ from celery_zklock import LockUnavailable, config, enqueue
 from celery_zklock.engine import guards
 from support.workers import Worker
 from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs
-from tests.polling import wait_until as _until
 from tests.lockutil import worker_env
+from tests.polling import holds_for, wait_until
 from tests.tcpproxy import TcpProxy
 
 
@@ -86,7 +86,7 @@ def test_a_backlog_longer_than_the_bound_is_not_discarded(worker, mod, zk, short
     queue = f"backlog-{key}"
     first = mod.refresh.apply_async((key, 0), queue=queue)
     assert mod.refresh.apply_async((key, 0), queue=queue).id == first.id  # deduped while trusted
-    time.sleep(short_bound + 0.5)
+    time.sleep(short_bound + 0.5)  # past the guard's bound
     second = mod.refresh.apply_async((key, 0), queue=queue)
     assert second.id != first.id  # the guard is past its bound: queued again, never lost
     mod.app.control.add_consumer(queue, destination=[f"noloss@{socket.gethostname()}"], reply=True, timeout=10)
@@ -189,11 +189,11 @@ def test_publishes_deduped_into_a_skipped_task_are_reported(worker, mod, zk):
     ``task-lock-unrun`` and a metric)."""
     key = _key()
     holder = mod.refresh.delay(key, 4000)  # holds the key's execution lock
-    _until(lambda: _runs(mod, key), what="the holder to start")
+    wait_until(lambda: _runs(mod, key), what="the holder to start")
     skipped = mod.skipping.delay(key, 0)  # lock_timeout 1 s, on_lock_timeout="skip", lock_enqueue_unrun="report"
     assert [mod.skipping.delay(key, 0).id for _ in range(3)] == [skipped.id] * 3
-    _until(lambda: _guard(zk, mod, mod.skipping, key) is None, 15, "the skipped task's guard to end")
-    _until(lambda: f"{skipped.id}] ended unrun (timeout: skipped); 3 publish(es) deduped into it"
+    wait_until(lambda: _guard(zk, mod, mod.skipping, key) is None, 15, "the skipped task's guard to end")
+    wait_until(lambda: f"{skipped.id}] ended unrun (timeout: skipped); 3 publish(es) deduped into it"
            in open(worker.log_path).read(), 10, "the worker to report the deduped publishes")
     assert holder.get(timeout=20) == key
     assert mod.skipping.delay(key, 0).id != skipped.id  # free again: the next publish queues
@@ -205,14 +205,14 @@ def test_lock_enqueue_unrun_republish_runs_the_deduped_work_once(worker, mod, zk
     keeps the key 3 s: the first waits 2 s and is skipped, its republished copy gets the key."""
     key = _key()
     holder = mod.refresh.delay(key, 3000)
-    _until(lambda: _runs(mod, key), what="the holder to start")
+    wait_until(lambda: _runs(mod, key), what="the holder to start")
     skipped = mod.republishing.delay(key, 0)
     assert mod.republishing.delay(key, 0).id == skipped.id
     assert holder.get(timeout=20) == key
-    again = _until(lambda: [r for r in _runs(mod, key) if r["kind"] == "republishing"], 20, "the republished run")
+    again = wait_until(lambda: [r for r in _runs(mod, key) if r["kind"] == "republishing"], 20, "the republished run")
     assert [r["id"] for r in again] != [skipped.id] and len(again) == 1
-    time.sleep(1.0)
-    assert len([r for r in _runs(mod, key) if r["kind"] == "republishing"]) == 1
+    holds_for(lambda: len([r for r in _runs(mod, key) if r["kind"] == "republishing"]) == 1, 1.0,
+              what="one republished run")
 
 
 # ------------------------------------------------------------------ finding 2: the pool process dies before its claim
@@ -224,7 +224,7 @@ def test_a_finish_guard_ends_when_the_pool_process_dies_before_claiming(worker, 
     key = _key()
     lost = mod.dying.delay(key, 0)
     lost.get(timeout=30, propagate=False)  # WorkerLostError: Celery's own outcome for it
-    _until(lambda: _guard(zk, mod, mod.dying, key) is None, 10, "the dead request's guard to end")
+    wait_until(lambda: _guard(zk, mod, mod.dying, key) is None, 10, "the dead request's guard to end")
     again = mod.dying.delay(key, 0)
     assert again.id != lost.id and again.get(timeout=30) == key
 
@@ -274,7 +274,7 @@ def test_a_publish_waits_for_an_unconfirmed_guard_and_then_dedupes_into_it(mod, 
     made = guards.TakeResult(guards.TakeOutcome.TAKEN, nodes={path: zk.exists(path).czxid})  # what take() returns
     threading.Timer(0.5, lambda: guards.confirm(zk, made, slow)).start()
     assert mod.refresh.apply_async((key, 0), queue=f"nobody-{key}").id == "slow-one"
-    _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
+    wait_until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
 
 
 # ------------------------------------------------------------------ finding 6: ZooKeeper gone after connecting
@@ -339,14 +339,14 @@ def test_work_deduped_before_a_retry_takes_the_guard_over_is_republished(worker,
     key, flag = _key(), f"enq:flag:{_key()}"
     holder = mod.holding.delay(key, flag)
     try:
-        _until(lambda: _runs(mod, key), what="the holder to start")
+        wait_until(lambda: _runs(mod, key), what="the holder to start")
         timed = mod.timing_out.delay(key, 0)
         assert mod.timing_out.delay(key, 0).id == timed.id  # deduped before the retry
         timed.get(timeout=30, propagate=False)
         assert timed.state == "FAILURE"  # timed out on both tries: ended unrun
     finally:
         mod._r.set(flag, 1, ex=600)
-    again = _until(lambda: [r for r in _runs(mod, key) if r["kind"] == "timing_out"], 15, "the republished run")
+    again = wait_until(lambda: [r for r in _runs(mod, key) if r["kind"] == "timing_out"], 15, "the republished run")
     assert [r["id"] for r in again] != [timed.id]
     assert holder.get(timeout=20) == key
 
@@ -369,13 +369,13 @@ def test_a_takeover_keeps_the_deduped_count_and_another_guard_starts_over(env, z
 
     assert publish("T1").outcome is guards.TakeOutcome.TAKEN
     assert publish("D1").outcome is guards.TakeOutcome.HELD
-    _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
+    wait_until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
     before = zk.exists(path).czxid
     assert publish("T1", retries=1).outcome is guards.TakeOutcome.OWN  # the retry takes it over
     assert zk.exists(path).czxid != before
     assert guards.dedupes(zk, path) == 1
     assert publish("D2").outcome is guards.TakeOutcome.HELD
-    _until(lambda: guards.dedupes(zk, path) == 2, 5, "the second dedupe to be counted")
+    wait_until(lambda: guards.dedupes(zk, path) == 2, 5, "the second dedupe to be counted")
     (gone,) = guards.release(zk, [path], "T1", 1)
     assert gone.deduped == 2 and zk.exists(guard_counts.counter_path(path)) is None
 
@@ -383,7 +383,7 @@ def test_a_takeover_keeps_the_deduped_count_and_another_guard_starts_over(env, z
     assert publish("T2").outcome is guards.TakeOutcome.TAKEN
     assert guards.dedupes(zk, path) == 0
     assert publish("D3").outcome is guards.TakeOutcome.HELD
-    _until(lambda: guards.dedupes(zk, path) == 1, 5, "the count to start over")
+    wait_until(lambda: guards.dedupes(zk, path) == 1, 5, "the count to start over")
     assert [g.deduped for g in guards.release(zk, [path], "T2", 0)] == [1]
 
 def test_the_unrun_step_follows_a_release_tried_again_in_the_background(env, zk):
@@ -411,7 +411,7 @@ def test_the_unrun_step_follows_a_release_tried_again_in_the_background(env, zk)
         queued = job.apply_async((key,), queue=queue)
         assert job.apply_async((key,), queue=queue).id == queued.id
         path = guards.guard_path(env["TEST_ZK_ROOT"], job.name, f"user:{key}")
-        _until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
+        wait_until(lambda: guards.dedupes(zk, path) == 1, 5, "the dedupe to be counted")
         header = {"paths": [path], "until": "start", "retries": 0}
         job.push_request(id=queued.id, args=(key,), kwargs={}, retries=0, called_directly=False,
                          delivery_info={"exchange": "", "routing_key": queue}, **{guards.HEADER: header})
@@ -422,7 +422,7 @@ def test_the_unrun_step_follows_a_release_tried_again_in_the_background(env, zk)
             job.pop_request()
         assert zk.exists(path) is not None  # not ended: ZooKeeper unreachable
         proxy.release_held()
-        _until(lambda: len(r.lrange(queue, 0, -1)) == 2, 15, "the deduped work to be republished")
+        wait_until(lambda: len(r.lrange(queue, 0, -1)) == 2, 15, "the deduped work to be republished")
         assert enqueue.REPUBLISHED.encode() in r.lrange(queue, 0, -1)[0]  # LPUSH: the newest first
 
 

@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from celery_zklock import LockLost
-from tests.test_celery_workers import _wait_pid, env, mod, workers  # noqa: F401  (fixtures)
+from tests.lockedapp import started_pid
+from tests.polling import wait_until
 
 # The 4 s session + 2.5 s.  The lock is declared lost about one session into the freeze
 # (kazoo notices the silence after 2/3 of it, the agent's grace is 1/3); waiting for a
@@ -32,17 +33,14 @@ def zk_server():
 def test_interrupted_task_ends_while_zookeeper_is_still_frozen(mod, workers, env, zk_server):
     key = f"frozen-{uuid.uuid4().hex[:6]}"
     result = mod.lose_interrupt.delay(key, 20000)
-    _wait_pid(mod, key)
+    started_pid(mod, key)
     frozen_at = time.time()
     os.kill(zk_server.proc.pid, signal.SIGSTOP)
     try:
-        while not result.ready() and time.time() - frozen_at < FROZEN_FOR:
-            time.sleep(0.05)
-        ended_frozen = result.ready()
+        wait_until(result.ready, FROZEN_FOR, interval=0.05, what=f"the task to end within {FROZEN_FOR}s of the freeze")
         ended_after = time.time() - frozen_at
     finally:
         os.kill(zk_server.proc.pid, signal.SIGCONT)
-    assert ended_frozen, f"the task was still running {FROZEN_FOR}s into the freeze"
     with pytest.raises(LockLost, match="safety margin"):
         result.get(timeout=30)
     assert mod._r.get(f"finished:{key}") is None  # the body was stopped, not run to its end

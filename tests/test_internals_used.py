@@ -309,7 +309,6 @@ OURS = {
     ("worker.agent_client", "_early"): "AgentClient's verdicts that came before their claim",
     ("worker.agent_client", "_update"): "AgentLock._update, called by its AgentClient",
     ("worker.agent_client", "_drain"): "AgentClient._drain",
-    ("worker.worker_queue", "_send"): "WaitOutsidePool._send (AgentSupervisor's), called by unguard",
 }
 
 #: Underscore names of other libraries than the four (internals_used's docstring lists them).
@@ -322,8 +321,6 @@ OTHER_LIBRARIES = {
 
 #: Attributes written on objects that are ours (the patch scan): (module, receiver) -> what it is.
 OWN_RECEIVERS = {
-    ("engine.attempt.ghosts", "at"): "the lock's Attempt", ("engine.attempt.holding", "at"): "the lock's Attempt",
-    ("engine.attempt.parents", "at"): "the lock's Attempt", ("engine.attempt.machine", "self.ghosts"): "Ghosts",
     ("engine.kazoo_compat", "_connect"): "our wrapper of kazoo's _connect",
     ("engine.lock", "attempt"): "the lock's Attempt", ("engine.owner", "_per_thread"): "our thread-local",
     ("engine.rwlock", "self.write"): "the WriteLock", ("task", "run_state"): "interrupts.RunState",

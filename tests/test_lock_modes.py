@@ -119,7 +119,7 @@ def test_readers_share_a_key_writers_have_it_alone(app):
         lk = current_lock()
         assert lk.mode == side and lk.modes == {"catalog": side}
         start = time.monotonic()
-        time.sleep(0.1)
+        time.sleep(0.1)  # the hold
         spans.append((side, start, time.monotonic()))
 
     tasks = _tasks_of(app, hold)
@@ -213,7 +213,7 @@ def test_tasks_share_a_key_with_curators_read_write_lock(app, curators):
 
     def hold(side: str) -> None:
         start = time.monotonic()
-        time.sleep(0.01)
+        time.sleep(0.01)  # the hold
         spans.append((side, start, time.monotonic(), "task"))
 
     tasks = _tasks_of(app, hold)

@@ -3,7 +3,6 @@ for, hold and time out on their locks; the numbers must match what the test ran.
 
 from __future__ import annotations
 
-import time
 import urllib.request
 import uuid
 
@@ -15,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from celery_zklock.testing import free_port  # noqa: E402
 from support.workers import Worker  # noqa: E402
 from tests.lockutil import locked_app  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -48,21 +48,23 @@ def test_scrape_matches_what_ran(metrics_worker):
     hold = {"task": "tests.apps.locked.hold", "key": "k:{key}"}
     skip = {"task": "tests.apps.locked.hold_skip", "key": "k:{key}"}
     chain = [mod.hold.delay(key, 400, i) for i in range(5)]
-    deadline = time.time() + 10
-    during = {}
-    while time.time() < deadline:  # while the chain runs: one holds, the others wait
+
+    def one_holds_others_wait() -> dict:  # while the chain runs
         during = scrape(port)
-        if value(during, "zklock_waiting", **hold) >= 2 and value(during, "zklock_holding", **hold) == 1:
-            break
-        time.sleep(0.1)
-    assert value(during, "zklock_holding", **hold) == 1 and value(during, "zklock_waiting", **hold) >= 2, during
+        return during if value(during, "zklock_waiting", **hold) >= 2 and value(during, "zklock_holding", **hold) == 1 else {}
+
+    wait_until(one_holds_others_wait, 10, interval=0.1, what="one holding and two or more waiting")
     skipped = [mod.hold_skip.delay(key) for _ in range(2)]  # 0.3 s timeout behind a 2 s chain
     for r in chain:
         r.get(timeout=30)
-    deadline = time.time() + 30
     assert [r.get(timeout=30) for r in skipped] == [None, None]  # skipped: SUCCESS, None
-    time.sleep(0.5)
-    after = scrape(port)
+
+    def counted() -> dict:  # the pool processes' last counts reach the exporter a moment after the results
+        after = scrape(port)
+        done = value(after, "zklock_acquired_total", **hold) == 5 and value(after, "zklock_holding", **hold) == 0
+        return after if done and value(after, "zklock_timeouts_total", **skip, policy="skip") == 2 else {}
+
+    after = wait_until(counted, 10, interval=0.1, what="the runs counted")
     print("SCRAPE", {name: v for (name, labels), v in after.items() if name.startswith("zklock_") and "bucket" not in name})
     assert value(after, "zklock_acquired_total", **hold) == 5
     assert value(after, "zklock_wait_seconds_count", **hold) == 5

@@ -166,7 +166,7 @@ def test_the_installed_wheel_gives_the_public_api(venv):
 def test_the_installed_wheel_runs_the_readme_quickstart(venv, tmp_path, zk_server, redis_server):
     """The README's quickstart as a new user runs it: the worker and the ``celery zklock``
     commands from the fresh virtualenv, nothing of this checkout on their path."""
-    from tests.test_examples import run_readme_quickstart
+    from tests.quickstart import run_readme_quickstart
 
     python = str(venv / "env" / "bin" / "python")
     # What the quickstart's first line asks for (its broker is Redis): kombu's Redis transport.

@@ -13,7 +13,7 @@ import pytest
 
 from celery_zklock import FairLock
 from support.workers import Worker
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
+from tests.lockedapp import history
 
 HOLD_MS = 1200
 

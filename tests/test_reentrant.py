@@ -9,7 +9,6 @@ import uuid
 import pytest
 
 from support.workers import Worker
-from tests.test_celery_workers import env, mod  # noqa: F401  (module fixtures)
 
 PLACES = [
     pytest.param("prefork", 3, {}, "re_outer", id="agent"),

@@ -23,11 +23,11 @@ from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_setti
 from celery_zklock.errors import ConfigurationError
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer
 from support.workers import Worker
+from tests.beat.running import Running, make_app
+from tests.lockedapp import started_pid
 from tests.lockutil import children, locked_app, overlapping, worker_refuses
-from tests.beat.test_scheduler import Running, make_app, sends  # noqa: F401  (sends: a fixture)
-from tests.polling import wait_until
+from tests.polling import holds_for, wait_until
 from tests.tcpproxy import TcpProxy
-from tests.test_celery_workers import _wait_pid
 from tests.versions import at_least
 
 OP_SASL = 102  # ZooKeeper's opcode of a SASL handshake's packets
@@ -174,9 +174,7 @@ def test_worker_over_mutual_tls_with_acls_keeps_exclusion_against_an_intruder(se
         holder = mod.hold.delay(key, 2000, "holder")
         rest = [mod.hold.delay(key, 20, f"w{i}") for i in range(4)]
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        deadline = time.time() + 10
-        while len(children(intruder, path)) < 1 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: children(intruder, path), 10, interval=0.05, what="the holder's node")
         queue = children(intruder, path)
         # READ for everyone: the queue is visible (one node: the worker's agent keeps the
         # other four requests in memory behind it, lock cohorting)
@@ -226,13 +224,11 @@ def test_worker_loss_release_and_a_kazoo_peer_with_the_same_credentials(secure_e
     try:
         key = f"loss-{uuid.uuid4().hex[:6]}"
         mod.report_pid.delay(key, 30000)
-        pid = _wait_pid(mod, key)
+        pid = started_pid(mod, key)
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
         nxt = mod.hold_tracked.delay(key, 10, "next")
-        deadline = time.time() + 10
-        while nxt.state != "LOCK_WAITING" and time.time() < deadline:
-            time.sleep(0.05)
-        assert nxt.state == "LOCK_WAITING" and len(children(peer, path)) == 1  # waits behind it, in the agent
+        wait_until(lambda: nxt.state == "LOCK_WAITING", 10, interval=0.05, what="the next to wait")
+        assert len(children(peer, path)) == 1  # waits behind it, in the agent
         killed = time.time()
         os.kill(pid, signal.SIGKILL)
         assert nxt.get(timeout=10) is not None
@@ -306,9 +302,7 @@ def _sasl_worker_run(values, mod, sasl_zk):
         holder = mod.hold.delay(key, 1500, "holder")
         waiter = mod.hold.delay(key, 10, "waiter")
         path = f"{values['TEST_ZK_ROOT']}/k:{key}"
-        deadline = time.time() + 10
-        while len(children(monitor, path)) < 1 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: children(monitor, path), 10, interval=0.05, what="the holder's node")
         queue = children(monitor, path)
         assert len(queue) == 1  # the holder's; the waiter waits in the worker's agent
         with pytest.raises(NoAuthError):
@@ -411,8 +405,7 @@ def test_a_client_still_starting_is_not_closed_for_good():
     client = KazooClient(hosts="zklock-test-host-that-does-not-resolve.invalid:2181")
     client.start_async()
     try:
-        time.sleep(0.5)
-        assert not closed_for_good(client)
+        holds_for(lambda: not closed_for_good(client), 0.5, what="not closed for good while it starts")
     finally:
         client.stop()
         client.close()

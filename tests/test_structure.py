@@ -94,8 +94,8 @@ def test_no_import_cycles_in_the_package():
 #: * worker: what runs in a worker's main process, its lock agent and a pool process's link;
 #: * glue: the Celery task class, publishing, the CLI, the elected beat (beat.*) and the test plugin.
 BASE = {"errors", "config", "security", "states", "signals", "keys", "options", "metrics", "logs", "process_records",
-        "internals_used"}
-GLUE = {"task", "held", "acquisition", "outcomes", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery",
+        "internals_used", "lock_waiting"}
+GLUE = {"task", "held", "acquisition", "decision", "outcomes", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery",
         "testing", "testing_servers", "testing_tls", "testing_probes"}
 
 
@@ -121,7 +121,7 @@ def test_every_module_has_a_layer_and_imports_flow_down():
 
 def test_the_layers_are_subpackages():
     assert {m for m in _imports() if _layer(m) == 1} >= {"engine.lock", "engine.internals", "engine.client"}
-    assert {m for m in _imports() if _layer(m) == 2} >= {"worker.agent", "worker.cohort", "worker.worker_queue"}
+    assert {m for m in _imports() if _layer(m) == 2} >= {"worker.agent", "worker.cohort", "worker.wait_outside_pool"}
 
 
 def test_imports_flow_from_task_to_client():
@@ -242,4 +242,46 @@ def test_every_callback_on_a_kazoo_result_runs_once():
     """Only ``kazoo_compat.on_ready`` may call kazoo's ``rawlink`` (see its docstring)."""
     found = [f for p in PACKAGE.rglob("*.py") if p.name != "kazoo_compat.py"
              for f in _raw_links(p.read_text(), str(p.relative_to(PACKAGE)))]
+    assert found == []
+
+
+#: The test suite: what a test module shares (fixtures, helpers) lives in a conftest.py or in a
+#: helper module named for what it holds, never in another test module.
+TESTS = PACKAGE.parent / "tests"
+
+
+def _test_module_imports(source: str, name: str) -> list[str]:
+    """Imports of a test module (``test_*``) in ``source``: ``tests.x.test_y``, ``.test_y``,
+    ``from tests.x import test_y`` or ``import tests.test_y``, at any depth."""
+
+    def is_test(module: str) -> bool:
+        return module.rsplit(".", 1)[-1].startswith("test_")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            local = node.level > 0 or module == "tests" or module.startswith("tests.")
+            if local and (is_test(module) or any(is_test(a.name) for a in node.names)):
+                found.append(f"{name}:{node.lineno}")
+        elif isinstance(node, ast.Import) and any(a.name.startswith("tests.") and is_test(a.name) for a in node.names):
+            found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_test_module_import_check_itself():
+    bad = ("from tests.worker.test_cohort import Host\n", "from .test_cohort import Host\n",
+           "from tests.worker import test_cohort\n", "import tests.test_cli as t\n",
+           "def f():\n    from tests.test_examples import run\n")
+    assert [_test_module_imports(src, "m") for src in bad] == [["m:1"], ["m:1"], ["m:1"], ["m:1"], ["m:2"]]
+    good = "from tests.lockutil import children\nfrom tests.polling import wait_until\nimport pytest\n"
+    assert _test_module_imports(good, "m") == []
+
+
+def test_no_test_module_imports_another():
+    """A test module reads as the specification of one behaviour: what it needs from elsewhere
+    comes from a conftest.py (fixtures) or a helper module, so no test module leans on another's
+    private helpers, and moving or deleting a test module breaks no other."""
+    found = [f for p in sorted(TESTS.rglob("*.py"))
+             for f in _test_module_imports(p.read_text(), str(p.relative_to(TESTS.parent)))]
     assert found == []

@@ -6,7 +6,7 @@ the pool process that claims it.  It is exec'd, not forked (a kazoo client's thr
 not be copied by a fork), and exits once the worker's main process and every pool process
 holding a lock through it have gone.  Why a process of its own: docs/waiting.md.
 
-Run by the worker (:mod:`celery_zklock.worker.worker_queue`) as ``python -m celery_zklock.worker.agent
+Run by the worker (:mod:`celery_zklock.worker.agent_supervisor`) as ``python -m celery_zklock.worker.agent
 SOCKET`` with the settings as JSON on stdin (they may carry credentials: never argv).
 
 :class:`Agent` is the plumbing (socket, one event thread, heartbeat, peers leaving) and the
@@ -36,8 +36,10 @@ from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
 from .agent_guards import GuardJobs
-from .agent_protocol import AGENT_DIR_PREFIX, HEARTBEAT, OWNER, Cancel, Connection
+from .agent_protocol import (HEARTBEAT, Cancel, Claim, Dropped, Fence, FenceAnswer, Finished, Hello, Ping, Release,
+                             Role, StopWaiting, Unclaim, Unguard, Wait)
 from .agent_requests import Requests
+from .agent_socket import AGENT_DIR_PREFIX, OWNER, Connection
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
@@ -194,7 +196,7 @@ class Agent:
 
     def _backlog(self, peer: Connection) -> None:
         """A peer's socket took only part of what we sent: write the rest when it can take it
-        (the event thread never blocks on a peer: :class:`~.agent_protocol.Connection`)."""
+        (the event thread never blocks on a peer: :class:`~.agent_socket.Connection`)."""
         if peer.pending and not peer.closed:
             self.selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                  lambda m: self._ready(peer, m))
@@ -222,7 +224,7 @@ class Agent:
             with self.peers_lock:
                 peers = list(self.peers)
             for peer in peers:
-                peer.send({"op": "ping"})
+                peer.send(Ping())
             self.post(self.tick)
 
     def tick(self) -> None:
@@ -231,51 +233,53 @@ class Agent:
         self.requests.tidy_all()
 
     # ------------------------------------------------------------------ messages
-    def handle(self, peer: Connection, msg: dict) -> None:
+    def handle(self, peer: Connection, msg) -> None:
         """One message from a peer (protocol: :mod:`celery_zklock.worker.agent_protocol`)."""
-        op = msg.get("op")
-        if op == "hello":
-            if msg.get("role") == "main":
+        match msg:
+            case Hello(role=Role.MAIN):
                 self.main, self.main_seen = peer, True
-        elif op == "wait":
-            self.requests.wait(peer, msg)
-        elif op == "cancel":
-            self.requests.cancel(msg["id"], Cancel(msg["why"]), bool(msg.get("in_pool")))
-        elif op == "finished":
-            for request_id, seq in _deliveries(msg):
-                self.requests.cancel(request_id, Cancel.FINISHED, seq=seq)
-        elif op == "dropped":
-            for request_id, seq in _deliveries(msg):
-                wait = self.requests.delivery(request_id, seq)
-                if wait is not None and wait.claimer is None:
-                    self._unless_claimed(wait)
-        elif op == "claim":
-            self.claims.claim(peer, msg["id"], bool(msg.get("carried")))
-        elif op == "unclaim":
-            self.claims.unclaim(peer, msg["id"])
-        elif op == "release":
-            self.claims.release(peer, msg["id"])
-        elif op == "unguard":
-            self.guards.op(guards.release, msg["paths"], msg["id"], int(msg.get("retries") or 0))
-        elif op == "fence":
-            self._fence(peer, msg)
+            case Wait():
+                self.requests.wait(peer, msg)
+            case StopWaiting():
+                self.requests.cancel(msg.id, msg.why, msg.in_pool)
+            case Finished():
+                for request_id, seq in msg.deliveries():
+                    self.requests.cancel(request_id, Cancel.FINISHED, seq=seq)
+            case Dropped():
+                for request_id, seq in msg.deliveries():
+                    wait = self.requests.delivery(request_id, seq)
+                    if wait is not None and wait.claimer is None:
+                        self._unless_claimed(wait)
+            case Claim():
+                self.claims.claim(peer, msg.id, msg.carried)
+            case Unclaim():
+                self.claims.unclaim(peer, msg.id)
+            case Release():
+                self.claims.release(peer, msg.id)
+            case Unguard():
+                self.guards.op(guards.release, list(msg.paths), msg.id, msg.retries)
+            case Fence():
+                self._fence(peer, msg)
+            case Hello():
+                pass  # a pool process: known by its connection alone
+            case _:
+                logger.error("zklock agent: %s is not a message for the agent; ignored", type(msg).__name__)
 
-    def _fence(self, peer: Connection, msg: dict) -> None:
+    def _fence(self, peer: Connection, msg: Fence) -> None:
         """A beat tick's message reached the worker: may its body run (:mod:`~..engine.tick_fence`)?
         Blocking ZooKeeper calls, so on the guards' thread, in order with their updates."""
-        tick = tick_fence.Tick(msg["path"], int(msg["seq"]), msg.get("token"))
+        tick = tick_fence.Tick(msg.path, msg.seq, msg.token)
         outcome: list = []
 
         def run(client, tick) -> None:
             try:
-                outcome.append(tick_fence.consume(client, tick).value)
+                outcome.append(tick_fence.consume(client, tick))
             except Exception as exc:  # ZooKeeper unreachable, or refused: the main process decides
                 outcome.append(None)
                 outcome.append(repr(exc))
 
         def answer(_error) -> None:
-            peer.send({"op": "fenced", "id": msg["id"], "verdict": outcome[0] if outcome else None,
-                       "error": outcome[1] if len(outcome) > 1 else None})
+            peer.send(FenceAnswer(msg.id, outcome[0] if outcome else None, outcome[1] if len(outcome) > 1 else None))
 
         self.guards.op(run, tick, after=answer)
 
@@ -354,12 +358,6 @@ def leave_nothing_behind(path: str, bound: os.stat_result) -> None:
 def _identity(st: os.stat_result) -> tuple:
     """A file's identity: its inode number alone is reused at once by the next file made."""
     return st.st_dev, st.st_ino, st.st_ctime_ns
-
-
-def _deliveries(msg: dict):
-    """(id, seq) of each delivery a ``finished`` or ``dropped`` names (seq None: whichever waits)."""
-    ids = msg.get("ids") or []
-    return zip(ids, msg.get("seqs") or [None] * len(ids))
 
 
 def main() -> int:

@@ -10,13 +10,15 @@ agent's event thread.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from ..engine.internals import State
 from ..engine import kazoo_compat
 from ..engine.kazoo_compat import on_all_ready
 from ..engine.session import PROOFS
-from .agent_protocol import ClaimAnswer, Connection, Verdict
+from .agent_protocol import ClaimAnswer, Claimed, LockState, Released, Verdict
 from .agent_requests import GuardsView, Requests, WaitRequest
+from .agent_socket import Connection
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
@@ -51,24 +53,24 @@ class Claims:
             return self.send_verdict(wait)
         if (wait is None or wait.done or wait.claimer is not None
                 or (wait.verdict is None and not wait.next_sent)):
-            peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.UNKNOWN})
+            peer.send(Claimed(request_id, ClaimAnswer.UNKNOWN))
             return
         wait.claimer = peer
         self.claimed.add(wait)
         if wait.verdict is None:
-            peer.send({"op": "claimed", "id": request_id, "verdict": ClaimAnswer.PENDING})
+            peer.send(Claimed(request_id, ClaimAnswer.PENDING))
             return
         self.send_verdict(wait)
-        if wait.verdict["verdict"] is not Verdict.GRANTED:
+        if wait.verdict.verdict is not Verdict.GRANTED:
             self.requests.forget(wait)
 
     def _carried(self, peer: Connection, request_id: str, wait: WaitRequest | None) -> None:
-        granted = wait is not None and wait.verdict is not None and wait.verdict["verdict"] is Verdict.GRANTED
+        granted = wait is not None and wait.verdict is not None and wait.verdict.verdict is Verdict.GRANTED
         if not granted or wait.done or wait.claimer is not None:
             # A pool process runs on a grant this agent does not hold for it (it was let
             # go meanwhile, or granted by an agent that has since been replaced).
-            peer.send({"op": "state", "id": request_id, "held": False, "lost": True,
-                       "reason": "the worker's lock agent no longer holds the lock granted to this task"})
+            peer.send(LockState(request_id, held=False, lost=True,
+                                reason="the worker's lock agent no longer holds the lock granted to this task"))
             return
         wait.claimer = peer
         self.claimed.add(wait)
@@ -99,7 +101,7 @@ class Claims:
         Answered from those replies: no thread waits."""
         wait = self.requests.waits.get(request_id)
         if wait is None or wait.claimer is not peer or wait.done:
-            peer.send({"op": "released", "id": request_id, "proven": False, "reason": "not held through the agent"})
+            peer.send(Released(request_id, proven=False, reason="not held through the agent"))
             return
         self.requests.learn_hold(wait)
         self.guards.finished(wait)
@@ -111,7 +113,7 @@ class Claims:
         def answer() -> None:
             proven = all(_outcome(p) in PROOFS for p in outcomes)
             why = reason or (None if proven else "lock node was already gone at release")
-            peer.send({"op": "released", "id": request_id, "proven": proven, "reason": why})
+            peer.send(Released(request_id, proven, why))
 
         if not pending:
             return answer()
@@ -127,7 +129,7 @@ class Claims:
                 return "lock lost"
         return None
 
-    def _state(self, wait: WaitRequest) -> dict:
+    def _state(self, wait: WaitRequest) -> LockState:
         """Whether the request's locks are safe to hold right now, as a claimer is told."""
         slots = [hold.slot for hold in wait.holds.values()]
         held = bool(slots) and all(s.held for s in slots)
@@ -136,17 +138,17 @@ class Claims:
         if not held and reason is None:
             suspended = any(s.attempt.state is State.HELD_SUSPENDED for s in slots)
             reason = "ZooKeeper connection suspended" if suspended else "not held"
-        return {"held": held, "lost": lost, "reason": reason}
+        return LockState(wait.id, held, lost, reason)
 
     def push_state(self, wait: WaitRequest) -> None:
         if (wait.claimer is None or wait.done or wait.verdict is None
-                or wait.verdict.get("verdict") is not Verdict.GRANTED):
+                or wait.verdict.verdict is not Verdict.GRANTED):
             return
         state = self._state(wait)
-        if wait.shown_held == state["held"] and not state["lost"]:
+        if wait.shown_held == state.held and not state.lost:
             return
-        wait.shown_held = state["held"]
-        wait.claimer.send({"op": "state", "id": wait.id, **state})
+        wait.shown_held = state.held
+        wait.claimer.send(state)
 
     @staticmethod
     def _runs(wait: WaitRequest) -> None:
@@ -160,13 +162,14 @@ class Claims:
         granted before ZooKeeper became unreachable may be claimed only later (no free pool
         process until then), and its body must not start on the old grant alone."""
         message = wait.verdict
-        if message["verdict"] is Verdict.GRANTED:
+        if message.verdict is Verdict.GRANTED:
             self._runs(wait)
             state = self._state(wait)
-            wait.shown_held = state["held"]
+            wait.shown_held = state.held
             # The session the server granted, which may be shorter than the one asked for:
             # the claimer trusts our silence for a third of it (agent_client.silence_grace).
-            message = {**message, **state, "session_timeout": kazoo_compat.session_timeout(self.client)}
+            message = replace(message, held=state.held, lost=state.lost, reason=state.reason,
+                              session_timeout=kazoo_compat.session_timeout(self.client))
         wait.claimer.send(message)
 
 

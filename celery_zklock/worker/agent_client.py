@@ -1,7 +1,7 @@
 """A pool process's side of the lock agent: claim the lock the agent took, hold it, give it back.
 
 Why: when the worker's main process queued a request in the agent
-(:mod:`celery_zklock.worker.worker_queue`), the lock is already decided by the time the pool runs
+(:mod:`celery_zklock.worker.wait_outside_pool`), the lock is already decided by the time the pool runs
 the task; the pool process only claims it — one local round trip, no ZooKeeper session of
 its own — and learns from the agent whether it stays safe to hold.  ``is_held()`` needs
 no I/O: it is False once the agent says the lock is suspended or lost, and once the
@@ -17,7 +17,9 @@ import threading
 import time
 
 from ..engine.session import session_margin
-from .agent_protocol import BYPASSED, CARRIED, ENV, ClaimAnswer, Connection, Verdict
+from .agent_protocol import (BYPASSED, CARRIED, Carry, Claim, ClaimAnswer, Claimed, Hello, LockState, ProtocolError,
+                             Release, Released, Role, Unclaim, from_wire)
+from .agent_socket import ENV, Connection
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
 
@@ -51,17 +53,17 @@ class AgentClient:
         self.pid = os.getpid()
         self.conn = Connection.open(path)
         self.last_heard = time.monotonic()
-        self._replies: dict[tuple[str, str], queue.SimpleQueue] = {}
+        self._replies: dict[tuple[type, str], queue.SimpleQueue] = {}
         self._locks: dict[str, "AgentLock"] = {}
         # A state pushed between the claim's reply and the lock's registration: kept for it.
-        self._early: dict[str, dict] = {}
+        self._early: dict[str, LockState] = {}
         self._guard = threading.Lock()
         self._receiving = threading.Lock()  # held by whichever thread takes bytes off the socket
         self._turn = threading.Condition()
         self._caller_reads = False  # a caller reads for its answer: a second caller queues
         self._busy_at = float("-inf")  # when a lock last registered
         self._dozing = False  # the link's thread sleeps IDLE_DRAIN: a registering lock wakes it
-        self.conn.send({"op": "hello", "role": "pool", "pid": self.pid})
+        self.conn.send(Hello(Role.POOL, self.pid))
         threading.Thread(target=self._poll, name="zklock-agent-link", daemon=True).start()
 
     @property
@@ -71,12 +73,13 @@ class AgentClient:
     def silent_for(self) -> float:
         return time.monotonic() - self.last_heard
 
-    def call(self, message: dict, answer: str, timeout: float, until=None) -> dict | None:
-        """Send ``message``; the agent's ``answer`` for the same id, or None (timeout, gone).
+    def call(self, message, answer: type, timeout: float, until=None):
+        """Send ``message``; the agent's answer of type ``answer`` for the same id, or None
+        (timeout, gone).
 
         With ``until``, answers for which ``until(answer)`` is false are interim: the wait
         goes on, without a time limit, for as long as the link lives."""
-        key = (answer, message["id"])
+        key = (answer, message.id)
         replies: queue.SimpleQueue = queue.SimpleQueue()
         with self._guard:
             self._replies[key] = replies
@@ -99,7 +102,7 @@ class AgentClient:
                 with self._turn:
                     self._caller_reads = False
 
-    def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool) -> dict | None:
+    def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool):
         """The next answer put in ``replies``, reading the socket here when ``reads``; None at
         ``deadline`` or once the link ends."""
         while True:
@@ -156,7 +159,7 @@ class AgentClient:
         finally:
             self._receiving.release()
 
-    def _take(self, messages: list[dict] | None) -> None:
+    def _take(self, messages: list | None) -> None:
         """What came off the socket (None: its end), on whichever thread read it."""
         if messages is None:
             return self._ended()
@@ -164,19 +167,18 @@ class AgentClient:
             return
         self.last_heard = time.monotonic()
         for msg in messages:
-            op = msg.get("op")
-            if op == "state":
+            if isinstance(msg, LockState):
                 with self._guard:
-                    lock = self._locks.get(msg["id"])
+                    lock = self._locks.get(msg.id)
                     if lock is None:
                         if len(self._early) > 1000:
                             self._early.clear()
-                        self._early[msg["id"]] = msg
+                        self._early[msg.id] = msg
                 if lock is not None:
-                    lock._update(msg["held"], msg.get("lost", False), msg.get("reason"))
+                    lock._update(msg.held, msg.lost, msg.reason)
                 continue
             with self._guard:
-                replies = self._replies.get((op, msg.get("id")))
+                replies = self._replies.get((type(msg), getattr(msg, "id", None)))
             if replies is not None:
                 replies.put(msg)
 
@@ -237,8 +239,11 @@ class AgentLock:
             link._locks[request_id] = self
             early = link._early.pop(request_id, None)
         link.reading_needed()
-        state = early or state or {"held": True}
-        self._update(bool(state.get("held", True)), bool(state.get("lost")), state.get("reason"))
+        if early is not None:  # pushed after the claim's answer, so newer than ``state``
+            self._update(early.held, early.lost, early.reason)
+        else:
+            state = state or {"held": True}
+            self._update(bool(state.get("held", True)), bool(state.get("lost")), state.get("reason"))
 
     @property
     def locks(self) -> list["AgentLock"]:
@@ -270,7 +275,7 @@ class AgentLock:
         """Give back a lock whose body never ran: no proof is owed, so none is waited for
         (waiting could stall the pool process another session timeout)."""
         self.link._locks.pop(self.id, None)
-        self.link.conn.send({"op": "release", "id": self.id})
+        self.link.conn.send(Release(self.id))
 
     def release(self) -> bool:
         """Give the lock back; True only if the agent proved it held to the end."""
@@ -281,14 +286,14 @@ class AgentLock:
             # result waiting up to release_bound.  The agent still deletes the node.
             self.abandon()
             return False
-        reply = self.link.call({"op": "release", "id": self.id}, "released", self.release_bound)
+        reply = self.link.call(Release(self.id), Released, self.release_bound)
         if reply is None:
             self.lost_reason = self.lost_reason or "the worker's lock agent did not confirm the release"
             return False
-        if not reply.get("proven"):
+        if not reply.proven:
             # The agent's delete found no node: its session expired (frozen, partitioned)
             # or the node was deleted, and someone else may have held the lock meanwhile.
-            self.lost_reason = self.lost_reason or reply.get("reason") or "lock not held at release"
+            self.lost_reason = self.lost_reason or reply.reason or "lock not held at release"
             return False
         return self.lost_reason is None
 
@@ -304,15 +309,21 @@ def silence_grace(requested: float, verdict: dict) -> float:
     return session_margin(session)
 
 
-def carried_grant(request) -> dict | None:
-    """The grant this request brought from the main process, taken off the request.
+def carried_grant(request) -> Carry | None:
+    """The grant this request brought from the main process, taken off the request (None when
+    none did, or it does not read as one: the claim's answer is then waited for).
 
     Why in ``delivery_info`` (:data:`~celery_zklock.worker.agent_protocol.CARRIED`): the worker
     builds it anew for each delivery of a message, and a copy of the request's headers (a
     retry, a replacement) does not carry it into the next one.  Why taken off, before the
     body runs: a retry made from this request passes ``delivery_info`` on as publish options."""
     carry = _taken(request, CARRIED)
-    return carry if isinstance(carry, dict) else None
+    if carry is None:
+        return None
+    try:
+        return from_wire(Carry, carry)
+    except ProtocolError:
+        return None
 
 
 def bypassed(request) -> bool:
@@ -329,37 +340,39 @@ def _taken(request, field: str):
     return info.pop(field, None) if isinstance(info, dict) else None
 
 
-def starts_on_carried(send, request_id: str, carry: dict) -> bool:
+def starts_on_carried(send, request_id: str, carry: Carry) -> bool:
     """Claim on the carried grant (``send`` the claim to the agent) and start without waiting
     for an answer, if its proof is still younger than the lease window, read *after* the
     claim was sent: the agent keeps an unclaimed carried grant that long (plus a grace), so
     the claim reaches it first.  False: the claim's answer is waited for (the simulator's
     pool processes call this too)."""
-    try:
-        proof, session = float(carry["proof"]), float(carry["session_timeout"])
-    except (KeyError, TypeError, ValueError):
-        return False
+    proof, session = carry.proof, carry.session_timeout
     if not fresh(proof, lease_clock(), session):
         return False
-    if not send({"op": "claim", "id": request_id, "carried": True}):
+    if not send(Claim(request_id, carried=True)):
         return False
     return fresh(proof, lease_clock(), session)
 
 
-def _heard_lately(current: AgentClient, carry: dict) -> bool:
+def _heard_lately(current: AgentClient, carry: Carry) -> bool:
     """Has the agent been heard within the silence a lock held through it tolerates?  Why:
     with no lock held the link is drained only now and then (:data:`IDLE_DRAIN`); a claim's
     answer used to refresh it, and a lock started on a carried grant would otherwise begin
     as "not held" after an idle spell, or on an agent that has in fact gone silent."""
     current._drain()
-    try:
-        grace = silence_grace(float(carry["session_timeout"]), carry)
-    except (KeyError, TypeError, ValueError):
-        return False
-    return current.alive and current.silent_for() < grace
+    return current.alive and current.silent_for() < session_margin(carry.session_timeout)
 
 
-def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple[AgentClient, dict] | None:
+def as_verdict(answer: Claimed, carried: bool = False) -> dict:
+    """A claim's answer as :func:`celery_zklock.acquisition.claimed_lock` reads it (``carried``:
+    the grant the task brought, started on without waiting for the answer)."""
+    return {"verdict": answer.verdict.value, "waited": answer.waited, "tokens": answer.tokens or {},
+            "nodes": answer.nodes or {}, "holders": answer.holders, "error": answer.error, "held": answer.held,
+            "lost": answer.lost, "reason": answer.reason, "session_timeout": answer.session_timeout,
+            **({"carried": True} if carried else {})}
+
+
+def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tuple[AgentClient, dict] | None:
     """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
 
     With a ``carried`` grant (:func:`carried_grant`) still young, that grant is the verdict:
@@ -371,24 +384,22 @@ def claim(request_id: str, timeout: float, carried: dict | None = None) -> tuple
     (the release ahead of it, its deadline, or its revocation); the agent's heartbeat
     keeps the link alive, and a dead agent ends the wait (the request then locks
     in-process: its node died with the agent's session).  A first answer that does not
-    come within ``timeout`` is withdrawn (``unclaim``) before the request locks in-process."""
+    come within ``timeout`` is withdrawn (:class:`~.agent_protocol.Unclaim`) before the request
+    locks in-process."""
     current = link()
     if current is None:
         return None
     if carried is not None and _heard_lately(current, carried) and starts_on_carried(current.conn.send, request_id, carried):
-        return current, {"verdict": Verdict.GRANTED.value, "carried": True, "waited": carried.get("waited"),
-                         "tokens": carried.get("tokens") or {}, "session_timeout": carried["session_timeout"],
-                         "held": True, "lost": False, "reason": None}
-    reply = current.call({"op": "claim", "id": request_id}, "claimed", timeout,
-                         until=lambda r: r.get("verdict") != ClaimAnswer.PENDING)
+        return current, as_verdict(carried.as_claimed(request_id), carried=True)
+    reply = current.call(Claim(request_id), Claimed, timeout, until=lambda r: r.verdict is not ClaimAnswer.PENDING)
     if reply is None and current.alive:
         # No answer in time (a busy agent): this process locks in-process now, so the
         # agent must let go of whatever it decides for the claim (a late grant would hold
         # the key, with this process queued behind it).  Sent before locking: the agent
         # reads it after the claim, on the same connection.
-        current.conn.send({"op": "unclaim", "id": request_id})
+        current.conn.send(Unclaim(request_id))
         with current._guard:
             current._early.pop(request_id, None)
-    if reply is None or reply.get("verdict") == ClaimAnswer.UNKNOWN:
+    if reply is None or reply.verdict is ClaimAnswer.UNKNOWN:
         return None
-    return current, reply
+    return current, as_verdict(reply)

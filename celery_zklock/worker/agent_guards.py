@@ -84,7 +84,7 @@ class GuardJobs:
     def finished(self, wait: WaitRequest) -> None:
         """A granted request ran (or its process died before it could claim it): its running
         guard goes; an undecided one's guard (never moved) goes too."""
-        if wait.verdict is not None and wait.verdict.get("verdict") is Verdict.SHUTDOWN:
+        if wait.verdict is not None and wait.verdict.verdict is Verdict.SHUTDOWN:
             return  # its message goes back to the broker, still queued under it
         guard, wait.guard = wait.guard, None
         if guard is not None:

@@ -9,12 +9,13 @@ claims the verdict is :mod:`celery_zklock.worker.agent_claims`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from ..engine import clock, guards, kazoo_compat
 from ..engine.contenders import holders_async
-from .agent_protocol import HANDOFF_MAX_WAIT, Cancel, Connection, Verdict
+from .agent_protocol import HANDOFF_MAX_WAIT, Bypass, Cancel, Carry, Claimed, Decided, Next, Queued, Verdict, Wait
+from .agent_socket import Connection
 from .cohort import Cohort
 from .cohort_rules import fresh, lease_window
 from .lease_clock import lease_clock
@@ -65,7 +66,7 @@ class WaitRequest:
     holds: dict[str, "Hold"] = field(default_factory=dict)  # path -> its hold, in the order taken
     current: Cohort | None = None  # the cohort whose local queue it waits in
     expired: bool = False  # its deadline passed: a fresh node's first answer decides, on each key left
-    verdict: dict | None = None  # what a claim is told once decided
+    verdict: Claimed | None = None  # what a claim is told once decided (the locks' state added then)
     shown_held: bool | None = None  # the last state pushed to the claimer
     next_sent: bool = False  # told the main process it is next in line (claimable undecided)
     queued: bool = False  # had to wait behind another holder (its key is contended)
@@ -134,29 +135,28 @@ class Requests:
         self.hold_by_path: dict[str, float] = {}
         self.hold_by_task: dict[str, float] = {}
 
-    def wait(self, peer: Connection, msg: dict) -> None:
-        timeout = msg.get("timeout")
+    def wait(self, peer: Connection, msg: Wait) -> None:
         wait = WaitRequest(
-            id=msg["id"],
-            task=str(msg.get("task") or ""),
-            paths=sorted(set(msg["paths"])),
-            max_holders=int(msg.get("max_holders") or 1),
-            deadline=None if timeout is None else clock.monotonic() + float(timeout),
-            identity=str(msg.get("identity") or "").encode(),
+            id=msg.id,
+            task=msg.task,
+            paths=sorted(set(msg.paths)),
+            max_holders=msg.max_holders or 1,
+            deadline=None if msg.timeout is None else clock.monotonic() + float(msg.timeout),
+            identity=msg.identity.encode(),
             owner=peer,
-            early=bool(msg.get("early")),
-            watched=bool(msg.get("watched", True)),
-            guard=guards.guarded(msg.get("guard") and {guards.HEADER: msg.get("guard")}),
-            seq=msg.get("seq"),
-            read_paths=frozenset(msg.get("read") or ()),
-            readers=max(1, int(msg.get("readers") or 1)),
+            early=msg.early,
+            watched=msg.watched,
+            guard=guards.guarded(msg.guard and {guards.HEADER: msg.guard}),
+            seq=msg.seq,
+            read_paths=frozenset(msg.read),
+            readers=max(1, msg.readers),
         )
         old = self.waits.get(wait.id)
         if old is not None and not old.done:
             # The same task id while we still wait for, or hold, its lock: a retry the body
             # published while holding it, or a redelivery.  The running one keeps its lock;
             # this one runs in-process (its claim will say "unknown"), still protected.
-            peer.send({"op": "bypass", "id": wait.id, "seq": wait.seq})
+            peer.send(Bypass(wait.id, wait.seq))
             return
         self.waits[wait.id] = wait
         if wait.deadline is not None:
@@ -171,7 +171,7 @@ class Requests:
             self.monitor.timers.cancel(wait.timer)
             tokens = {path: hold.token for path, hold in wait.holds.items()}
             nodes = {path: hold.slot.node_path for path, hold in wait.holds.items()}
-            return self._tell_verdict(wait, {"verdict": Verdict.GRANTED, "tokens": tokens, "nodes": nodes})
+            return self._tell_verdict(wait, Claimed(wait.id, Verdict.GRANTED, tokens=tokens, nodes=nodes))
         path = wait.paths[len(wait.holds)]
         reads = path in wait.read_paths
         key = (path, 0 if reads else wait.max_holders, reads)  # a path's readers: one cohort
@@ -199,7 +199,7 @@ class Requests:
     def on_failed(self, wait: WaitRequest, exc: BaseException) -> None:
         self._left(wait)
         self.let_go(wait)
-        self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": str(exc)})
+        self._tell_verdict(wait, Claimed(wait.id, Verdict.UNAVAILABLE, error=str(exc)))
 
     def on_timed_out(self, wait: WaitRequest, path: str) -> None:
         """Free what it took, then say who holds the key: read asynchronously, and waited
@@ -209,11 +209,11 @@ class Requests:
         self._left(wait)
         self.let_go(wait)
         if at_deadline(self.client.connected) is Verdict.UNAVAILABLE:
-            return self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE, "error": UNREACHABLE_AT_DEADLINE})
+            return self._tell_verdict(wait, Claimed(wait.id, Verdict.UNAVAILABLE, error=UNREACHABLE_AT_DEADLINE))
 
         def told(holders) -> None:
             self.monitor.timers.cancel(bound)
-            self._tell_verdict(wait, {"verdict": Verdict.TIMEOUT, "holders": holders})
+            self._tell_verdict(wait, Claimed(wait.id, Verdict.TIMEOUT, holders=holders))
 
         bound = self.monitor.timers.call_at(clock.monotonic() + HOLDERS_WITHIN, self.post, told, None)
         holders_async(self.client, path, wait.max_holders, lambda holders: self.post(told, holders))
@@ -222,7 +222,7 @@ class Requests:
         if not wait.queued:
             wait.queued = True
             if wait.watched:
-                wait.owner.send({"op": "queued", "id": wait.id, "seq": wait.seq, "position": position})
+                wait.owner.send(Queued(wait.id, position, wait.seq))
 
     def on_next(self, wait: WaitRequest, ours: bool = True, streak_left: float | None = None) -> None:
         """Every path but the last is held and only a holder is ahead of it on the last: the
@@ -242,7 +242,7 @@ class Requests:
             # queued, may tell it (ours=False).
             return
         wait.next_sent = True
-        wait.owner.send({"op": "next", "id": wait.id, "seq": wait.seq, "hold": expected, "ours": ours})
+        wait.owner.send(Next(wait.id, wait.seq, expected, ours))
 
     def on_slot_lost(self, wait: WaitRequest) -> None:
         self.claims.push_state(wait)
@@ -289,41 +289,33 @@ class Requests:
             mean = table.get(key)
             table[key] = held if mean is None else mean + 0.3 * (held - mean)
 
-    def _tell_verdict(self, wait: WaitRequest, verdict: dict) -> None:
+    def _tell_verdict(self, wait: WaitRequest, verdict: Claimed) -> None:
         """The request's one verdict, told to the main process (and to its claimer, if any).
         A grant is told only once its enqueue guard's start is done (step 3 above)."""
         if wait.done or wait.verdict is not None:
             return
         self.monitor.timers.cancel(wait.timer)
-        if verdict["verdict"] is Verdict.GRANTED and wait.guard is not None and not wait.guard_moved:
+        if verdict.verdict is Verdict.GRANTED and wait.guard is not None and not wait.guard_moved:
             # Its enqueue guard ends (or becomes ours) before its body can start: a publish
             # after the start is then never deduped into a run that began without it.
             wait.guard_moved = True
             self.guards.start(wait, after=lambda error: self._guard_started(wait, verdict, error))
             return
-        wait.verdict = {"op": "claimed", "id": wait.id, "waited": round(clock.monotonic() - wait.started, 6), **verdict}
-        if verdict["verdict"] is Verdict.GRANTED:
+        wait.verdict = replace(verdict, waited=round(clock.monotonic() - wait.started, 6))
+        if verdict.verdict is Verdict.GRANTED:
             wait.granted_at = clock.monotonic()
-        self.guards.decided(wait, verdict["verdict"])
-        answer = {"op": verdict["verdict"], "id": wait.id, "seq": wait.seq}
-        if wait.queued:
-            answer["queued"] = True
-        if verdict["verdict"] is Verdict.UNAVAILABLE:
-            answer["error"] = verdict["error"]
+        self.guards.decided(wait, verdict.verdict)
         claimer = wait.claimer
-        if claimer is None and verdict["verdict"] is Verdict.GRANTED:
-            carry = self._carry(wait)
-            if carry is not None:
-                answer["carry"] = carry
+        carry = self._carry(wait) if claimer is None and verdict.verdict is Verdict.GRANTED else None
         # The claimer first: a request next in line has a pool process waiting for this
         # verdict, and the main process only records it.
         if claimer is not None:
             self.claims.send_verdict(wait)
-        wait.owner.send(answer)
-        if claimer is not None and verdict["verdict"] is not Verdict.GRANTED:
+        wait.owner.send(Decided(wait.id, verdict.verdict, wait.seq, wait.queued, verdict.error, carry))
+        if claimer is not None and verdict.verdict is not Verdict.GRANTED:
             self.forget(wait)
 
-    def _carry(self, wait: WaitRequest) -> dict | None:
+    def _carry(self, wait: WaitRequest) -> Carry | None:
         """The grant, for the main process to hand to the pool with the task, when every path
         was granted on a young proof (the lease: a write to the node, or the create that made
         it, sent less than the lease window ago): the pool process may start on it without
@@ -343,8 +335,7 @@ class Requests:
             return None
         proof = min(proofs)
         wait.carry_until = proof + lease_window(session)
-        verdict = wait.verdict
-        return {"proof": proof, "session_timeout": session, "waited": verdict["waited"], "tokens": verdict["tokens"]}
+        return Carry(proof, session, wait.verdict.waited, wait.verdict.tokens)
 
     def carry_left(self, wait: WaitRequest) -> float:
         """Seconds (monotonic) until a grant carried to the pool can no longer be started on
@@ -354,14 +345,14 @@ class Requests:
         left = wait.carry_until - lease_clock() + CARRY_GRACE
         return max(0.0, left)
 
-    def _guard_started(self, wait: WaitRequest, verdict: dict, error: BaseException | None) -> None:
+    def _guard_started(self, wait: WaitRequest, verdict: Claimed, error: BaseException | None) -> None:
         """A grant whose guard could not be ended (or moved) is not told as granted: its locks
         go and the pool process follows ``on_lock_unavailable`` (its retry takes the guard over)."""
         if error is None:
             return self._tell_verdict(wait, verdict)
         self.let_go(wait)
-        self._tell_verdict(wait, {"verdict": Verdict.UNAVAILABLE,
-                                  "error": f"could not end the enqueue guard at the start: {error!r}"})
+        self._tell_verdict(wait, Claimed(wait.id, Verdict.UNAVAILABLE,
+                                         error=f"could not end the enqueue guard at the start: {error!r}"))
 
     def delivery(self, request_id: str, seq: int | None) -> WaitRequest | None:
         """The live wait of that delivery of ``request_id``: the same task id may come again
@@ -396,7 +387,7 @@ class Requests:
                 self.abandon(wait)
             return
         self.let_go(wait)
-        self._tell_verdict(wait, {"verdict": Verdict(why.value)})
+        self._tell_verdict(wait, Claimed(wait.id, Verdict(why.value)))
 
     # ------------------------------------------------------------------ letting go
     def let_go(self, wait: WaitRequest) -> list:

@@ -1,6 +1,6 @@
 """Handing held requests to the pool: which may go before their grant, how many, and first.
 
-Why apart from the consumer step (:mod:`celery_zklock.worker.worker_queue`): these are the
+Why apart from the consumer step (:mod:`celery_zklock.worker.wait_outside_pool`): these are the
 rules and the pool internals of a handoff, not its bookkeeping — how many pool processes
 may idle next in line (:func:`handoff_slots`, never all of them), whether one request may
 (:func:`hand_over_early`), and putting a granted request at the head of the pool's queue

@@ -26,7 +26,7 @@ from celery.worker.request import Request
 
 from .. import metrics
 
-from . import agent_supervisor, worker_queue
+from . import agent_supervisor, wait_outside_pool
 
 logger = get_logger("celery_zklock.worker")
 
@@ -51,7 +51,7 @@ def _reap_async(request: Request) -> None:
     task, pid = request.task, request.worker_pid
     try:
         settings = cached_settings(task.app)
-        if not settings.release_on_worker_loss or not pid or worker_queue.waits_in_agent(task):
+        if not settings.release_on_worker_loss or not pid or wait_outside_pool.waits_in_agent(task):
             return  # the agent frees it when the dead process's socket closes
         paths = task.lock_paths(tuple(request.args or ()), dict(request.kwargs or {}), settings)
     except Exception as exc:
@@ -85,7 +85,7 @@ class LockAwareRequest(Request):
             try:
                 super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
             finally:
-                worker_queue.request_finished(self)
+                wait_outside_pool.request_finished(self)
 
     def _announce_revoked(self, reason, terminated, signum, expired):
         """Celery drops this request unrun (revoked, or expired, as it reaches a pool process):
@@ -96,7 +96,7 @@ class LockAwareRequest(Request):
         try:
             super()._announce_revoked(reason, terminated, signum, expired)
         finally:
-            worker_queue.request_finished(self)
+            wait_outside_pool.request_finished(self)
 
     def on_timeout(self, soft, timeout):
         try:
@@ -268,10 +268,10 @@ def _on_worker_init(sender=None, **_):
             app.conf.worker_send_task_events = True
         if not validate_app(app):
             return
-        if worker_queue.start_agent(sender, app._zklock_settings):
-            if worker_queue.WaitOutsidePool not in app.steps["consumer"]:
-                app.steps["consumer"].add(worker_queue.WaitOutsidePool)
-        agent = worker_queue.running_agent()
+        if agent_supervisor.start_agent(sender, app._zklock_settings):
+            if wait_outside_pool.WaitOutsidePool not in app.steps["consumer"]:
+                app.steps["consumer"].add(wait_outside_pool.WaitOutsidePool)
+        agent = agent_supervisor.running()
         app._zklock_start_line = start_line(app._zklock_settings, app._zklock_locked_count,
                                             agent.proc.pid if agent else None)
 

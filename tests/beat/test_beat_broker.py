@@ -86,9 +86,9 @@ def test_a_leader_stalled_in_its_publish_gives_way_and_its_late_tick_does_not_ru
         took = wait_until(lambda: [s for s in sent() if s["pid"] == other.pid and s["at"] > t_stall], bound + 8,
                           what="the standby to send after the leader's broker path stalled")[0]["at"]
         ran_new = wait_until(lambda: [x for x in runs() if x["at"] > took], 10, what="the new leader's tick to run")
-        time.sleep(max(0.0, t_stall + 12.0 - time.time()))
+        time.sleep(max(0.0, t_stall + 12.0 - time.time()))  # the stall under test lasts 12 s
         proxies[beats.index(leader)].resume()
-        time.sleep(4.0)  # the stuck tick lands, and would run by now
+        wait_until(lambda: ") not run: " in w.log_tail(200000), 10, what="the stuck tick to land, and not run")
         seqs = Counter(x["seq"] for x in runs())
         assert took - t_stall <= bound + 1.0, f"handover took {took - t_stall:.1f}s (bound {bound:.1f}s)"
         twice = sorted(s for s, n in seqs.items() if n > 1)
@@ -128,7 +128,7 @@ def test_a_publish_retried_after_its_reply_was_lost_runs_once(beat_env, redis_se
             proxy.lose_reply(b"LPUSH")
             wait_until(lambda: proxy.replies_lost, 10, what="a tick's LPUSH with its reply lost")
             wait_until(lambda: len(runs()) >= 6, 20, what="ticks after the lost reply")
-            time.sleep(2.0)
+            wait_until(lambda: "not run: it already ran" in w.log_tail(200000), 10, what="the tick's second copy, not run")
             ids = Counter(x["id"] for x in runs())
             seqs = Counter(x["seq"] for x in runs())
             assert not [s for s, n in seqs.items() if n > 1], f"ticks run twice: {seqs}"
@@ -191,7 +191,7 @@ def test_an_entry_only_a_standby_has_is_said_and_status_tells_leading_and_places
             beats.append(b)
             if i == 0:
                 wait_until(lambda: "is now the active scheduler" in b.log_tail(20000), 30, what="the first to lead")
-                time.sleep(3.0)  # it led for a while: its join and its lead differ
+                time.sleep(3.0)  # it leads for a while: its join and its lead differ
         joined = time.monotonic()
         said = wait_until(lambda: "'nightly-report' is in the schedule of" in beats[0].log_tail(100000), 15,
                           what="the leader's warning of an entry it lacks")
@@ -199,9 +199,13 @@ def test_an_entry_only_a_standby_has_is_said_and_status_tells_leading_and_places
         time.sleep(max(0.0, joined + 12.0 - time.monotonic()))  # the standbys joined 12 s ago at least
         os.kill(beats[0].pid, 9)
         wait_until(lambda: "is now the active scheduler" in beats[1].log_tail(100000), 20, what="the next to lead")
-        time.sleep(1.0)
-        out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "zklock", "status"],
-                             env=procs.env, capture_output=True, text=True, timeout=60).stdout
+
+        def status() -> str:  # once it tells the new leader and the standby's place (else "")
+            out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.beat_host", "zklock", "status"],
+                                 env=procs.env, capture_output=True, text=True, timeout=60).stdout
+            return out if "leads since" in out and "#1 in line" in out else ""
+
+        out = wait_until(status, 20, interval=0.5, what="status to tell the new leader and the standby's place")
         active = next(line for line in out.splitlines() if "active" in line and "leads since" in line)
         led_for = float(active.split("(")[1].split("s)")[0])
         assert led_for < 8.0, out  # it joined over 12 s ago, and leads for a few seconds only
@@ -249,7 +253,8 @@ def test_a_deposed_leader_whose_publish_is_retried_after_the_next_leaders_tick_d
         wait_until(lambda: [s for s in sent() if s["pid"] == other.pid], 20, what="the next leader's tick")
         wait_until(lambda: [x for x in runs() if x["seq"] > held_seq], 10, what="a later tick to run")
         brokers[leader].cut()  # the held connection resets: the old leader's publish is retried
-        time.sleep(4.0)
+        wait_until(lambda: f"beat tick {held_seq} of refresh-exchange-rates" in w.log_tail(200000), 10,
+                   what="the retried tick at the worker, not run")
         zks[leader].release_held()
         seqs = Counter(x["seq"] for x in runs())
         assert not [s for s, n in seqs.items() if n > 1], f"ticks run twice: {seqs}"

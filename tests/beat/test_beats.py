@@ -7,7 +7,6 @@ sends nothing after (examples/beat_elected/scenario.py does the run and the chec
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import uuid
 

@@ -23,13 +23,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_acl  # noqa: E402
 from celery_zklock.beat import group_path  # noqa: E402
 from celery_zklock.beat.ledger import Ledger  # noqa: E402
 from support.workers import ROOT, Proc  # noqa: E402
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.05)
-    return predicate()
+from tests.polling import holds_for, wait_until  # noqa: E402
 
 
 class DjangoBeats:
@@ -61,7 +55,8 @@ class DjangoBeats:
     def start(self) -> Proc:
         beat = Proc(f"djbeat{len(self.beats)}", self.argv, self.env, str(self.tmp_path / f"beat{len(self.beats)}.log"))
         self.beats.append(beat.start())
-        assert wait_for(lambda: "joined the election" in beat.log_tail(20000)), beat.log_tail()
+        wait_until(lambda: "joined the election" in beat.log_tail(20000), 30,
+                   what=lambda: f"the beat to join the election:\n{beat.log_tail()}")
         return beat
 
     def sends(self, entry: str | None = None) -> list[dict]:
@@ -90,11 +85,12 @@ def test_the_database_scheduler_is_wrapped_and_hands_over(djbeats):
                 "PeriodicTask.objects.create(name='ping-every-second', task='djproj.ping', interval=every)\n")
     first, second = djbeats.start(), djbeats.start()
     sends = djbeats.sends
-    assert wait_for(lambda: len(sends()) >= 3), djbeats.logs()
+    wait_until(lambda: len(sends()) >= 3, 30, what=lambda: f"3 ticks sent:\n{djbeats.logs()}")
     assert {s["pid"] for s in sends()} == {first.pid}
     killed_at = time.time()
     os.kill(first.pid, signal.SIGKILL)
-    assert wait_for(lambda: sum(s["pid"] == second.pid for s in sends()) >= 3), second.log_tail()
+    wait_until(lambda: sum(s["pid"] == second.pid for s in sends()) >= 3, 30,
+               what=lambda: f"3 ticks sent by the second beat:\n{second.log_tail()}")
     djbeats.stop()
     seqs = [s["seq"] for s in sends()]
     assert len(seqs) == len(set(seqs)), seqs
@@ -121,25 +117,27 @@ def test_a_failing_tick_write_resends_no_other_tick_and_sends_a_one_off_once(djb
                 "                            last_run_at=now() - timedelta(hours=1))\n")
     beat = djbeats.start()
     sends = djbeats.sends
-    assert wait_for(lambda: len(sends("slow")) >= 1 and len(sends("fast")) >= 2), djbeats.logs()
+    wait_until(lambda: len(sends("slow")) >= 1 and len(sends("fast")) >= 2, 30,
+               what=lambda: f"'slow' sent and 'fast' twice:\n{djbeats.logs()}")
     ledger = Ledger(zk_client, group_path(djbeats.root, "default"), 5.0)
 
     def refused(entry: str) -> int:
         return beat.log_tail(10**6).count(f"{entry}: tick not recorded (NoAuthError")
 
     zk_client.set_acls(ledger.node("fast"), [make_acl("world", "anyone", read=True, admin=True)])
-    assert wait_for(lambda: refused("fast") >= 1, 10.0), beat.log_tail()
-    time.sleep(2.0)
+    wait_until(lambda: refused("fast") >= 1, 10.0, what=lambda: f"a refused write of 'fast':\n{beat.log_tail()}")
+    time.sleep(2.0)  # the fault under test: the record refuses writes for ~2 s
     zk_client.set_acls(ledger.node("fast"), OPEN_ACL_UNSAFE)
 
     zk_client.set_acls(ledger.path, [make_acl("world", "anyone", read=True, write=True, delete=True, admin=True)])
     djbeats.orm("PeriodicTask.objects.create(name='once', task='djproj.ping', one_off=True,\n"
                 "    interval=IntervalSchedule.objects.get(every=1, period=IntervalSchedule.SECONDS))\n")
-    assert wait_for(lambda: refused("once") >= 1, 15.0), beat.log_tail()
-    time.sleep(0.5)
+    wait_until(lambda: refused("once") >= 1, 15.0, what=lambda: f"a refused record of 'once':\n{beat.log_tail()}")
+    time.sleep(0.5)  # the fault under test: no new record for a while longer
     zk_client.set_acls(ledger.path, OPEN_ACL_UNSAFE)
-    wait_for(lambda: sends("once"), 5.0)
-    time.sleep(1.0)  # a second send of either would come now
+    wait_until(lambda: sends("once"), 5.0, what="the one-off sent")
+    # A second send of either would come within a second (the beat's 1 s entry ticks meanwhile).
+    holds_for(lambda: len(sends("once")) == 1 and len(sends("slow")) == 1, 1.0, what="'once' and 'slow' sent once")
     djbeats.stop()
 
     slow = [s for s in sends("slow") if s["at"] < sends("slow")[0]["at"] + 60]

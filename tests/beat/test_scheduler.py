@@ -11,29 +11,14 @@ import time
 import uuid
 
 import pytest
-from celery import Celery, signals
 
 from celery_zklock.beat import ZkScheduler, group_path
 from celery_zklock.beat.ledger import Ledger
 from celery_zklock.beat.status import beat_report
 from celery_zklock.beat.rules import TickRecord, TickState, Written
 from celery_zklock.errors import LockUnavailable
-from tests.worker.test_negotiated_timeout import short_session_server  # noqa: F401 (fixture: grants 400 ms)
-
-TASK = "tests.beat.job"
-
-
-def make_app(hosts: str, root: str, **conf) -> Celery:
-    app = Celery("beat-inprocess", set_as_current=False)
-    app.conf.update({"broker_url": "memory://", "result_backend": None, "beat_max_loop_interval": 0.3,
-                     "beat_schedule": {"job": {"task": TASK, "schedule": 0.5}},
-                     "zklock_hosts": hosts, "zklock_root": root, "zklock_session_timeout": 2.0,
-                     "zklock_connect_timeout": 5.0, "zklock_beat_scheduler": "celery.beat:Scheduler", **conf})
-    @app.task(name=TASK)
-    def job() -> None:  # a def, not a lambda: Celery compiles the task's signature from its name
-        pass
-
-    return app
+from tests.beat.running import TASK, Running, make_app
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture
@@ -41,66 +26,17 @@ def root():
     return f"/beat-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture
-def sends():
-    """(scheduler id, tick seq, when) of every publish of TASK by a ZkScheduler here."""
-    found: list[tuple[int, int, float]] = []
-
-    def count(sender=None, headers=None, **_):
-        tick = (headers or {}).get("zklock_beat")
-        if sender == TASK and tick:
-            found.append((threading.get_ident(), tick["seq"], time.monotonic()))
-
-    signals.before_task_publish.connect(count, weak=False)
-    yield found
-    signals.before_task_publish.disconnect(count)
-
-
-class Running:
-    """A scheduler ticking on a thread of its own, as beat's Service loop does."""
-
-    def __init__(self, app: Celery) -> None:
-        self.scheduler = ZkScheduler(app=app)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while not self.stop.is_set():
-            interval = self.scheduler.tick()
-            if interval:
-                self.stop.wait(interval)
-
-    @property
-    def ident(self) -> int:
-        return self.thread.ident
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.scheduler.close()
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def leader_and_standby(hosts: str, root: str) -> tuple[Running, Running]:
     """Two schedulers of one group: the first leads (it joined first), the second stands by."""
     a = Running(make_app(hosts, root))
-    assert wait_for(lambda: a.scheduler.election.term() is not None)
+    wait_until(lambda: a.scheduler.election.term() is not None, what="the first to lead")
     return a, Running(make_app(hosts, root))
 
 
 def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client, root, sends):
     a, b = leader_and_standby(zk_server.hosts, root)
     try:
-        assert wait_for(lambda: len(sends) >= 4)
+        wait_until(lambda: len(sends) >= 4, what="4 ticks sent")
         assert {who for who, _, _ in sends} == {a.ident}, "the standby sent"
         assert b.scheduler.election.term() is None
         report = beat_report(zk_client, root)["default"]  # what `celery zklock status` shows
@@ -108,8 +44,8 @@ def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client,
         assert report["ticks"]["job"]["seq"] >= 4 and report["ticks"]["job"]["state"] == "sent"
         closed_at = time.monotonic()
         a.close()  # graceful: its election node goes at once
-        assert wait_for(lambda: any(who == b.ident for who, _, _ in sends), 5.0)
-        assert wait_for(lambda: sum(who == b.ident for who, _, _ in sends) >= 3)
+        wait_until(lambda: any(who == b.ident for who, _, _ in sends), 5.0, what="the standby to send")
+        wait_until(lambda: sum(who == b.ident for who, _, _ in sends) >= 3, what="3 ticks sent by the standby")
     finally:
         a.close()
         b.close()
@@ -122,10 +58,10 @@ def test_one_leader_sends_and_the_next_continues_its_ticks(zk_server, zk_client,
 def test_a_leader_whose_election_node_is_deleted_stops_sending(zk_server, zk_client, root, sends):
     a, b = leader_and_standby(zk_server.hosts, root)
     try:
-        assert wait_for(lambda: len(sends) >= 2)
+        wait_until(lambda: len(sends) >= 2, what="2 ticks sent")
         zk_client.delete(a.scheduler.election.node)  # an operator, or a session ZooKeeper ended
         deleted_at = time.monotonic()
-        assert wait_for(lambda: sum(who == b.ident for who, _, _ in sends) >= 3)
+        wait_until(lambda: sum(who == b.ident for who, _, _ in sends) >= 3, what="3 ticks sent by the standby")
     finally:
         a.close()
         b.close()
@@ -223,7 +159,7 @@ def test_the_beat_metrics_say_leader_and_count_ticks(zk_server, root, sends):
     s.close()
     a = Running(make_app(zk_server.hosts, root, zklock_beat_metrics_port=port))
     try:
-        assert wait_for(lambda: len(sends) >= 2)
+        wait_until(lambda: len(sends) >= 2, what="2 ticks sent")
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         a.close()
@@ -249,7 +185,7 @@ def test_a_failed_publish_is_said_and_never_sent_twice(zk_server, root, sends, c
     with caplog.at_level(logging.ERROR, logger="celery.beat.zklock"):
         a = Running(app)
         try:
-            assert wait_for(lambda: len(sends) >= 3)
+            wait_until(lambda: len(sends) >= 3, what="3 ticks sent")
         finally:
             a.close()
     seqs = [seq for _, seq, _ in sends]
@@ -278,12 +214,12 @@ def test_a_tick_whose_reply_was_lost_is_published_when_the_same_beat_leads_again
         monkeypatch.setattr(Ledger, "write", cut_at_tick_3)
         a = Running(make_app(proxy.hosts, root))
         try:
-            assert wait_for(lambda: cuts and cuts[0].fired.is_set())
+            wait_until(lambda: cuts and cuts[0].fired.is_set(), what="tick 3's write cut")
             assert cuts[0].reply_err == 0  # applied: the record of tick 3 is there, its reply is not
             term = a.scheduler.election.term()
             time.sleep(1.0)  # 2 s session: past its third (the lock lets go), short of its end
             proxy.release_held()
-            assert wait_for(lambda: len(sends) >= 5, 15.0), sends
+            wait_until(lambda: len(sends) >= 5, 15.0, what=lambda: f"5 ticks sent: {sends}")
             assert a.scheduler.election.term() != term
         finally:
             a.close()
@@ -301,14 +237,14 @@ def test_the_publish_window_follows_the_session_timeout_the_server_granted(short
 
     def slow_reply(self, *args, **kw):
         written = write(self, *args, **kw)
-        time.sleep(0.3)
+        time.sleep(0.3)  # the slow network under test: the reply comes 0.3 s after its request
         return written
 
     monkeypatch.setattr(Ledger, "write", slow_reply)
     with caplog.at_level(logging.WARNING, logger="celery.beat.zklock"):
         a = Running(make_app(short_session_server.hosts, root))
         try:
-            assert wait_for(lambda: sends or "not sent (stale)" in caplog.text)
+            wait_until(lambda: sends or "not sent (stale)" in caplog.text, what="a tick sent or withheld")
             timeout = a.scheduler.ledger.timeout
         finally:
             a.close()
@@ -359,11 +295,11 @@ def test_a_late_word_of_an_ended_term_does_not_end_the_next(zk_server, root, sen
     beat = Running(make_app(zk_server.hosts, root))
     try:
         election = beat.scheduler.election
-        assert wait_for(lambda: election.term() == 1)
+        wait_until(lambda: election.term() == 1, what="term 1")
         first = election._lock
         election.step_down("the first word of the end")
-        assert wait_for(lambda: election.term() == 2)
+        wait_until(lambda: election.term() == 2, what="term 2")
         first.on_lost(first)  # the late word, from the first term's lock
-        assert not wait_for(lambda: election.term() != 2, timeout=2.0), "a late word ended the next term"
+        holds_for(lambda: election.term() == 2, 2.0, what="term 2 (a late word ended it)")
     finally:
         beat.close()

@@ -13,7 +13,8 @@ import uuid
 
 import pytest
 
-from tests.test_compose import _compose_cli
+from tests.compose_command import compose_cli
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -31,7 +32,7 @@ def free_port() -> int:
 @pytest.fixture
 def compose():
     """``docker compose -p <unique> ...`` with free host ports; ``down`` at the end."""
-    cli = _compose_cli()
+    cli = compose_cli()
     if cli is None:
         pytest.skip("no docker compose plugin or docker-compose")
     # Without COLUMNS (pytest-xdist sets 80 in its workers): `ps` then draws its table
@@ -74,12 +75,12 @@ def test_compose_cluster_runs_the_flash_sale(compose):
         assert re.search(rf"_{service}_1\s.*\bUp\b", ps), ps
     # Flower received our events: its Prometheus counter has a series per event type.
     port = int(compose.env["FLOWER_PORT"])
-    deadline, metrics = time.monotonic() + 60, ""
-    while time.monotonic() < deadline:
+
+    def released_counted() -> str:
         metrics = flower_metrics(port)
-        if 'type="task-lock-released"' in metrics:
-            break
-        time.sleep(1)
+        return metrics if 'type="task-lock-released"' in metrics else ""
+
+    metrics = wait_until(released_counted, 60, interval=1, what="Flower to count task-lock-released events")
     counts, workers = {}, set()
     for m in re.finditer(r'flower_events_total\{([^}]*)\} ([0-9.e+]+)', metrics):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))

@@ -15,6 +15,7 @@ from celery_zklock.config import load_settings
 from celery_zklock.errors import LockLost
 from tests.docker import tasks
 from tests.docker.conftest import SESSION_TIMEOUT
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -64,13 +65,9 @@ def holders(celery_setup, celery_zookeeper, key: str) -> list[dict]:
 
 
 def wait_held(celery_setup, celery_zookeeper, key: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = holders(celery_setup, celery_zookeeper, key)
-        if found:
-            return found[0]
-        time.sleep(0.1)
-    raise AssertionError(f"nobody took {key!r} within {timeout:.0f}s")
+    found = wait_until(lambda: holders(celery_setup, celery_zookeeper, key), timeout, interval=0.1,
+                       what=f"a holder of {key!r}")
+    return found[0]
 
 
 def test_killed_worker_container_frees_the_lock_after_the_session_timeout(celery_setup, celery_zookeeper):
@@ -110,7 +107,7 @@ def test_paused_zookeeper_costs_the_lock_per_policy(celery_setup, celery_zookeep
     paused_at = time.time()
     celery_zookeeper.pause()
     try:
-        time.sleep(SESSION_TIMEOUT + 1.5)
+        time.sleep(SESSION_TIMEOUT + 1.5)  # the fault under test: frozen past the session timeout
     finally:
         celery_zookeeper.unpause()
         unpaused_at = time.time()

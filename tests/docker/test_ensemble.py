@@ -2,13 +2,12 @@
 leader killed under a hot key."""
 from __future__ import annotations
 
-import time
-
 import pytest
 from celery import group
 
 from celery_zklock.errors import LockLost
 from tests.docker import tasks
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -29,9 +28,7 @@ def test_leader_killed_under_a_hot_key(celery_setup, celery_zookeeper):
     assert {node.mode() for node in celery_zookeeper} == {"leader", "follower"}
     queue = celery_setup.worker.worker_queue
     results = group(tasks.hold.s("ens-1", 0.1) for _ in range(30)).apply_async(queue=queue)
-    deadline = time.monotonic() + 60
-    while results.completed_count() < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: results.completed_count() >= 5, 60, interval=0.05, what="the first 5 runs")
     leader = celery_zookeeper.leader()
     assert leader is not None
     leader.kill()

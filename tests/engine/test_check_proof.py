@@ -11,7 +11,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.engine import kazoo_compat
-from tests.engine.test_multi_create import chrooted
+from tests.zkclients import chrooted
 
 
 def test_a_check_proves_the_node_without_changing_it_or_waking_its_watchers(zk_client):

@@ -14,6 +14,7 @@ from kazoo.client import KazooClient
 from kazoo.protocol.states import EventType
 
 from celery_zklock.engine.client import EventLoopHandler
+from tests.polling import wait_until
 
 
 class Loop:
@@ -35,7 +36,7 @@ class Loop:
                 batch, self.posted = self.posted, []
             for fn in batch:
                 fn()
-            time.sleep(0.001)
+            time.sleep(0.001)  # the loop's idle turn
 
 
 @pytest.fixture
@@ -57,8 +58,8 @@ def test_completions_run_on_the_draining_thread_in_reply_order(looped, zk_client
     for i in range(20):
         client.create_async(f"{base}/n-", b"", sequence=True).rawlink(
             lambda result, i=i: ran.append((i, threading.get_ident())))
-    time.sleep(0.3)  # every reply is in by now: none ran, each waits for the loop
-    assert ran == [] and len(loop.posted) == 20
+    wait_until(lambda: len(loop.posted) == 20, 5, what="every reply in, each waiting for the loop")
+    assert ran == []
     loop.drain(lambda: len(ran) == 20)
     assert [i for i, _ in ran] == list(range(20))  # ZooKeeper's reply order is the send order
     assert {thread for _, thread in ran} == {threading.get_ident()}
@@ -71,12 +72,9 @@ def test_watch_events_are_posted_too(looped, zk_client):
     zk_client.create(path, b"", makepath=True)
     seen = []
     got = client.get_async(path, watch=seen.append)  # a plain reply: set without the loop
-    deadline = time.monotonic() + 5
-    while not got.ready():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(got.ready, 5, interval=0.01, what="the read's reply")
     zk_client.delete(path)
-    time.sleep(0.2)
+    wait_until(lambda: loop.posted, 5, what="the watch event posted to the loop")
     assert seen == []
     loop.drain(lambda: bool(seen))
     assert seen[0].type == EventType.DELETED and seen[0].path == path

@@ -59,7 +59,7 @@ def test_no_publish_is_deduped_into_work_already_done(clients, until):
             if item is None:
                 return
             path, task_id = item
-            time.sleep(rnd.choice(PAUSES))
+            time.sleep(rnd.choice(PAUSES))  # a pause drawn before the worker's start
             guards.start(zk, [path], task_id, 0, until)
             begun[task_id] = time.time()
             runs.append(task_id)

@@ -11,8 +11,8 @@ from kazoo.recipe.lock import Lock
 
 from celery_zklock import KazooLock, KazooReadLock, KazooWriteLock
 from celery_zklock.engine.rwlock import ReadLock, WriteLock
-from tests.faults.harness import wait_until
 from tests.lockutil import children
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture
@@ -40,10 +40,8 @@ def test_what_it_adds_token_is_held_and_the_release_proof(zk_client, path):
     assert not lock.is_acquired and lock.token is None
     assert lock.acquire() and lock.token > first
     zk_client.delete(f"{path}/{lock.node}")  # an operator (or an expired session) took it away
-    deadline = time.monotonic() + 5
-    while lock.is_acquired and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not lock.is_acquired and lock.lost_reason  # kazoo's would still say True
+    wait_until(lambda: not lock.is_acquired, 5, interval=0.01, what="is_acquired to turn False")
+    assert lock.lost_reason  # kazoo's would still say True
     assert lock.release() is False  # not held to the end: the work was not exclusive
 
 
@@ -128,5 +126,5 @@ def test_a_kazoo_lock_sharing_our_path_needs_it_persistent(zk_client, path):
     theirs.release()
     assert ours.acquire()
     ours.release()
-    time.sleep(0.5)  # several sweeps of the test server (every 100 ms)
-    assert zk_client.exists(path) is not None
+    holds_for(lambda: zk_client.exists(path) is not None, 0.5,  # several sweeps of the test server (every 100 ms)
+              what="the path kept: not a container")

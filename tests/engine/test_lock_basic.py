@@ -12,7 +12,8 @@ from kazoo.exceptions import NoNodeError
 
 from celery_zklock import FairLock, LockLost, MultiLock, contenders
 from celery_zklock.engine.znodes import fencing_token
-from tests.lockutil import children
+from tests.lockutil import children, watching
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture
@@ -73,10 +74,8 @@ def test_try_once_remakes_a_reaped_container(zk_client, path):
     lock = FairLock(zk_client, path)
     assert lock.acquire(blocking=False)
     lock.release()
-    deadline = time.monotonic() + 5
-    while zk_client.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert zk_client.exists(path) is None, "the test server reaps empty containers every 100 ms"
+    wait_until(lambda: zk_client.exists(path) is None, 5, interval=0.05,
+               what="the empty container reaped (the test server reaps every 100 ms)")
     assert lock.acquire(blocking=False)
     lock.release()
 
@@ -134,8 +133,7 @@ def test_another_thread_is_not_the_owner(zk_client, path):
     assert got == [False] and lock.is_held()
     t = threading.Thread(target=lambda: (got.append(lock.acquire(timeout=10)), got.append(lock.token), lock.release()))
     t.start()
-    time.sleep(0.2)
-    assert t.is_alive()  # still waiting for the owner
+    holds_for(t.is_alive, 0.2, what="the other thread waiting for the owner")
     first = lock.token
     lock.release()
     t.join(10)
@@ -161,8 +159,7 @@ def test_cancel_wakes_a_blocked_acquire(zk_client, path):
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("got", waiter.acquire()))
     t.start()
-    time.sleep(0.3)
-    assert len(zk_client.get_children(path)) == 2
+    wait_until(lambda: len(zk_client.get_children(path)) == 2, 5, what="the waiter queued")
     waiter.cancel()
     t.join(5)
     assert result["got"] is False
@@ -190,10 +187,8 @@ def test_cancel_while_the_create_reply_is_unread_still_leaves_no_node(zk_client,
     t = threading.Thread(target=acquire, daemon=True)
     try:
         t.start()
-        deadline = time.monotonic() + 5
-        while len(zk_client.get_children(path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(zk_client.get_children(path)) == 2  # created on the server, reply unread
+        wait_until(lambda: len(zk_client.get_children(path)) == 2, 5, interval=0.01,
+                   what="the waiter's node created on the server (its reply unread)")
         waiter.cancel()
         t.join(0.5)  # the bug: acquire returned False here, its node still queued
         unblock.set()
@@ -214,9 +209,7 @@ def test_contenders_lists_holders_then_waiters_with_identifiers(zk_client, path)
     assert a.acquire() and b.acquire()
     t = threading.Thread(target=c.acquire)
     t.start()
-    deadline = time.monotonic() + 5
-    while len(zk_client.get_children(path)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(zk_client.get_children(path)) == 3, 5, interval=0.01, what="c queued")
     found = contenders(zk_client, path, max_holders=2)
     assert [x.identifier for x in found] == ["worker-a", '{"task": "b"}', "worker-c"]
     assert [x.holder for x in found] == [True, True, False]
@@ -232,10 +225,7 @@ def test_release_without_wait_still_deletes(zk_client, path):
     lock.acquire()
     node = lock.node
     assert lock.release(wait=False) is True
-    deadline = time.monotonic() + 5
-    while zk_client.exists(node) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert zk_client.exists(node) is None
+    wait_until(lambda: zk_client.exists(node) is None, 5, interval=0.01, what="the node deleted")
 
 
 def test_node_deleted_behind_our_back_is_detected_as_lost(zk_client, zk_server, path):
@@ -257,18 +247,16 @@ def test_node_deleted_after_writes_to_it_is_detected_as_lost(zk_client, zk_serve
     """A data watch is one-shot and a write to the node fires it too (the cohort's lease
     writes to a held node): the holder sets it again, so a delete after writes is seen
     (issue 35, finding 1: before, the first write used the watch up)."""
-    from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
-
     lost = threading.Event()
     lock = FairLock(zk_client, path, on_lost=lambda lk: lost.set())
     lock.acquire()
-    time.sleep(OWN_WATCH_WITHIN * 5)  # the holder's watch on its node is set by now
+    wait_until(lambda: watching(zk_client, lock.node), 5, what="the holder's watch on its node (set within OWN_WATCH_WITHIN)")
     other = KazooClient(hosts=zk_server.hosts)
     other.start()
     try:
         for i in range(3):
             other.set(lock.node, b"write %d" % i)
-            time.sleep(0.05)
+            time.sleep(0.05)  # the holder sets its watch again (the write fired it)
         assert not lost.is_set()
         other.delete(lock.node)  # an operator's forced unlock
         assert lost.wait(1.0), "the holder was not told its node was deleted"
@@ -405,15 +393,16 @@ def test_a_change_to_the_watched_node_rearms_its_watch_without_a_children_read(z
         got = []
         t = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
         t.start()
-        deadline = time.monotonic() + 5
-        while len(children(zk_client, path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # its watch on the holder's node is set
+        wait_until(lambda: len(children(zk_client, path)) == 2 and watching(other, holder.node), 5, interval=0.01,
+                   what="the waiter queued, watching the holder's node")
         before = list(sent)
         for i in range(20):
             zk_client.set(holder.node, b"renewed %d" % i)
-            time.sleep(0.02)
-        time.sleep(0.2)
+            # Its watch fired and is set again (read sent, and its reply in) before the next change.
+            wait_until(lambda: sent[len(before):].count("GetData") > i and watching(other, holder.node), 5,
+                       interval=0.005, what=f"the waiter's watch set again after change {i}")
+        holds_for(lambda: not {"GetChildren", "GetChildren2"} & set(sent[len(before):]), 0.2,
+                  what="no read of the queue for a data change")
         during = sent[len(before):]
         assert not got and t.is_alive(), "a data change is no release"
         assert "GetChildren" not in during and "GetChildren2" not in during, during
@@ -460,9 +449,7 @@ def test_an_exception_as_the_lock_is_granted_leaves_no_node_held_by_nobody(zk_cl
 
     def on_wait(lock, _index):
         holder.release()
-        deadline = time.monotonic() + 5
-        while not lock.is_held() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lock.is_held, 5, interval=0.01, what="the grant")
         raise KeyboardInterrupt("landed after the grant")
 
     waiter = FairLock(zk_client, path, on_wait=on_wait)
@@ -474,10 +461,7 @@ def test_an_exception_as_the_lock_is_granted_leaves_no_node_held_by_nobody(zk_cl
         except NoNodeError:
             return []
 
-    deadline = time.monotonic() + 3
-    while children() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert children() == [], "the granted node stayed, held by nobody"
+    wait_until(lambda: children() == [], 3, what=lambda: f"the granted node, held by nobody, deleted: {children()}")
     other = FairLock(zk_client, path)
     assert other.acquire(timeout=3)
     other.release()

@@ -18,9 +18,10 @@ from kazoo.protocol.states import KazooState
 from celery_zklock import FairLock, LockLost
 from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.testing import ZooKeeperServer
-from tests.lockutil import children
+from tests.lockutil import children, watching
+from tests.polling import holds_for, wait_until
 from tests.tcpproxy import (
-    OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_GET_CHILDREN2, OP_MULTI, TcpProxy, wait_for,
+    OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_GET_CHILDREN2, OP_MULTI, TcpProxy,
 )
 
 SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s
@@ -82,7 +83,7 @@ class HolderMonitor:
                     self.seen_not_held[i] = True
             if sum(held) > 1:
                 self.duplicates.append((time.monotonic(), [i for i, h in enumerate(held) if h]))
-            time.sleep(0.001)
+            time.sleep(0.001)  # the sampling period
 
     def __enter__(self):
         self._thread.start()
@@ -145,7 +146,7 @@ def test_session_expiry_while_holding(zk_server, zk_client, path):
         assert lock.token is None
         with pytest.raises(LockLost):
             lock.ensure()
-        assert wait_for(lambda: KazooState.LOST in states, 10), states
+        wait_until(lambda: KazooState.LOST in states, 10, what=lambda: f"LOST among {states}")
         assert zk_client.exists(node) is None
 
         # Someone else gets the lock, with a larger fencing token.
@@ -154,10 +155,9 @@ def test_session_expiry_while_holding(zk_server, zk_client, path):
         assert other.token > token
 
         # A's client carries on with a new session; the lost lock stays lost.
-        assert wait_for(lambda: a.connected, 10)
+        wait_until(lambda: a.connected, 10, what="the client to reconnect on a new session")
         assert a.client_id[0] != session_id
-        time.sleep(0.3)
-        assert not lock.is_held()
+        holds_for(lambda: not lock.is_held(), 0.3, what="the lost lock not held on the new session")
         with pytest.raises(LockLost):
             lock.ensure()
         assert lost == [lock], "on_lost fired more than once"
@@ -180,7 +180,7 @@ def test_session_expiry_while_waiting_requeues_and_acquires(zk_server, zk_client
         waiter = FairLock(w, path)
         result = {}
         t = _acquire_in_thread(waiter, result, timeout=20)
-        assert wait_for(lambda: len(zk_client.get_children(path)) == 2 and waiter.node is not None, 5)
+        wait_until(lambda: len(zk_client.get_children(path)) == 2 and waiter.node is not None, 5, what="the waiter queued")
         old_node = waiter.node
         session_id, password = w.client_id
 
@@ -189,13 +189,13 @@ def test_session_expiry_while_waiting_requeues_and_acquires(zk_server, zk_client
         zombie.stop()
         zombie.close()
 
-        assert wait_for(lambda: w.connected and w.client_id and w.client_id[0] != session_id, 10)
-        assert wait_for(lambda: zk_client.exists(old_node) is None, 5)
-        time.sleep(0.5)
+        wait_until(lambda: w.connected and w.client_id and w.client_id[0] != session_id, 10, what="a new session")
+        wait_until(lambda: zk_client.exists(old_node) is None, 5, what="the old queue node gone with its session")
+        # Re-queued behind the holder, on the new session (or acquire() raised: said below).
+        wait_until(lambda: len(zk_client.get_children(path)) == 2 or result, 5,
+                   what=lambda: f"the waiter to queue again: {zk_client.get_children(path)}")
         assert "error" not in result, f"acquire() raised {result.get('error')!r} after the waiter's session expired"
         assert "ok" not in result and not waiter.is_held()
-        # Re-queued behind the holder, on the new session.
-        assert wait_for(lambda: len(zk_client.get_children(path)) == 2, 5), zk_client.get_children(path)
         holder.release()
         t.join(10)
         assert result.get("ok") is True, result
@@ -226,13 +226,13 @@ def test_suspended_server_paused_then_same_session_reverified(private_zk, path):
         private_zk.pause()
         try:
             assert suspended.wait(SESSION), "kazoo never noticed the paused server"
-            assert wait_for(lambda: not lock.is_held(), 0.5), "is_held() stayed True while SUSPENDED"
+            wait_until(lambda: not lock.is_held(), 0.5, what="is_held() to turn False while SUSPENDED")
             with pytest.raises(LockLost):
                 lock.ensure()
         finally:
             private_zk.resume()
 
-        assert wait_for(lock.is_held, SESSION / 3), "lock not re-verified after reconnecting"
+        wait_until(lock.is_held, SESSION / 3, what="the lock re-verified after reconnecting")
         assert c.client_id[0] == session
         assert lock.node == node and lock.token == token
         assert lost == []
@@ -259,17 +259,13 @@ def test_suspended_connection_cut_then_same_session_reverified(zk_server, zk_cli
             node, token, session = lock.node, lock.token, c.client_id[0]
 
             proxy.hold()
-            assert wait_for(lambda: not lock.is_held(), 1.0), "is_held() stayed True while SUSPENDED"
-            t_end = time.monotonic() + 0.6
-            while time.monotonic() < t_end:
-                assert not lock.is_held()
-                assert not c.connected
-                time.sleep(0.01)
+            wait_until(lambda: not lock.is_held(), 1.0, what="is_held() to turn False while SUSPENDED")
+            holds_for(lambda: not lock.is_held() and not c.connected, 0.6, what="not held while cut off")
             # Nobody else can take it meanwhile: our node is still there on the server.
             assert zk_client.exists(node).ephemeralOwner == session
             proxy.release_held()
 
-            assert wait_for(lock.is_held, 2.0), "lock not re-verified after reconnecting"
+            wait_until(lock.is_held, 2.0, what="the lock re-verified after reconnecting")
             assert c.client_id[0] == session
             assert lock.node == node and lock.token == token
             assert lost == []
@@ -293,7 +289,7 @@ def _lost_by_grace(proxy, c, path):
     took = time.monotonic() - t0
     assert SESSION / 3 - 0.2 <= took <= SESSION / 3 + 1.0, took
     proxy.release_held()
-    assert wait_for(lambda: c.connected, 3)
+    wait_until(lambda: c.connected, 3, what="the client to reconnect")
     assert c.client_id[0] == session  # the session itself survived
     return lock, node
 
@@ -305,12 +301,11 @@ def test_suspended_past_grace_is_lost_for_good(zk_server, zk_client, path):
         c = _client(proxy.hosts)
         try:
             lock, node = _lost_by_grace(proxy, c, path)
-            time.sleep(0.3)
-            assert not lock.is_held()
+            holds_for(lambda: not lock.is_held(), 0.3, what="the lost lock not held again once reconnected")
             with pytest.raises(LockLost):
                 lock.ensure()
             assert lock.release() is False
-            assert wait_for(lambda: zk_client.exists(node) is None, 3), "release() left the node behind"
+            wait_until(lambda: zk_client.exists(node) is None, 3, what="release() to delete the node")
             other = FairLock(zk_client, path)
             assert other.acquire(timeout=5)
             other.release()
@@ -353,16 +348,19 @@ def test_a_silent_partition_of_a_busy_client_is_reported(zk_server, zk_client, p
             lock = FairLock(c, path, on_lost=lambda lk: lost.set())
             assert lock.acquire(timeout=5)
 
+            sent = []
+
             def keep_sending():
                 while not busy.is_set():
                     try:
                         c.exists_async("/")
+                        sent.append(time.monotonic())
                     except Exception:
                         pass
-                    time.sleep(0.2)
+                    time.sleep(0.2)  # the busy client's cadence: never quiet long enough to ping
 
             threading.Thread(target=keep_sending, daemon=True).start()
-            time.sleep(0.5)
+            wait_until(lambda: len(sent) >= 3, 5, what="the client to be busy sending")
             proxy.blackhole()
             assert lost.wait(SESSION), "a busy client cut off silently never learnt its lock was lost"
             assert not lock.is_held()
@@ -406,18 +404,17 @@ def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_s
                 result = {}
                 t = _acquire_in_thread(lock, result, timeout=10)
                 assert cut.fired.wait(5), "the proxy never saw the acquire's holding reply"
-                assert wait_for(lambda: not c.connected, 2)
-                time.sleep(0.15)
-                assert not lock.is_held(), (
-                    f"round {round_}: is_held() is True while the client is disconnected "
+                wait_until(lambda: not c.connected, 2, what="the client cut off")
+                holds_for(lambda: not lock.is_held(), 0.15, what=lambda: (
+                    f"round {round_}: not held while the client is disconnected "
                     f"(acquire returned {result.get('ok')!r}, _suspended={lock._suspended})"
-                )
+                ))
                 with pytest.raises(LockLost):
                     lock.ensure()
                 proxy.release_held()
                 t.join(10)
                 assert result.get("ok") is True, result
-                assert wait_for(lock.is_held, 2), f"round {round_}: not held after reconnecting"
+                wait_until(lock.is_held, 2, what=f"round {round_}: held after reconnecting")
                 assert c.client_id[0] == session and lost == []
                 lock.release()
         finally:
@@ -437,22 +434,21 @@ def test_reverification_racing_a_new_suspension_is_not_held(zk_server, zk_client
                 lost = []
                 lock = FairLock(c, path, on_lost=lost.append)
                 assert lock.acquire(timeout=5)
-                time.sleep(0.05)  # let the lock's own exists() watch go out
+                wait_until(lambda: watching(c, lock.node), 5, what="the holder's watch on its node")
                 proxy.hold()
-                assert wait_for(lambda: not lock.is_held(), 1)
+                wait_until(lambda: not lock.is_held(), 1, what="not held once cut off")
                 # The first exists() after reconnecting is the re-verification: let its
                 # reply through, then cut again.
                 cut = proxy.arm_cut((OP_EXISTS,), forward=True, deliver_reply=True, then_hold=True)
                 proxy.release_held()
                 assert cut.fired.wait(5), "the lock never re-verified its node"
-                assert wait_for(lambda: not c.connected, 2)
-                time.sleep(0.15)
-                assert not lock.is_held(), (
-                    f"round {round_}: is_held() is True while the client is disconnected "
+                wait_until(lambda: not c.connected, 2, what="the client cut off")
+                holds_for(lambda: not lock.is_held(), 0.15, what=lambda: (
+                    f"round {round_}: not held while the client is disconnected "
                     f"(_suspended={lock._suspended})"
-                )
+                ))
                 proxy.release_held()
-                assert wait_for(lock.is_held, 2), f"round {round_}: not held after reconnecting"
+                wait_until(lock.is_held, 2, what=f"round {round_}: held after reconnecting")
                 assert c.client_id[0] == session and lost == []
                 lock.release()
         finally:
@@ -472,10 +468,10 @@ def test_a_suspension_that_resumes_during_reverification_keeps_its_grace(zk_serv
             lost = threading.Event()
             lock = FairLock(c, path, on_lost=lambda lk: lost.set())
             assert lock.acquire(timeout=5)
-            time.sleep(0.05)  # let the lock's own watch go out
+            wait_until(lambda: watching(c, lock.node), 5, what="the holder's watch on its node")
             proxy.hold()
             t0 = time.monotonic()
-            assert wait_for(lambda: not lock.is_held(), 1)
+            wait_until(lambda: not lock.is_held(), 1, what="not held once cut off")
             cut = proxy.arm_cut((OP_EXISTS,), forward=True, then_hold=True)  # no reply: cut again
             proxy.release_held()
             assert cut.fired.wait(5), "the lock never re-verified its node"
@@ -514,8 +510,8 @@ def test_a_cancel_while_a_ghost_is_looked_for_still_deletes_the_ghost(zk_server,
             proxy.release_held()
             t.join(10)
             assert result.get("ok") is False, result
-            assert wait_for(lambda: _children_with(zk_client, path, lock._internals.prefix) == [], 5), (
-                "the ghost stayed after the cancel")
+            wait_until(lambda: _children_with(zk_client, path, lock._internals.prefix) == [], 5,
+                       what="the ghost deleted after the cancel")
         finally:
             proxy.release_held()
             holder.release()
@@ -540,7 +536,7 @@ def test_timeout_after_lost_create_reply_leaves_no_ghost(zk_server, zk_client, p
             proxy.release_held()
             t.join(5)
             assert result.get("ok") is False, result
-            assert wait_for(lambda: _children_with(zk_client, path, lock._internals.prefix) == [], 3), "ghost node left behind"
+            wait_until(lambda: _children_with(zk_client, path, lock._internals.prefix) == [], 3, what="the ghost node deleted")
             assert lock.node is None and not lock.is_held()
             other = FairLock(zk_client, path)
             assert other.acquire(timeout=2)
@@ -564,21 +560,20 @@ def test_leader_killed_while_holding(zk_ensemble, path):
         waiter = FairLock(b, path)
         result = {}
         t = _acquire_in_thread(waiter, result)
-        assert wait_for(lambda: len(b.get_children(path)) == 2, 5)
+        wait_until(lambda: len(b.get_children(path)) == 2, 5, what="the waiter queued")
 
         with HolderMonitor([holder, waiter]) as mon:
             leader = zk_ensemble.leader()
             leader.kill()
             # Every member drops its clients (the followers lose their leader): suspended.
-            assert wait_for(lambda: not holder.is_held(), 3), "holder still claimed the lock while SUSPENDED"
+            wait_until(lambda: not holder.is_held(), 3, what="the holder not to claim the lock while SUSPENDED")
             zk_ensemble.wait_quorum(15)
-            assert wait_for(holder.is_held, 10), f"lock not re-verified after failover (lost: {holder.lost_reason})"
+            wait_until(holder.is_held, 10, what=lambda: f"the lock re-verified after failover (lost: {holder.lost_reason})")
             assert a.client_id[0] == session and holder.node == node and holder.token == token
             assert lost == []
             # The waiter is still queued behind us, on the same session.
-            assert wait_for(lambda: b.connected, 10)
-            time.sleep(0.3)
-            assert "ok" not in result and not waiter.is_held()
+            wait_until(lambda: b.connected, 10, what="the waiter's client to reconnect")
+            holds_for(lambda: "ok" not in result and not waiter.is_held(), 0.3, what="the waiter still waiting")
             names = sorted(b.get_children(path), key=lambda n: n[-10:])
             assert len(names) == 2 and node.endswith(names[0]), names
             released_at = time.monotonic()
@@ -610,14 +605,14 @@ def test_leader_killed_while_waiting(zk_ensemble, path):
         waiter = FairLock(b, path)
         result = {}
         t = _acquire_in_thread(waiter, result)
-        assert wait_for(lambda: len(a.get_children(path)) == 2, 5)
+        wait_until(lambda: len(a.get_children(path)) == 2, 5, what="the waiter queued")
         waiter_session = b.client_id[0]
 
         with HolderMonitor([holder, waiter]) as mon:
             leader.kill()
             # Both clients are cut off (the followers drop their clients when they lose the
             # leader): the release below must be carried through the failover.
-            assert wait_for(lambda: not b.connected and not a.connected, 3)
+            wait_until(lambda: not b.connected and not a.connected, 3, what="both clients cut off")
             release_started = time.monotonic()
             released = {}
             r = threading.Thread(target=lambda: released.setdefault("ok", holder.release()), daemon=True)
@@ -711,17 +706,17 @@ def test_lost_create_reply_while_queued_leaves_no_ghost(zk_server, zk_client, pa
             result = {}
             t = _acquire_in_thread(lock, result)
             assert cut.fired.wait(5) and cut.reply_err == 0
-            assert wait_for(lambda: lock.node is not None, 5)
-            time.sleep(0.3)
+            wait_until(lambda: lock.node is not None, 5, what="our node adopted")
+            holds_for(lambda: len(_children_with(zk_client, path, lock._internals.prefix)) == 1, 0.3,
+                      what=lambda: f"one node of ours: {_children_with(zk_client, path, lock._internals.prefix)}")
             mine = _children_with(zk_client, path, lock._internals.prefix)
-            assert len(mine) == 1, mine
             assert zk_client.exists(f"{path}/{mine[0]}").ephemeralOwner == session
             assert "ok" not in result
 
             third = FairLock(third_client, path)
             third_result = {}
             t3 = _acquire_in_thread(third, third_result)
-            assert wait_for(lambda: len(zk_client.get_children(path)) == 3, 5)
+            wait_until(lambda: len(zk_client.get_children(path)) == 3, 5, what="the third queued")
 
             holder.release()
             t.join(10)
@@ -802,7 +797,7 @@ def test_release_whose_delete_is_lost_is_retried(zk_server, zk_client, path, for
             waiter = FairLock(zk_client, path)
             result = {}
             t = _acquire_in_thread(waiter, result)
-            assert wait_for(lambda: len(zk_client.get_children(path)) == 2, 5)
+            wait_until(lambda: len(zk_client.get_children(path)) == 2, 5, what="the waiter queued")
             cut = proxy.arm_cut((OP_DELETE,), forward=forward)
             assert lock.release() is True
             assert cut.fired.is_set(), "the proxy never saw the release's delete"
@@ -811,7 +806,8 @@ def test_release_whose_delete_is_lost_is_retried(zk_server, zk_client, path, for
             assert zk_client.exists(node) is None, "release() returned with our node still there"
             t.join(5)
             assert result.get("ok") is True, result
-            assert wait_for(lambda: c.connected, 5) and c.client_id[0] == session
+            wait_until(lambda: c.connected, 5, what="the client to reconnect")
+            assert c.client_id[0] == session
             waiter.release()
         finally:
             _stop(c)
@@ -836,7 +832,7 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
                 start = time.monotonic()
                 token = lk.token
                 stat, parent = c.exists(lk.node), c.exists(path)
-                time.sleep(0.002)
+                time.sleep(0.002)  # the hold
                 lk.release()
                 with guard:
                     holds.append((start, token, stat.czxid if stat else None, parent.czxid if parent else None))
@@ -888,7 +884,7 @@ def test_release_after_the_session_expired_unnoticed_reports_the_loss(zk_server,
             releasing = threading.Thread(target=lambda: result.append(lock.release()))
             result: list[bool] = []
             releasing.start()
-            time.sleep(0.3)
+            time.sleep(0.3)  # the release begins while still cut off (nothing to observe: its delete waits)
             proxy.release_held()
             releasing.join(SESSION * 3)
             assert result == [False]
@@ -909,7 +905,7 @@ def test_release_of_a_lock_still_ours_reports_success_even_after_a_blip(zk_serve
             result: list[bool] = []
             releasing = threading.Thread(target=lambda: result.append(lock.release()))
             releasing.start()
-            time.sleep(0.5)
+            time.sleep(0.5)  # the blip: the release begins while cut off (nothing to observe: its delete waits)
             proxy.release_held()
             releasing.join(SESSION * 3)
             assert result == [True] and lock.lost_reason is None

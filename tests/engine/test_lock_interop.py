@@ -16,19 +16,16 @@ from kazoo.client import KazooClient
 from kazoo.recipe.lock import Lock as KazooLock
 
 from celery_zklock import FairLock, contenders
-from tests.lockutil import overlapping
+from tests.lockutil import children, overlapping
+from tests.polling import holds_for, wait_until
 
 
 # --------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------
 def _wait_children(client, path, n, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if client.exists(path) and len(client.get_children(path)) >= n:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"{path} never reached {n} children: {client.get_children(path)}")
+    wait_until(lambda: len(children(client, path)) >= n, timeout, interval=0.005,
+               what=lambda: f"{n} children of {path}: {children(client, path)}")
 
 
 def _clients(hosts, n):
@@ -97,7 +94,7 @@ def test_kazoo_lock_and_fairlock_mutual_exclusion(zk_server, zk_client, path):
                 lk = _make(kind, clients[i], path)
                 assert lk.acquire(timeout=30)
                 start = time.monotonic()
-                time.sleep(0.002)
+                time.sleep(0.002)  # the hold
                 end = time.monotonic()
                 lk.release()
                 with guard:
@@ -113,7 +110,7 @@ def test_kazoo_lock_and_fairlock_mutual_exclusion(zk_server, zk_client, path):
                 max_queue[0] = max(max_queue[0], len(zk_client.get_children(path)))
             except Exception:
                 pass
-            time.sleep(0.003)
+            time.sleep(0.003)  # the sampling period
 
     s = threading.Thread(target=sampler, daemon=True)
     s.start()
@@ -152,7 +149,7 @@ def test_fifo_across_kazoo_lock_and_fairlock(zk_server, zk_client, path, holder_
                 assert lk.acquire(timeout=30)
                 with guard:
                     order.append(i)
-                time.sleep(0.003)
+                time.sleep(0.003)  # the hold
                 lk.release()
             except BaseException as exc:
                 errors.append(exc)
@@ -165,8 +162,7 @@ def test_fifo_across_kazoo_lock_and_fairlock(zk_server, zk_client, path, holder_
     queued = contenders(zk_client, path)
     assert [c.identifier for c in queued] == [holder_kind] + kinds
     assert [c.holder for c in queued] == [True] + [False] * len(kinds)
-    time.sleep(0.2)
-    assert order == []
+    holds_for(lambda: order == [], 0.2, what="nobody jumping the holder")
     holder.release()
     for t in threads:
         t.join(30)
@@ -225,8 +221,7 @@ def test_fairlock_queued_behind_curator_acquires_after_release(curator, zk_clien
     t = threading.Thread(target=run)
     t.start()
     _wait_children(zk_client, path, 2)
-    time.sleep(0.3)
-    assert "ok" not in got and not lock.is_held(), "FairLock acquired while Curator held the mutex"
+    holds_for(lambda: "ok" not in got and not lock.is_held(), 0.3, what="FairLock waiting while Curator holds the mutex")
     curator.send("release")
     released = curator.expect("RELEASED")
     t.join(10)
@@ -277,24 +272,19 @@ def test_fifo_between_fairlock_waiters_and_curator(curator, zk_server, zk_client
     _wait_children(zk_client, path, 4)
     try:
         holder.release()
-        deadline = time.monotonic() + 10
-        while "w1_ok" not in events and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert events.get("w1_ok") is True, "W1 (first in line) did not get the lock"
+        wait_until(lambda: "w1_ok" in events, 10, interval=0.005, what="W1 (first in line) to get the lock")
+        assert events["w1_ok"] is True, "W1 (first in line) did not get the lock"
         curator.assert_silent(0.4)  # Curator is behind W1
         assert "w2_ok" not in events  # and so is W2
         go["w1"].set()
         t1.join(10)
         acquired = curator.expect("ACQUIRED", timeout=10)
         assert acquired > events["w1_rel"]
-        time.sleep(0.4)
-        assert "w2_ok" not in events, "W2 jumped ahead of Curator"
+        holds_for(lambda: "w2_ok" not in events, 0.4, what="W2 behind Curator")
         curator.send("release")
         released = curator.expect("RELEASED")
-        deadline = time.monotonic() + 10
-        while "w2_ok" not in events and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert events.get("w2_ok") is True
+        wait_until(lambda: "w2_ok" in events, 10, interval=0.005, what="W2 to get the lock")
+        assert events["w2_ok"] is True
         assert events["w2_at"] > released
     finally:
         go["w1"].set(), go["w2"].set()
@@ -314,7 +304,7 @@ def test_mutual_exclusion_with_curator_under_contention(curator, zk_server, path
                 lk = FairLock(c, path)
                 assert lk.acquire(timeout=30)
                 start = time.monotonic()
-                time.sleep(0.003)
+                time.sleep(0.003)  # the hold
                 end = time.monotonic()
                 lk.release()
                 with guard:

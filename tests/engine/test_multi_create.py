@@ -3,9 +3,6 @@ ZooKeeper (kazoo's own Transaction cannot carry createContainer nor read create2
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError, RuntimeInconsistency
@@ -14,17 +11,14 @@ from celery_zklock import FairLock
 from celery_zklock.engine import kazoo_compat, znodes
 from celery_zklock.engine.internals import RECENT
 from celery_zklock.engine.znodes import fencing_token
+from tests.polling import wait_until
+from tests.zkclients import chrooted
 
 
 
-def _reaped(client, path: str, timeout: float = 5.0) -> bool:
+def _wait_reaped(client, path: str) -> None:
     """A container goes once empty (the test server checks every 100 ms); a persistent node stays."""
-    deadline = time.monotonic() + timeout
-    while client.exists(path) is not None:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    wait_until(lambda: client.exists(path) is None, 5, interval=0.05, what=f"{path} reaped: the parent is a container")
 
 
 @pytest.fixture
@@ -68,7 +62,7 @@ def test_the_multi_makes_a_container_and_our_node_with_its_stat(zk_client, path)
     assert (cstat or nstat).czxid == stat.czxid and stat.ephemeralOwner == zk_client.client_id[0]
     assert zk_client.get(npath)[0] == b"me"
     zk_client.delete(npath)
-    assert _reaped(zk_client, path), "the parent is a container"
+    _wait_reaped(zk_client, path)
 
 
 def test_the_multi_fails_whole_when_the_container_exists(zk_client, path):
@@ -88,7 +82,7 @@ def test_a_new_key_costs_one_request_once_the_server_is_known_to_have_containers
     assert sent == ["MultiCreate"]  # no createContainer beside it, no children read
     assert lock.token == fencing_token(zk_client.exists(lock.node).czxid)
     assert lock.release()
-    assert _reaped(zk_client, f"{path}/fresh"), "the parent is a container"
+    _wait_reaped(zk_client, f"{path}/fresh")
 
 
 def test_a_key_whose_container_another_process_made_falls_back_and_queues(zk_client, zk_server, path, monkeypatch):
@@ -113,23 +107,6 @@ def test_a_key_whose_container_another_process_made_falls_back_and_queues(zk_cli
         other.close()
 
 
-@contextlib.contextmanager
-def chrooted(zk_server, chroot: str):
-    """``(root, client)``: a client of the whole tree and one chrooted at ``chroot`` (made)."""
-    root = KazooClient(hosts=zk_server.hosts)
-    root.start()
-    root.ensure_path(chroot)
-    client = KazooClient(hosts=zk_server.hosts + chroot)
-    client.start()
-    try:
-        yield root, client
-    finally:
-        client.stop()
-        client.close()
-        root.stop()
-        root.close()
-
-
 def test_the_multi_under_a_chroot(zk_server, monkeypatch):
     with chrooted(zk_server, "/chrooted") as (root, client):
         znodes.mark_containers_work(client)
@@ -140,7 +117,7 @@ def test_the_multi_under_a_chroot(zk_server, monkeypatch):
         assert sent == ["MultiCreate"]
         assert lock.node.startswith("/k/new/") and client.exists(lock.node) is not None
         assert lock.release()
-        assert _reaped(root, "/chrooted/k/new"), "the parent is a container"
+        _wait_reaped(root, "/chrooted/k/new")
 
 
 def _start_new_keys(client, keys):
@@ -214,10 +191,9 @@ def test_a_batch_rolled_back_by_one_key_still_gets_every_key(zk_client, zk_serve
         attempts = _start_new_keys(zk_client, keys)
         others = [a for i, a in enumerate(attempts) if i != 7]
         assert all(a.result.get(timeout=10) for a in others)
-        deadline = time.monotonic() + 5  # its own fallback (create + children) may still be in flight
-        while attempts[7].state.value != "waiting" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not attempts[7].result.ready() and attempts[7].state.value == "waiting"
+        # Its own fallback (create + children) may still be in flight.
+        wait_until(lambda: attempts[7].state.value == "waiting", 5, interval=0.01, what="key 7 waiting")
+        assert not attempts[7].result.ready()
         assert "GetChildren" in sent  # the key whose container existed took the pipelined path
         assert sent.count("MultiCreate") >= 3  # key 0 alone, the batch key 7 failed, that batch again
         holder.release()

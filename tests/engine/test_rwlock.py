@@ -4,14 +4,13 @@ with Curator's re-entry (a downgrade, no upgrade) and fencing tokens."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from celery_zklock import LockUpgradeRefused
 from celery_zklock.engine.rwlock import ReadWriteLock
 from tests.lockutil import children, hold_for, in_threads, reads_shared, side_of, write_overlaps
-from tests.polling import wait_until
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture
@@ -97,8 +96,7 @@ def test_the_write_holder_downgrades_and_no_writer_slips_in(zk_client, path):
     assert rw.read.token == written and len(children(zk_client, path)) == 2  # no node of its own
     assert rw.write.release() is True
     assert not rw.write.is_held() and rw.write.token is None and rw.read.is_held()
-    time.sleep(0.3)
-    assert got == []  # the queued writer still waits: the read holds the node
+    holds_for(lambda: got == [], 0.3, what="the queued writer waiting: the read holds the node")
     assert rw.read.release() is True
     t.join(10)
     assert got == [True] and other.write.token > written

@@ -21,7 +21,7 @@ from kazoo.recipe.lock import WriteLock as KazooWriteLock
 from celery_zklock import FairLock, contenders
 from celery_zklock.engine.rwlock import ReadWriteLock
 from tests.lockutil import children, hold_for, in_threads, reads_shared, side_of, write_overlaps
-from tests.polling import wait_until
+from tests.polling import holds_for, wait_until
 
 CURATOR_NODE = re.compile(r"_c_[0-9a-f-]{36}-__(READ|WRIT)__\d{10}")
 
@@ -154,13 +154,11 @@ def test_a_curator_writer_queued_ahead_of_our_reader_is_waited_for(curator, zk_c
     late = Waiter(ReadWriteLock(zk_client, path).read)
     try:
         _queued(zk_client, path, 3)
-        time.sleep(0.3)
-        assert late.got is None, "our reader shared past Curator's queued writer"
+        holds_for(lambda: late.got is None, 0.3, what="our reader waiting behind Curator's queued writer")
         released_at = time.monotonic()
         first.read.release()
         assert curator.expect("ACQUIRED", timeout=10) > released_at
-        time.sleep(0.3)
-        assert late.got is None, "our reader held beside Curator's writer"
+        holds_for(lambda: late.got is None, 0.3, what="our reader waiting while Curator's writer holds")
         written = curator.release("write")
         late.wait_held()
         assert late.acquired > written

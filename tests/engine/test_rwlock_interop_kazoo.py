@@ -11,14 +11,13 @@ then queue in one FIFO line, readers sharing with readers of either library.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from kazoo.recipe.lock import ReadLock, WriteLock
 
 from celery_zklock.engine import ReadWriteLock
 from tests.lockutil import children, hold_for, in_threads, reads_shared, side_of, write_overlaps
-from tests.polling import wait_until
+from tests.polling import holds_for, wait_until
 
 #: What a kazoo user gives its read/write locks to share a path with ours (docs/engine.md).
 KAZOO_READER_SEES = ["__WRIT__"]
@@ -94,8 +93,7 @@ def test_a_kazoo_writer_queued_ahead_of_our_reader_is_waited_for(zk_client, path
     wait_until(lambda: len(children(zk_client, path)) == 3, 5, what="our reader to queue")
     first.release()
     t.join(10)
-    time.sleep(0.3)
-    assert events == ["kazoo writer holds"]  # our reader still waits for it
+    holds_for(lambda: events == ["kazoo writer holds"], 0.3, what="our reader waiting for kazoo's writer")
     writer.release()
     reader.join(10)
     assert events == ["kazoo writer holds", "our reader holds"]

@@ -113,7 +113,7 @@ def test_worker_cut_off_from_zookeeper_mid_streak(scenario):
         cut = time.time()
         part.cut()
         wait_until(lambda: _returns(scenario) >= 75, SESSION * 10, what="the other worker to go on")
-        time.sleep(SESSION)
+        time.sleep(SESSION)  # the partition lasts a session longer: the cut-off worker's session expires
     finally:
         part.heal()
     report = scenario.verify(allowed={"LockLost", "LockUnavailable"})

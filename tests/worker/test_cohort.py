@@ -13,8 +13,9 @@ import pytest
 
 from celery_zklock import FairLock, LockLost
 from support.workers import Worker
+from tests.lockedapp import history, started
 from tests.lockutil import children, overlapping
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
+from tests.polling import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,7 @@ class Sampler:
         while not self._stop.is_set():
             self.most = max(self.most, len(children(self.zk, self.path)))
             self.samples += 1
-            time.sleep(0.005)
+            time.sleep(0.005)  # the sampling period
 
     def __enter__(self) -> "Sampler":
         self._thread.start()
@@ -84,8 +85,7 @@ def test_local_handoffs_pass_the_node_without_requeueing(mod, env, zk_client):
     try:
         key = f"coh-{uuid.uuid4().hex[:6]}"
         blocker = mod.hold.delay(key, 400, "first")
-        while not mod._r.llen("arrivals"):
-            time.sleep(0.005)
+        wait_until(lambda: started(mod, "first"), 10, interval=0.005, what="the first to hold")
         results = [mod.hold.delay(key, 5, i) for i in range(40)]
         for r in [blocker, *results]:
             r.get(timeout=60)
@@ -124,13 +124,12 @@ def test_a_foreign_contender_gets_its_turn_within_the_streak_bound(mod, env, zk_
         key = f"coh-{uuid.uuid4().hex[:6]}"
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
         results = [mod.hold.delay(key, 20, i) for i in range(60)]
-        while mod._r.llen("arrivals") < 3:
-            time.sleep(0.005)
+        wait_until(lambda: mod._r.llen("arrivals") >= 3, 30, interval=0.005, what="the worker's streak under way")
         lock = FairLock(zk_client, path) if peer == "FairLock" else _KazooPeer(zk_client, path)
         queued = time.time()
         assert lock.acquire(timeout=30)
         granted, token = time.time(), lock.token
-        time.sleep(0.05)
+        time.sleep(0.05)  # its hold
         released = time.time()
         lock.release()
         for r in results:
@@ -162,12 +161,9 @@ def test_a_force_delete_after_a_local_handoff_interrupts_the_holder(mod, env, zk
         def arrived():
             return {row["tag"]: row for row in map(json.loads, mod._r.lrange("arrivals", 0, -1))}
 
-        deadline = time.monotonic() + 30
-        while 1 not in arrived():
-            assert time.monotonic() < deadline, "the second hold never started"
-            time.sleep(0.01)
+        wait_until(lambda: 1 in arrived(), 30, interval=0.01, what="the second hold to start")
         second = arrived()[1]
-        time.sleep(max(0.0, second["start"] + 0.8 - time.time()))
+        time.sleep(max(0.0, second["start"] + 0.8 - time.time()))  # the delete comes 0.8 s into the second hold
         assert second["token"] >> 8 == arrived()[0]["token"] >> 8, "not a local handoff: the test proves nothing"
         deleted_at = time.time()
         for name in children(zk_client, path):  # as `celery zklock release KEY --node N --yes` does

@@ -4,14 +4,16 @@ Why (issue 35, finding 1): a ZooKeeper data watch is one-shot and fires on ``set
 well as on a delete.  A local handoff wrote to the node (the lease's renewal, a check since
 issue 39), which used the holder's watch up; the watch was never set again, so an
 operator's force-delete of the node under the next holder went unseen until its release.
-The agent's event thread is this test (see :mod:`tests.worker.test_cohort_replies`).
+The agent's event thread is this test (see :mod:`tests.worker.cohort_host`).
 """
 
 from __future__ import annotations
 
 import time
 
-from tests.worker.test_cohort_replies import first_granted
+from tests.lockutil import watching
+from tests.polling import holds_for, wait_until
+from tests.worker.cohort_host import first_granted
 
 from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
 from celery_zklock.engine.session import LEASED
@@ -22,7 +24,7 @@ from celery_zklock.testing_probes import four_letter_word
 def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_client):
     host, cohort, (first, second, third), _ = first_granted(zk_client, "/cohort-own-node", "first", "second", "third")
     cohort.slots[0].attempt.hold.running()  # claimed (Claims.send_verdict): the node is watched
-    time.sleep(OWN_WATCH_WITHIN * 5)  # the holder's watch on its node is set by now
+    wait_until(lambda: watching(zk_client, cohort.slots[0].node_path), 5, what="the holder's watch on its node")
     cohort.join(second)  # one of ours queues behind the holder: the node's first proof (a check)
     [slot] = cohort.slots
     host.run(lambda: slot.confirmed is not None)
@@ -32,7 +34,9 @@ def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_clien
 
     for _ in range(3):  # writes by someone else (until issue 39, the lease's renewals) fire it
         zk_client.set(slot.node_path, b"renewed")
-    time.sleep(0.1)
+    # ZooKeeper tells a session of a change before it answers the session's read of it: the
+    # watch fired by the last write has been used up by now, and is set again.
+    wait_until(lambda: watching(zk_client, slot.node_path), 5, what="the holder's watch set again")
     zk_client.delete(slot.node_path)  # `celery zklock release KEY --node N --yes`
     host.run(lambda: second.lost, timeout=2.0)
 
@@ -59,13 +63,11 @@ def test_a_granted_node_is_watched_only_once_a_task_runs_under_it(zk_client, zk_
     """The agent grants ahead of a free pool process; a hold that only waits in the worker's
     queue costs no GetData (issue 39).  Claimed, it is watched within OWN_WATCH_WITHIN."""
     host, cohort, (first,), slot = first_granted(zk_client, "/cohort-own-node", "first")
-    time.sleep(OWN_WATCH_WITHIN * 5)
-    assert _own_watches(zk_server, slot.node_path) == 0  # granted, nobody runs: no watch
+    holds_for(lambda: _own_watches(zk_server, slot.node_path) == 0, OWN_WATCH_WITHIN * 5,
+              what="no watch: granted, nobody runs under it")
     slot.attempt.hold.running()
     slot.attempt.hold.running()  # a second claim through the node arms nothing more
-    deadline = time.time() + 2
-    while _own_watches(zk_server, slot.node_path) == 0 and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: _own_watches(zk_server, slot.node_path), 2, interval=0.01, what="the claimed node watched")
     assert _own_watches(zk_server, slot.node_path) == 1
     zk_client.delete(slot.node_path)
     host.run(lambda: first.lost, timeout=2.0)

@@ -12,77 +12,13 @@ the posted callbacks only after the reply is in.
 
 from __future__ import annotations
 
-import time
 import uuid
-from types import SimpleNamespace
 
-from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
 from celery_zklock.engine.session import DELETED, WRITTEN
 from celery_zklock.worker.cohort import Cohort
-
-
-class Host:
-    """The agent as a cohort sees it, with its event thread in the test's hands."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-        self.settings = ZkSettings()
-        self.events: list = []  # posted from kazoo's completion thread (list.append is atomic)
-        self.grants: list = []
-
-    def post(self, fn, *args) -> None:
-        self.events.append((fn, args))
-
-    def run(self, until, timeout: float = 10.0) -> None:
-        """Run posted callbacks, in order, until ``until()`` holds and none is left."""
-        deadline = time.monotonic() + timeout
-        while not (until() and not self.events):
-            assert time.monotonic() < deadline, "the cohort did not get there"
-            if self.events:
-                fn, args = self.events.pop(0)
-                fn(*args)
-            else:
-                time.sleep(0.001)
-
-    def on_granted(self, wait, cohort, slot, token) -> None:
-        wait.current = None
-        self.grants.append((wait.id, slot.attempt.node, token))
-
-    def on_queued(self, wait, position) -> None:
-        pass
-
-    def on_next(self, wait, ours=True, streak_left=None) -> None:
-        pass
-
-    def earliest_elsewhere(self, cohort) -> float | None:
-        return None
-
-    def on_slot_lost(self, wait) -> None:
-        wait.lost = True
-
-    def on_failed(self, wait, exc) -> None:
-        raise AssertionError(f"{wait.id} failed: {exc!r}")
-
-    def on_timed_out(self, wait, path) -> None:
-        raise AssertionError(f"{wait.id} timed out")
-
-
-def _wait(cohort: Cohort, name: str):
-    return SimpleNamespace(id=name, identity=name.encode(), current=cohort, expired=False, lost=False)
-
-
-def first_granted(client, root: str, *names: str):
-    """A cohort on a new key under ``root``, a wait per name, the first one granted:
-    ``(host, cohort, waits, slot)``, ``slot`` the node it holds."""
-    host = Host(client)
-    client.ensure_path(root)
-    cohort = Cohort(host, f"{root}/{uuid.uuid4().hex[:8]}", 1)
-    waits = [_wait(cohort, name) for name in names]
-    cohort.join(waits[0])
-    host.run(lambda: host.grants)
-    [slot] = cohort.slots
-    return host, cohort, waits, slot
+from tests.polling import holds_for, wait_until
+from tests.worker.cohort_host import Host, waiter
 
 
 def test_a_handoff_whose_reply_beats_a_later_link_grants_once_and_keeps_the_node(zk_client):
@@ -90,7 +26,7 @@ def test_a_handoff_whose_reply_beats_a_later_link_grants_once_and_keeps_the_node
     path = f"/cohort-replies/{uuid.uuid4().hex[:8]}"
     zk_client.ensure_path("/cohort-replies")
     cohort = Cohort(host, path, 1)
-    first, second = _wait(cohort, "first"), _wait(cohort, "second")
+    first, second = waiter(cohort, "first"), waiter(cohort, "second")
 
     cohort.join(first)
     host.run(lambda: host.grants)
@@ -130,9 +66,7 @@ def test_on_ready_runs_each_callback_once_however_late_it_is_linked(zk_client):
     ours.get(timeout=10)
     for name in ("a", "b", "c"):
         kazoo_compat.on_ready(ours, lambda r, name=name: calls.append(name))
-    deadline = time.monotonic() + 5
-    while len(calls) < 6 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
+    wait_until(lambda: len(calls) >= 6, 5, interval=0.01, what="the six callbacks")
+    holds_for(lambda: len(calls) == 6, 0.1, what="no callback run again")
     assert sorted(c for c in calls if c.startswith("raw")) == ["raw-a", "raw-a", "raw-b"]  # the quirk itself
     assert [c for c in calls if not c.startswith("raw")] == ["a", "b", "c"]

@@ -20,10 +20,11 @@ import pytest
 
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl
 
-from kazoo.client import KazooClient
 
-from tests.tcpproxy import TcpProxy, wait_for
-from tests.worker.test_cohort_replies import Host, _wait, first_granted
+from tests.polling import wait_until
+from tests.tcpproxy import TcpProxy
+from tests.worker.cohort_host import Host, first_granted, waiter
+from tests.zkclients import proxied_client
 
 from celery_zklock.engine import znodes
 from celery_zklock.worker.cohort import Cohort
@@ -51,7 +52,7 @@ def _first_holder(host, zk_client, handoffs: int, waiters: int) -> tuple[str, Co
     zk_client.ensure_path("/cohort-streak")
     path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
     cohort = Cohort(host, path, 1)
-    waits = [_wait(cohort, f"w{i}") for i in range(waiters)]
+    waits = [waiter(cohort, f"w{i}") for i in range(waiters)]
     cohort.join(waits[0])
     host.run(lambda: host.grants)
     return path, cohort, waits
@@ -62,8 +63,8 @@ def test_a_failed_read_of_the_queue_keeps_the_streak_bounded(zk_client):
     path, cohort, waits = _first_holder(host, zk_client, handoffs=8, waiters=20)
     zk_client.set_acls(path, [make_acl("world", "anyone", create=True, delete=True, write=True, admin=True)])
     cohort.join(waits[1])  # the first waiter behind our holder: the cohort reads the key's queue, and fails
-    time.sleep(0.2)
-    host.run(lambda: True)
+    [slot] = cohort.slots
+    host.run(lambda: "_seen" in host.ran and slot.confirmed is not None)  # the read and the node's first proof answered
     zk_client.set_acls(path, OPEN_ACL_UNSAFE)
     foreign = zk_client.create(f"{path}/_c_{uuid.uuid4()}-lock-", ephemeral=True, sequence=True)
     for wait in waits[2:]:
@@ -82,14 +83,6 @@ def test_a_failed_read_of_the_queue_keeps_the_streak_bounded(zk_client):
     host.run(lambda: cohort.idle)
 
 
-def proxied_client(proxy: TcpProxy) -> KazooClient:
-    """A started client through ``proxy`` that reconnects at once when the proxy lets it."""
-    client = KazooClient(hosts=proxy.hosts, timeout=10.0,
-                         connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 0.2})
-    client.start(timeout=30)
-    return client
-
-
 def test_a_queue_change_seen_while_suspended_keeps_the_streak_bounded(zk_server, zk_client):
     """The key's queue changes (a contender queues) and the child watch fires; before the
     agent's thread reads the queue, the connection drops: the node is suspended, the read
@@ -102,23 +95,23 @@ def test_a_queue_change_seen_while_suspended_keeps_the_streak_bounded(zk_server,
             zk_client.ensure_path("/cohort-streak")
             path = f"/cohort-streak/{uuid.uuid4().hex[:8]}"
             cohort = Cohort(host, path, 1)
-            waits = [_wait(cohort, f"w{i}") for i in range(10)]
+            waits = [waiter(cohort, f"w{i}") for i in range(10)]
             cohort.join(waits[0])
             host.run(lambda: host.grants)
             for wait in waits[1:]:
                 cohort.join(wait)  # our holder has waiters behind it: the cohort watches the queue
-            time.sleep(0.1)
-            host.run(lambda: True)
             [slot] = cohort.slots
+            # The queue's read (its watch set) and the node's first proof have answered.
+            host.run(lambda: "_seen" in host.ran and slot.confirmed is not None)
             assert not slot.foreign
 
             foreign = zk_client.create(f"{path}/_c_{uuid.uuid4()}-lock-", ephemeral=True, sequence=True)
-            assert wait_for(lambda: host.events, 5.0), "the child watch did not fire"
+            wait_until(lambda: host.events, 5.0, what="the child watch to fire")
             proxy.hold()
-            assert wait_for(lambda: not slot.held, 5.0), "the node was not suspended"
+            wait_until(lambda: not slot.held, 5.0, what="the node suspended")
             host.run(lambda: True)  # the agent's thread gets to the fired watch now
             proxy.release_held()
-            assert wait_for(lambda: slot.held, 5.0), "the node was not verified again"
+            wait_until(lambda: slot.held, 5.0, what="the node verified again")
             host.run(lambda: True)
 
             nodes = _streak(cohort, host, waits)
@@ -196,7 +189,7 @@ def test_the_agent_withholds_next_when_the_holders_release_ends_the_streak():
     requests.on_next(waiter("fits"), True, 0.2)
     requests.on_next(waiter("unbounded"), True, None)
     requests.on_next(waiter("theirs"), False)
-    assert [(m["id"], m["ours"]) for m in sent] == [("fits", True), ("unbounded", True), ("theirs", False)]
+    assert [(m.id, m.ours) for m in sent] == [("fits", True), ("unbounded", True), ("theirs", False)]
 
 
 def test_a_handoff_decided_before_a_contender_was_seen_is_judged_again_at_its_proofs_answer(zk_client):
@@ -222,7 +215,7 @@ def test_a_handoff_decided_before_a_contender_was_seen_is_judged_again_at_its_pr
             host.events.remove(ready[0])
             ready[0][0](*ready[0][1])
         else:
-            time.sleep(0.001)
+            time.sleep(0.001)  # the loop's idle turn
     host.run(lambda: not slot.handing_on)  # now the proof's answer
     assert [g[0] for g in host.grants] == ["first"], "the node passed on past the bound, with a contender seen"
     assert slot not in cohort.slots and second in cohort.queue, "the reserved waiter lost its place"

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import uuid
 
-from celery_zklock.worker.agent_protocol import Connection
-from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (agent: the fixture)
+from celery_zklock.worker.agent_protocol import Claim, Claimed, Finished, Hello, Release, Released, Role, Verdict, Wait
+from celery_zklock.worker.agent_socket import Connection
+from tests.worker.local_agent import answer
 
 
 #: How long an answer the test waits for may take (s): a missing one fails the test.
@@ -23,35 +24,35 @@ WITHIN = 10.0
 
 
 def _wait(main: Connection, request_id: str, seq: int, key: str) -> None:
-    main.send({"op": "wait", "id": request_id, "seq": seq, "paths": [key], "timeout": None, "identity": request_id})
+    main.send(Wait(request_id, (key,), seq, identity=request_id))
 
 
 def _run(pool: Connection, request_id: str) -> None:
     """The pool side of one delivery: claim its grant, release it with the proof."""
-    pool.send({"op": "claim", "id": request_id})
-    assert _answer(pool, "claimed", request_id, WITHIN)["verdict"] == "granted"
-    pool.send({"op": "release", "id": request_id})
-    assert _answer(pool, "released", request_id, WITHIN)["proven"]
+    pool.send(Claim(request_id))
+    assert answer(pool, Claimed, request_id, WITHIN).verdict is Verdict.GRANTED
+    pool.send(Release(request_id))
+    assert answer(pool, Released, request_id, WITHIN).proven
 
 
 def test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id(agent, zk_client):
     zk_client.ensure_path("/deliveries")
     key = f"/deliveries/{uuid.uuid4().hex[:8]}"
     main = Connection.open(agent.path)
-    main.send({"op": "hello", "role": "main"})
+    main.send(Hello(Role.MAIN))
     pool = Connection.open(agent.path)
-    pool.send({"op": "hello", "role": "pool", "pid": 1})
+    pool.send(Hello(Role.POOL, 1))
 
     _wait(main, "retried", 1, key)  # the first delivery: granted, run, released
-    assert _answer(main, "granted", "retried", WITHIN)
+    assert answer(main, Verdict.GRANTED, "retried", WITHIN)
     _run(pool, "retried")
     _wait(main, "holder", 2, key)
-    assert _answer(main, "granted", "holder", WITHIN)
+    assert answer(main, Verdict.GRANTED, "holder", WITHIN)
     _wait(main, "retried", 3, key)  # the retry: waits behind the holder
-    main.send({"op": "finished", "ids": ["retried"], "seqs": [1]})  # the first delivery's end
+    main.send(Finished(("retried",), (1,)))  # the first delivery's end
 
     _run(pool, "holder")
-    assert _answer(main, "granted", "retried", WITHIN), "the first delivery's end ended the retry's wait"
+    assert answer(main, Verdict.GRANTED, "retried", WITHIN), "the first delivery's end ended the retry's wait"
 
 
 def test_a_finished_delivery_still_lets_go_of_a_grant_nobody_claimed(agent, zk_client):
@@ -59,9 +60,9 @@ def test_a_finished_delivery_still_lets_go_of_a_grant_nobody_claimed(agent, zk_c
     zk_client.ensure_path("/deliveries")
     key = f"/deliveries/{uuid.uuid4().hex[:8]}"
     main = Connection.open(agent.path)
-    main.send({"op": "hello", "role": "main"})
+    main.send(Hello(Role.MAIN))
     _wait(main, "dropped", 1, key)
-    assert _answer(main, "granted", "dropped", WITHIN)
-    main.send({"op": "finished", "ids": ["dropped"], "seqs": [1]})
+    assert answer(main, Verdict.GRANTED, "dropped", WITHIN)
+    main.send(Finished(("dropped",), (1,)))
     _wait(main, "next", 2, key)
-    assert _answer(main, "granted", "next", WITHIN), "the unclaimed grant was not let go"
+    assert answer(main, Verdict.GRANTED, "next", WITHIN), "the unclaimed grant was not let go"

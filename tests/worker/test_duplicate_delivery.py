@@ -8,13 +8,12 @@ only after it had started."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from support.workers import Worker
+from tests.lockedapp import history, in_broker
 from tests.lockutil import overlapping
 from tests.polling import wait_until
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
 
 
 def test_two_deliveries_of_one_task_id_never_run_at_once(mod, env):
@@ -28,7 +27,7 @@ def test_two_deliveries_of_one_task_id_never_run_at_once(mod, env):
         for _ in range(5):
             key = "dup-" + uuid.uuid4().hex[:6]
             busy = [mod.plain_hold.delay(f"busy-{key}-{i}", 150, "busy") for i in range(2)]
-            time.sleep(0.05)
+            wait_until(lambda: in_broker(mod) == 0, 5, interval=0.005, what="the busy tasks at the worker first")
             task_id = "dup-" + uuid.uuid4().hex
             for _ in range(2):
                 mod.hold.apply_async((key, 300, "dup"), task_id=task_id)

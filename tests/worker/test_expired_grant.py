@@ -5,19 +5,18 @@ grant, and the key stayed held by nobody until the worker stopped."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 from support.workers import Worker
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
+from tests.lockedapp import active_ids, history, started
 from tests.polling import wait_until
 
 
 @pytest.fixture(autouse=True)
 def clean(mod):
-    mod._r.delete("history")
+    mod._r.delete("history", "arrivals")
 
 
 def test_a_request_that_expires_while_it_waits_stops_waiting(mod, env):
@@ -27,7 +26,7 @@ def test_a_request_that_expires_while_it_waits_stops_waiting(mod, env):
     try:
         key = "exp-" + uuid.uuid4().hex[:6]
         holder = mod.hold.delay(key, 3000, "holder")
-        time.sleep(0.3)
+        wait_until(lambda: started(mod, "holder"), 10, what="the holder runs")
         expiring = mod.hold_tracked.apply_async((key, 10, "expiring"), expires=0.8)
         after = mod.hold.delay(key, 10, "after")
         wait_until(lambda: expiring.state == "REVOKED", 5, "the expired request is REVOKED")
@@ -47,7 +46,7 @@ def test_a_granted_request_that_expires_before_a_process_frees_lets_go_of_its_ke
     try:
         key = "expg-" + uuid.uuid4().hex[:6]
         busy = mod.plain_hold.delay("busy-" + uuid.uuid4().hex[:6], 1500, "busy")
-        time.sleep(0.3)
+        wait_until(lambda: busy.id in active_ids(mod, "exp2"), 10, what="the busy task takes the only process")
         expiring = mod.hold_tracked.apply_async((key, 10, "expiring"), expires=0.5)
         busy.get(timeout=30)
         wait_until(lambda: expiring.state == "REVOKED", 5, "the expired request is dropped")

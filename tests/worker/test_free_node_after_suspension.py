@@ -7,7 +7,7 @@ first answer decided), and the cohort kept the suspended node for a waiter to co
 again within the grace, the node became held and nobody was told: the agent's heartbeat
 pumped only keys with local waiters, so the node held the key for every worker until another
 request for it reached this agent.  Here, against a real ZooKeeper, the cut is the proxy's and
-the agent's event thread is the test (:class:`tests.worker.test_cohort_replies.Host`).
+the agent's event thread is the test (:class:`tests.worker.cohort_host.Host`).
 """
 
 from __future__ import annotations
@@ -15,34 +15,15 @@ from __future__ import annotations
 import uuid
 from types import SimpleNamespace
 
-from kazoo.exceptions import NoNodeError
-
 from celery_zklock import FairLock
 from celery_zklock.engine.internals import State
 from celery_zklock.worker.agent_requests import Requests
 from celery_zklock.worker.cohort import Cohort
-from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_MULTI, TcpProxy, wait_for
-from tests.worker.test_cohort_replies import Host, _wait
-from tests.worker.test_cohort_streak import proxied_client
-
-
-class _TimesOut(Host):
-    """Host that records timeouts (the request's verdict) instead of failing on them."""
-
-    def __init__(self, client) -> None:
-        super().__init__(client)
-        self.timed_out: list = []
-
-    def on_timed_out(self, wait, path) -> None:
-        wait.current = None
-        self.timed_out.append(wait.id)
-
-
-def _children(zk_client, path: str) -> list:
-    try:
-        return zk_client.get_children(path)
-    except NoNodeError:
-        return []  # the key's node went with its last child
+from tests.lockutil import children
+from tests.polling import wait_until
+from tests.tcpproxy import OP_CREATE, OP_CREATE2, OP_MULTI, TcpProxy
+from tests.worker.cohort_host import Host, TimesOutHost, waiter
+from tests.zkclients import proxied_client
 
 
 def _tick(host: Host, cohort: Cohort) -> None:
@@ -65,15 +46,16 @@ def test_a_node_verified_after_its_waiter_left_is_let_go(zk_server, zk_client):
             warm = FairLock(client, f"{path}-warm")
             assert warm.acquire(timeout=5)
             warm.release()
-            host = _TimesOut(client)
+            host = TimesOutHost(client)
             cohort = Cohort(host, path, 1)
-            wait = _wait(cohort, "w")
+            wait = waiter(cohort, "w")
             # The create's reply reaches kazoo, then the connection drops (and stays down).
             cut = proxy.arm_cut(opcodes=(OP_CREATE, OP_CREATE2, OP_MULTI), deliver_reply=True, then_hold=True)
             cohort.join(wait)
             assert cut.fired.wait(5), "the create was not sent"
             [slot] = cohort.slots
-            assert wait_for(lambda: slot.attempt.state is State.HELD_SUSPENDED, 5.0), slot.attempt.state
+            wait_until(lambda: slot.attempt.state is State.HELD_SUSPENDED, 5.0,
+                       what=lambda: f"the node held suspended (is {slot.attempt.state})")
 
             assert cohort.expire(wait) is False  # lock_timeout 0: the node's first answer decides
             host.run(lambda: host.timed_out)  # it came suspended: no grant, the request times out
@@ -81,13 +63,13 @@ def test_a_node_verified_after_its_waiter_left_is_let_go(zk_server, zk_client):
             assert not cohort.queue
 
             proxy.release_held()
-            assert wait_for(lambda: slot.attempt.state is State.HELD, 5.0), "the node was not verified again"
+            wait_until(lambda: slot.attempt.state is State.HELD, 5.0, what="the node verified again")
             host.run(lambda: True)
             _tick(host, cohort)
             host.run(lambda: True)
 
-            assert wait_for(lambda: _children(zk_client, path) == [], 5.0), (
-                f"our node {_children(zk_client, path)} holds the key with nobody to grant")
+            wait_until(lambda: children(zk_client, path) == [], 5.0,
+                       what=lambda: f"our node {children(zk_client, path)}, held with nobody to grant, let go")
             host.run(lambda: cohort.idle)
         finally:
             client.stop()

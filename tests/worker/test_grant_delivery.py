@@ -19,10 +19,11 @@ from types import SimpleNamespace
 
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import Connection, Verdict
+from celery_zklock.worker.agent_protocol import Claim, ClaimAnswer, Claimed, LockState, Released, Verdict
+from celery_zklock.worker.agent_socket import Connection
 from celery_zklock.worker.agent_requests import Requests, WaitRequest
 from tests.polling import wait_until
-from tests.worker.test_cohort_replies import first_granted
+from tests.worker.cohort_host import first_granted
 
 
 def test_a_streaks_first_local_handoff_is_granted_on_a_lease(zk_client):
@@ -52,7 +53,7 @@ def test_a_grant_is_told_to_the_waiting_pool_process_before_the_main_process():
                 owner=SimpleNamespace(send=lambda message: order.append("main process")), early=True)
     wait.claimer = object()  # claimed while next in line: its pool process waits for this verdict
 
-    requests._tell_verdict(wait, {"verdict": Verdict.GRANTED})
+    requests._tell_verdict(wait, Claimed("r1", Verdict.GRANTED))
     assert order == ["pool process", "main process"]
 
 
@@ -74,10 +75,10 @@ class _FakeAgent:
         self.peer.receive()  # hello
         self.ready.set()
 
-    def answer(self, op: str, **fields) -> dict:
-        """Read the next request and answer it with ``op``."""
+    def answer(self, kind: type, **fields):
+        """Read the next request and answer it with a message of ``kind``."""
         [request] = self.peer.receive()
-        self.peer.send({"op": op, "id": request["id"], **fields})
+        self.peer.send(kind(request.id, **fields))
         return request
 
     def close(self) -> None:
@@ -94,22 +95,22 @@ def test_a_callers_answer_is_read_by_the_caller_and_the_reader_thread_resumes_af
 
     def recording(messages):
         for m in messages or ():
-            readers.append((m["op"], threading.get_ident()))
+            readers.append((m.op, threading.get_ident()))
         take(messages)
 
     monkeypatch.setattr(link, "_take", recording)
     try:
-        threading.Thread(target=lambda: (agent.answer("claimed", verdict="pending"),
+        threading.Thread(target=lambda: (agent.answer(Claimed, verdict=ClaimAnswer.PENDING),
                                          time.sleep(0.05),
-                                         agent.peer.send({"op": "claimed", "id": "r1", "verdict": "granted"})),
+                                         agent.peer.send(Claimed("r1", Verdict.GRANTED))),
                          daemon=True).start()
-        reply = link.call({"op": "claim", "id": "r1"}, "claimed", 5.0, until=lambda r: r["verdict"] != "pending")
-        assert reply["verdict"] == "granted"
+        reply = link.call(Claim("r1"), Claimed, 5.0, until=lambda r: r.verdict is not ClaimAnswer.PENDING)
+        assert reply.verdict is Verdict.GRANTED
         assert {(op, tid == threading.get_ident()) for op, tid in readers} == {("claimed", True)}
 
         # Nobody calls now: the reader thread takes a state push for a lock held through the link.
         lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
-        agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "session expired"})
+        agent.peer.send(LockState("r1", held=False, lost=True, reason="session expired"))
         assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "session expired"
         assert readers[-1][0] == "state" and readers[-1][1] != threading.get_ident()
     finally:
@@ -123,19 +124,20 @@ def test_the_agent_gone_during_a_call_ends_it_and_loses_held_locks():
     held = agent_client.AgentLock(link, "held", {"/k": 1}, grace=5.0, release_bound=5.0)
     threading.Thread(target=lambda: (agent.peer.receive(), agent.close()), daemon=True).start()
 
-    assert link.call({"op": "claim", "id": "r2"}, "claimed", 5.0) is None
+    assert link.call(Claim("r2"), Claimed, 5.0) is None
     assert not link.alive
     assert held.lost_reason == "the worker's lock agent is gone" and not held.is_held()
 
 
 def test_with_no_lock_held_the_link_is_still_drained_so_the_agents_sends_never_block(monkeypatch):
-    """Between tasks nobody needs the agent's heartbeats, but unread they would fill the
-    socket's buffers, and the agent's next send to this process would block its thread."""
+    """Between tasks nobody needs the agent's heartbeats (or a late answer), but unread they
+    would fill the socket's buffers, and the agent's next send to this process would block its
+    thread."""
     monkeypatch.setattr(agent_client, "IDLE_DRAIN", 0.05)
     agent = _FakeAgent()
     link = agent_client.AgentClient(agent.path)
     agent.ready.wait(5)
-    ping = {"op": "ping", "pad": "x" * 1000}
+    ping = Released("late", proven=False, reason="x" * 1000)  # an answer nobody waits for, 1 KB
     sent = threading.Event()
     threading.Thread(target=lambda: ([agent.peer.send(ping) for _ in range(2_000)], sent.set()), daemon=True).start()
     try:
@@ -171,8 +173,8 @@ def test_the_links_thread_reads_on_a_clock_not_once_per_lock():
             if messages is None:
                 return
             for m in messages:
-                if m.get("op") == "release":
-                    agent.peer.send({"op": "released", "id": m["id"], "proven": True})
+                if m.op == "release":
+                    agent.peer.send(Released(m.id, proven=True))
 
     threading.Thread(target=answer_releases, daemon=True).start()
     cycles = 300
@@ -200,7 +202,7 @@ def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypat
     try:
         time.sleep(0.2)  # the link's thread dozes now
         lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
-        agent.peer.send({"op": "state", "id": "r1", "held": False, "lost": True, "reason": "node deleted"})
+        agent.peer.send(LockState("r1", held=False, lost=True, reason="node deleted"))
         assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "node deleted"
         assert not lock.is_held()
     finally:

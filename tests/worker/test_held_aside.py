@@ -18,8 +18,8 @@ import pytest
 
 from celery_zklock.engine import FairLock
 from support.workers import Worker
-from tests.polling import wait_until
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
+from tests.lockedapp import held_aside, history
+from tests.polling import holds_for, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -37,13 +37,6 @@ def _held_by_us(zk_client, mod, key: str) -> FairLock:
     return lock
 
 
-def _waiting_aside(worker, mod) -> int:
-    """Requests the worker holds aside (``celery zklock status``'s source: the inspect command)."""
-    node = f"{worker.name}@{os.uname().nodename}"
-    replies = mod.app.control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
-    return sum(len(v) for reply in replies.values() for v in reply.values())
-
-
 def test_an_agent_restart_with_a_large_backlog_resumes_every_request_in_order(mod, env, zk_client):
     """5,000 requests held aside on one key, the agent SIGKILLed: the new agent gets them all
     again without either process blocking on the other (before: both socket buffers filled,
@@ -54,7 +47,7 @@ def test_an_agent_restart_with_a_large_backlog_resumes_every_request_in_order(mo
     w = Worker(env, "backlog", concurrency=2, extra=["-E"]).start(mod.app)  # events: each wait is answered
     try:
         results = [mod.hold.delay(key, 0, i) for i in range(n)]
-        wait_until(lambda: _waiting_aside(w, mod) >= n, 60, interval=0.5, what=f"{n} requests held aside")
+        wait_until(lambda: held_aside(w, mod) >= n, 60, interval=0.5, what=f"{n} requests held aside")
         agent = w.agent_pid()
         os.kill(agent, signal.SIGKILL)
         wait_until(lambda: w.agent_pid() not in (None, agent), 15, what="a new agent")
@@ -109,20 +102,19 @@ def test_rabbitmq_cut_with_requests_held_aside_runs_each_once_and_says_what_went
             wait_until(lambda: " ready." in w.log(), 30, what="the worker's consumer")
             for i in range(n):
                 mod.hold.apply_async((keys[i % 3], 0, i), queue=queue, connection=conn)
-            time.sleep(3.0)  # all delivered and held aside (the window grows as they wait)
+            # All delivered (none ready in the queue), held aside: the window grows as they wait.
+            wait_until(lambda: _ready_in(conn, queue) == 0, 30, interval=0.25,
+                       what=lambda: f"all {n} delivered ({_ready_in(conn, queue)} still in the queue)")
             proxy.cut()
-            time.sleep(3.0)
+            time.sleep(3.0)  # the two cuts under test, 3 s apart
             proxy.cut()
             wait_until(lambda: len(re.findall(RESTARTS, _whole_log(w))) >= 2, 30, what="two consumer restarts")
             for lock in locks:
                 lock.release()
             wait_until(lambda: len({r["tag"] for r in history(mod, "hold")}) >= n, 60, interval=0.5,
                        what=f"all {n} to run")
-            time.sleep(2.0)  # a second run of any would show by now
-            rows = history(mod, "hold")
-            runs: dict = {}
-            for r in rows:
-                runs[r["tag"]] = runs.get(r["tag"], 0) + 1
+            holds_for(lambda: max(_runs(mod).values()) == 1, 2.0, what="no second run of any")
+            runs = _runs(mod)
             twice = sorted(t for t, c in runs.items() if c > 1)
             assert not twice, f"{len(twice)} ran more than once: {twice[:10]}"
             assert len(runs) == n
@@ -139,6 +131,12 @@ def test_rabbitmq_cut_with_requests_held_aside_runs_each_once_and_says_what_went
             ch.queue_delete(queue)
 
 
+
+
+def _ready_in(conn, queue: str) -> int:
+    """Messages of ``queue`` RabbitMQ has not delivered yet."""
+    with conn.channel() as ch:
+        return ch.queue_declare(queue, passive=True).message_count
 
 
 def _whole_log(w) -> str:
@@ -177,7 +175,7 @@ def test_redis_never_delivers_a_held_request_again_past_its_visibility_timeout(m
             for i in range(n):
                 send.delay(key, 100, i)
         wait_until(lambda: len(_runs(mod)) >= n, 90, interval=0.5, what=f"all {n} to run")
-        time.sleep(10.0)  # a copy swept back late would run by now
+        holds_for(lambda: max(_runs(mod).values()) == 1, 10.0, what="no copy swept back late and run")
         runs = _runs(mod)
         twice = sorted(t for t, c in runs.items() if c > 1)
         assert not twice, f"{len(twice)} of {n} ran twice: {twice[:10]}"
@@ -198,7 +196,7 @@ def test_redis_a_killed_workers_held_requests_run_elsewhere_within_seconds(mod, 
     try:
         for i in range(n):
             mod.hold.delay(key, 40, i)
-        held = wait_until(lambda: _waiting_aside(a, mod) >= 20 and _waiting_aside(a, mod), 20, interval=0.1,
+        held = wait_until(lambda: held_aside(a, mod) >= 20 and held_aside(a, mod), 20, interval=0.1,
                           what="the first worker holding requests aside")
         os.killpg(a.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -226,12 +224,12 @@ def test_repeated_broker_outages_while_tasks_run_lose_nothing(mod, env, broker):
     n = 430
     with _through_proxy(env, broker, f"cut2{broker}") as (proxy, conn, w, queue):
         ids = [mod.hold.apply_async((keys[i % 3], 50, i), queue=queue, connection=conn).id for i in range(n)]
-        time.sleep(1.5)
+        time.sleep(1.5)  # the flow under way at the first cut: tasks running, granted, next in line, held aside
         cuts = [time.time()]
         proxy.outage(3.0)
         wait_until(lambda: len(re.findall(RESTARTS, _whole_log(w))) >= 1, 30, what="a consumer restart")
         wait_until(lambda: "Connected to " in _whole_log(w).split("restarts:")[-1], 30, what="a reconnection")
-        time.sleep(3.0)
+        time.sleep(3.0)  # the second outage comes 3 s after the reconnection
         cuts.append(time.time())
         proxy.outage(3.0)
         # Allowed lost, as in plain Celery on Redis: a message whose BRPOP ran on the server
@@ -248,7 +246,7 @@ def test_repeated_broker_outages_while_tasks_run_lose_nothing(mod, env, broker):
                    interval=0.5, what=f"all {n} to run")
         print(f"ran {len(_runs(mod))} of {n}; not run (lost in a BRPOP reply, or never leased before a cut): "
               f"{sorted(set(range(n)) - set(_runs(mod)))}")
-        time.sleep(2.0)
+        holds_for(lambda: max(_runs(mod).values()) == 1, 2.0, what="no second run of any")
         # None twice, not even a task whose first run began in a pool process as a connection
         # dropped (its acknowledgement, sent as it began, lost with the connection): its copy,
         # delivered again, finds the first run's final state (before: it ran again, as in
@@ -284,7 +282,8 @@ def test_a_task_whose_acknowledgement_was_lost_with_its_connection_runs_once(mod
             return [t for t in set(range(n)) - set(_runs(mod)) if broker == "rabbitmq" or _received(log, ids[t])]
 
         wait_until(lambda: len(_runs(mod)) >= n - 2 and not unrun(), 90, interval=0.5, what=f"all {n} to run")
-        time.sleep(12.0 if broker == "redis" else 3.0)  # the redeliveries of the lost acknowledgements
+        # The redeliveries of the lost acknowledgements come meanwhile (Redis: at its 8 s visibility timeout).
+        holds_for(lambda: max(_runs(mod).values()) == 1, 12.0 if broker == "redis" else 3.0, what="no second run of any")
         log = _whole_log(w)
         began = [t for t in range(n) if stalled - 0.3 < _began_in_pool(log, ids[t]) < cut]
         twice = sorted(t for t, c in _runs(mod).items() if c > 1)
@@ -321,14 +320,15 @@ def _stall_until_a_task_begins(mod, proxy, tries: int = 4) -> tuple[float, float
         except AssertionError:
             reached = False
         if reached:
-            time.sleep(0.2)  # a few more acknowledgements into the stall
+            time.sleep(0.2)  # the stall goes on: a few more acknowledgements into it
         if reached or attempt == tries - 1:
             cut = time.time()
             proxy.outage(2.0)
             proxy.resume()
             return stalled, cut, reached
         proxy.resume()
-        time.sleep(0.5)
+        resumed = time.time()
+        wait_until(lambda: began_inside(resumed), 10, what="tasks beginning again before the next try")
     raise AssertionError("unreachable")
 
 
@@ -410,9 +410,10 @@ def test_a_pool_process_never_waits_behind_its_own_agent(mod, env, zk_client):
     try:
         task_id = str(uuid.uuid4())
         first = mod.hold.apply_async((key, 10, "first"), task_id=task_id)
-        wait_until(lambda: _waiting_aside(w, mod) >= 1, 15, interval=0.1, what="the first held aside")
+        wait_until(lambda: held_aside(w, mod) >= 1, 15, interval=0.1, what="the first held aside")
         mod.hold.apply_async((key, 10, "second"), task_id=task_id)
-        time.sleep(1.5)  # the second reaches the pool process
+        wait_until(lambda: "back to the broker" in _whole_log(w), 15, interval=0.1,
+                   what="the second, in the pool process, sent back to the broker while the key is busy")
         released = time.monotonic()
         lock.release()
         wait_until(lambda: {r["tag"] for r in history(mod, "hold")} >= {"first", "second"}, 20, interval=0.1,

@@ -22,9 +22,8 @@ from kazoo.client import KazooClient
 
 from celery_zklock.engine.lock import FairLock
 from support.workers import Worker
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
-from tests.polling import wait_until
-from tests.worker.test_wait_outside_pool import _active_ids, _learn_short_holds
+from tests.lockedapp import active_ids, held_aside, history, learn_short_holds
+from tests.polling import holds_for, wait_until
 
 
 def _queued_in_broker(mod, queue: str) -> int:
@@ -45,7 +44,7 @@ def test_requests_granted_at_once_count_against_the_prefetch_window(mod, env):
         os.kill(agent, signal.SIGSTOP)  # well within the silence the worker tolerates (2 s)
         try:
             results = [mod.hold.apply_async((f"cold-{tag}-{i}", 10, f"c{i}"), queue=queue) for i in range(8)]
-            time.sleep(1.0)
+            time.sleep(1.0)  # the agent silent for 1 s: what the worker takes from the broker meanwhile
             left = _queued_in_broker(mod, queue)
         finally:
             os.kill(agent, signal.SIGCONT)
@@ -72,7 +71,8 @@ def test_requests_waiting_for_their_lock_leave_the_window_to_other_keys(mod, env
         for lock in locks:
             assert lock.acquire(timeout=10)
         waiting = [mod.hold.delay(f"held-{tag}-{i}", 10, f"w{i}") for i in (0, 1)]
-        time.sleep(0.5)  # both reached the worker and queue behind the test's nodes
+        wait_until(lambda: held_aside(w, mod) + len(active_ids(mod, "window2")) >= 2, 10,
+                   what="both at the worker, queued behind the test's nodes")
         others = [mod.hold.delay(f"other-{tag}-{i}", 10, f"o{i}") for i in range(3)]
         for r in others:
             r.get(timeout=10)
@@ -105,26 +105,27 @@ def test_next_in_line_behind_another_contender_parks_only_in_an_idle_pool(mod, e
     lock = FairLock(client, f"{env['TEST_ZK_ROOT']}/k:{busy_key}", identifier="other worker")
     lock2 = FairLock(client, f"{env['TEST_ZK_ROOT']}/k:{idle_key}", identifier="other worker")
     try:
-        _learn_short_holds(mod, busy_key)
-        _learn_short_holds(mod, idle_key)
+        learn_short_holds(mod, busy_key)
+        learn_short_holds(mod, idle_key)
         assert lock.acquire(timeout=10)
         busy = mod.plain_hold.delay(f"busy-{tag}", 2000, "busy")  # takes one of the two processes
-        wait_until(lambda: busy.id in _active_ids(mod, name), 5, "the busy task runs")
+        wait_until(lambda: busy.id in active_ids(mod, name), 5, "the busy task runs")
         nxt = mod.hold.delay(busy_key, 10, "next")
-        time.sleep(0.5)  # the agent has queued it behind the client's node and said "next"
-        assert nxt.id not in _active_ids(mod, name), "parked next in line behind another contender's hold"
+        wait_until(lambda: held_aside(w, mod) >= 1, 10, what="the next in line queued behind the client's node")
+        holds_for(lambda: nxt.id not in active_ids(mod, name), 0.5,
+                  what="not parked next in line behind another contender's hold")
         other = mod.hold.delay(f"o-{tag}", 10, "other")
         other.get(timeout=2)  # the free process runs it while the busy task still runs
-        assert not busy.ready() and nxt.id not in _active_ids(mod, name)
+        assert not busy.ready() and nxt.id not in active_ids(mod, name)
         busy.get(timeout=30)  # a process frees and nothing else waits for one: now it may park
-        wait_until(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line waits in the now idle pool")
+        wait_until(lambda: nxt.id in active_ids(mod, name), 5, "the next in line waits in the now idle pool")
         lock.release()
         nxt.get(timeout=30)
 
         # The pool idle: behind the same kind of holder, the next in line waits in a process.
         assert lock2.acquire(timeout=10)
         parked = mod.hold.delay(idle_key, 10, "parked")
-        wait_until(lambda: parked.id in _active_ids(mod, name), 5, "the next in line waits in an idle pool")
+        wait_until(lambda: parked.id in active_ids(mod, name), 5, "the next in line waits in an idle pool")
         lock2.release()
         parked.get(timeout=30)
         rows = {r["tag"]: r for r in history(mod, "hold") if tag in str(r["key"])}
@@ -153,9 +154,9 @@ def test_eta_tasks_beside_held_requests_leave_the_window_as_it_was(mod, env):
     try:
         assert _window(mod, node) == 4
         first = mod.hold.apply_async((f"eta-{tag}", 2500, "first"), queue=queue)
-        wait_until(lambda: first.id in _active_ids(mod, name), timeout=15)
+        wait_until(lambda: first.id in active_ids(mod, name), timeout=15)
         held = [mod.hold.apply_async((f"eta-{tag}", 20, f"h{i}"), queue=queue) for i in range(4)]
-        time.sleep(0.5)  # the four are held aside, the window raised for them
+        wait_until(lambda: held_aside(w, mod) == 4, 10, what="the four held aside (the window raised for them)")
         later = [mod.hold.apply_async((f"eta-other-{tag}-{i}", 20, f"e{i}"), queue=queue, countdown=1)
                  for i in range(2)]
         for r in [first, *held, *later]:

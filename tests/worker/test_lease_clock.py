@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-import uuid
 
 import pytest
 
@@ -18,40 +17,7 @@ from celery_zklock.engine.session import LEASED, WRITTEN
 from celery_zklock.worker.cohort import Cohort
 from celery_zklock.worker.cohort_rules import FRESH_MAX
 from celery_zklock.worker.lease_clock import LEASE_CLOCK_NAME, lease_clock
-from tests.worker.test_cohort_replies import Host, _wait
-
-
-class Clock:
-    """A lease clock the test moves: time passes only when told (a suspend is one jump)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _held_with_a_young_proof(client, clock: Clock):
-    """A cohort whose node has a proof written at ``clock.now`` (the first one, written when
-    one of ours queued behind its holder) and passed once on it, held by ``second``, with
-    ``third`` waiting behind it."""
-    host = Host(client)
-    client.ensure_path("/lease-clock")
-    cohort = Cohort(host, f"/lease-clock/{uuid.uuid4().hex[:8]}", 1, clock=clock)
-    first, second, third = (_wait(cohort, n) for n in ("first", "second", "third"))
-    cohort.join(first)
-    host.run(lambda: host.grants)
-    cohort.join(second)
-    # The first proof's reply, before the release: else the release waits for it (CI: a
-    # reply that came within one turn made the handoff a leased one, on a loaded machine).
-    host.run(lambda: cohort.slots[0].confirmed is not None)
-    assert cohort.release(first) is LEASED
-    host.run(lambda: len(host.grants) == 2)
-    [slot] = cohort.slots
-    assert slot.confirmed == clock.now and slot.holder is second
-    cohort.join(third)
-    host.run(lambda: True)
-    return host, cohort, second, third
+from tests.worker.cohort_host import LeaseClock, held_with_a_young_proof
 
 
 @pytest.mark.parametrize(
@@ -64,8 +30,8 @@ def _held_with_a_young_proof(client, clock: Clock):
     ],
 )
 def test_a_handoff_reads_the_lease_age_from_the_lease_clock(zk_client, jump, leased, why):
-    clock = Clock()
-    host, cohort, second, third = _held_with_a_young_proof(zk_client, clock)
+    clock = LeaseClock()
+    host, cohort, second, third = held_with_a_young_proof(zk_client, clock)
     clock.now += jump
     proof = cohort.release(second)
     assert (proof is LEASED) is leased, why

@@ -29,8 +29,7 @@ from celery_zklock.worker import agent as agent_module
 from celery_zklock.worker import agent_supervisor
 from support.workers import Worker
 from tests.polling import wait_until
-from tests.worker.test_late_claim import _accepts
-from tests.test_celery_workers import env, mod  # noqa: F401  (module fixtures)
+from tests.worker.local_agent import accepts
 
 
 # ---------------------------------------------------------------------- helpers
@@ -76,7 +75,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(env, mod, name: str) -> Worker:  # noqa: F811  (env, mod: the fixtures' values)
+def _start(env, mod, name: str) -> Worker:
     w = Worker({**env, "TEST_ZK_METRICS_PORT": str(free_port())}, f"{name}-{uuid.uuid4().hex[:4]}", concurrency=1)
     return w.start(mod.app)
 
@@ -97,7 +96,7 @@ def _kill_group(w: Worker) -> None:
 
 # ---------------------------------------------------------------------- real workers
 @pytest.mark.parametrize("how", ["warm", "cold"])
-def test_a_stop_leaves_nothing_behind(mod, env, how):  # noqa: F811
+def test_a_stop_leaves_nothing_behind(mod, env, how):
     w = _start(env, mod, f"lnb-{how}")
     try:
         made = Made(w)
@@ -111,7 +110,7 @@ def test_a_stop_leaves_nothing_behind(mod, env, how):  # noqa: F811
             # inside that read: _flush_outqueue waits for the rest of the message); then only
             # the SIGKILL after Proc.stop's grace ends it, and nothing of the worker's can
             # remove anything.
-            time.sleep(1.0)
+            time.sleep(1.0)  # idle (nothing to observe: no pool result in flight)
             w.stop(signal.SIGQUIT)
         assert made.left() == [], f"left behind after a {how} stop: {made.left()}\n{w.log_tail()}"
         wait_until(lambda: not _alive(made.agent_pid), 10, "the agent to exit")
@@ -120,7 +119,7 @@ def test_a_stop_leaves_nothing_behind(mod, env, how):  # noqa: F811
         _kill_group(w)
 
 
-def test_a_sigkill_of_the_main_process_leaves_nothing_behind(mod, env):  # noqa: F811
+def test_a_sigkill_of_the_main_process_leaves_nothing_behind(mod, env):
     """Its agent and metrics exporter notice that the worker is gone and remove its directories."""
     w = _start(env, mod, "lnb-kill")
     try:
@@ -135,7 +134,7 @@ def test_a_sigkill_of_the_main_process_leaves_nothing_behind(mod, env):  # noqa:
         _kill_group(w)
 
 
-def test_a_start_removes_what_a_killed_worker_left_and_spares_live_ones(mod, env):  # noqa: F811
+def test_a_start_removes_what_a_killed_worker_left_and_spares_live_ones(mod, env):
     """Main process, agent and exporter SIGKILLed at once: nothing of them can clean up.  The next
     worker's start removes their directories, and leaves a live worker's alone."""
     live = _start(env, mod, "lnb-live")
@@ -150,7 +149,7 @@ def test_a_start_removes_what_a_killed_worker_left_and_spares_live_ones(mod, env
         later = _start(env, mod, "lnb-later")
         made = Made(later)
         assert gone.left() == [], f"a later start left the killed worker's {gone.left()}\n{later.log_tail()}"
-        assert kept.left() == [kept.agent_dir, kept.metrics_dir] and _accepts(kept.socket), "a live worker's went"
+        assert kept.left() == [kept.agent_dir, kept.metrics_dir] and accepts(kept.socket), "a live worker's went"
         _one_task(mod)
         for w in (live, later):
             w.stop(signal.SIGTERM)

@@ -14,19 +14,11 @@ from kazoo.client import KazooClient
 from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
 from celery_zklock.engine.session import LEASED, WRITTEN
-from celery_zklock.testing_servers import ZooKeeperServer
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import ENV, Connection
-from tests.worker.test_late_claim import _answer, start_agent
-from tests.worker.test_lease_clock import Clock, _held_with_a_young_proof
-
-
-@pytest.fixture(scope="module")
-def short_session_server():
-    """A server that grants at most 400 ms sessions (tickTime 200: the least it may grant too)."""
-    server = ZooKeeperServer(extra_config={"maxSessionTimeout": "400"}).start()
-    yield server
-    server.close()
+from celery_zklock.worker.agent_protocol import Hello, Release, Role, Verdict, Wait
+from celery_zklock.worker.agent_socket import ENV, Connection
+from tests.worker.cohort_host import LeaseClock, held_with_a_young_proof
+from tests.worker.local_agent import answer, start_agent
 
 
 @pytest.fixture
@@ -45,8 +37,8 @@ def test_the_negotiated_session_timeout_is_read_not_the_requested_one(short_clie
 def test_the_lease_follows_the_negotiated_session_timeout(short_client):
     """Asked for 10 s, granted 0.4 s: the lease is a tenth of 0.4 s (40 ms), not FRESH_MAX
     (200 ms); a proof 45 ms old no longer lets a handoff skip the round trip."""
-    clock = Clock()
-    host, cohort, second, third = _held_with_a_young_proof(short_client, clock)
+    clock = LeaseClock()
+    host, cohort, second, third = held_with_a_young_proof(short_client, clock)
     assert host.settings.session_timeout == 10.0
     clock.now += 0.045
     proof = cohort.release(second)
@@ -78,16 +70,16 @@ def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(sh
                         str(tmp_path / "agent.sock"))
     try:
         main = Connection.open(agent.path)
-        main.send({"op": "hello", "role": "main"})
-        main.send({"op": "wait", "id": "r1", "paths": ["/negotiated/k"], "timeout": None, "identity": "r1"})
-        _answer(main, "granted", "r1")
+        main.send(Hello(Role.MAIN))
+        main.send(Wait("r1", ("/negotiated/k",), identity="r1"))
+        answer(main, Verdict.GRANTED, "r1")
         monkeypatch.setenv(ENV, agent.path)
         monkeypatch.setattr(agent_client, "_link", None)
         link, verdict = agent_client.claim("r1", 5.0)
         assert verdict["verdict"] == "granted"
         assert verdict["session_timeout"] == pytest.approx(0.4)
         assert agent_client.silence_grace(10.0, verdict) == pytest.approx(0.4 / 3)
-        link.conn.send({"op": "release", "id": "r1"})
+        link.conn.send(Release("r1"))
         main.close()
     finally:
         agent.stopped.set()

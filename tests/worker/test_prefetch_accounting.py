@@ -10,16 +10,15 @@ reconnection writes the value outright.  These tests read what the broker is tol
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 from celery.worker.consumer.consumer import Consumer
 from kombu.common import QoS
 
-from celery_zklock.worker.agent_supervisor import Outbox
-from celery_zklock.worker.held_lease import HeldLeases
-from celery_zklock.worker.worker_queue import MAX_HELD, WINDOW_BAND_MAX, WaitOutsidePool, WindowBand, window_change, window_sent
+from celery_zklock.config import ZkSettings
+from celery_zklock.worker.agent_connection import AgentConnection
+from celery_zklock.worker.prefetch_window import MAX_HELD, WINDOW_BAND_MAX, PrefetchWindow, window_change, window_sent
 from tests.versions import needs
 
 #: ``worker_eta_task_limit`` reaches the window as ``QoS(max_prefetch=...)``, which kombu
@@ -32,14 +31,9 @@ def _qos(send, initial: int, limit: int | None = None) -> QoS:
     return QoS(send, initial, max_prefetch=limit) if limit is not None else QoS(send, initial)
 
 
-def _step(qos: QoS, pool: int = 1) -> WaitOutsidePool:
-    """The consumer step's bookkeeping alone (no worker, no agent), with a pool of ``pool``."""
-    step = WaitOutsidePool.__new__(WaitOutsidePool)
-    step.c = SimpleNamespace(qos=qos, pool=SimpleNamespace(limit=pool))
-    step.counted, step.counted_waiting, step.early, step.paths, step.on_path = set(), set(), {}, {}, Counter()
-    step.band = WindowBand()
-    step.leases = HeldLeases(10.0)  # no Redis message here: none is leased
-    return step
+def _window(qos: QoS, pool: int = 1) -> PrefetchWindow:
+    """The consumer step's prefetch window (no worker, no agent), with a pool of ``pool``."""
+    return PrefetchWindow(SimpleNamespace(qos=qos, pool=SimpleNamespace(limit=pool)))
 
 
 @pytest.mark.parametrize(
@@ -55,17 +49,17 @@ def _step(qos: QoS, pool: int = 1) -> WaitOutsidePool:
 def test_the_window_comes_back_exactly(initial, limit, pool, least, most):
     sent: list = []
     qos = _qos(lambda **kw: sent.append(kw["prefetch_count"]), initial, limit)
-    step = _step(qos, pool)
+    window = _window(qos, pool)
     ids = [f"r{i}" for i in range(5)]
     for request_id in ids:
-        step._outside_window(request_id)
-        step._outside_window(request_id)  # told twice (known behind ours, then "queued"): counted once
+        window.outside(request_id)
+        window.outside(request_id)  # told twice (known behind ours, then queued): counted once
     assert least <= _sent_window(qos, sent) <= most
     for request_id in ids:
-        step._not_waiting(request_id, SimpleNamespace())
-        step._not_waiting(request_id, SimpleNamespace())
+        window.inside(request_id)
+        window.inside(request_id)
     assert _sent_window(qos, sent) == initial and qos.value == initial
-    assert not step.counted and step.band.raised == 0
+    assert not window.counted and window.band.raised == 0
 
 
 def _sent_window(qos: QoS, sent: list) -> int:
@@ -119,47 +113,57 @@ def test_a_hot_keys_requests_held_and_handed_over_in_turn_seldom_move_the_window
     basic.qos round trip each time it moves, on RabbitMQ) moved once per task before."""
     sent: list = []
     qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4)
-    step = _step(qos, pool=3)
+    window = _window(qos, pool=3)
     for i in range(50):  # each in a loop turn of its own: a message comes, a grant comes
-        step._outside_window(f"t{i + 1}")
-        assert _sent_window(qos, sent) >= 4 + len(step.counted)  # the held never take Celery's window
-        step._not_waiting(f"t{i}", SimpleNamespace())
-        assert _sent_window(qos, sent) >= 4 + len(step.counted)
+        window.outside(f"t{i + 1}")
+        assert _sent_window(qos, sent) >= 4 + len(window.counted)  # the held never take Celery's window
+        window.inside(f"t{i}")
+        assert _sent_window(qos, sent) >= 4 + len(window.counted)
     assert len(sent) <= 2, sent
 
 
 def test_beyond_max_held_waiting_requests_take_places_in_the_window():
     sent: list = []
     qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4)
-    step = _step(qos)
-    step.counted = {f"held{i}" for i in range(MAX_HELD)}
-    step._outside_window("one more")
-    assert _sent_window(qos, sent) == 4 and "one more" not in step.counted
+    window = _window(qos)
+    for i in range(MAX_HELD):
+        window.outside(f"held{i}")
+    window.outside("one more")
+    assert "one more" not in window.counted and len(window.counted) == MAX_HELD
+    window.inside("held0")
+    window.outside("one more")  # a place freed: out of the window again
+    assert "one more" in window.counted
 
 
 def test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop():
     """A broker reconnection resets the hub, which forgets every reader; Celery then calls
     each consumer step's ``register_with_event_loop`` as the loop starts again.  Without the
     step's, the agent's grants were read only by the 0.4 s liveness check (a review found it)."""
+    import os
     import socket
+    import tempfile
 
     from kombu.asynchronous import Hub
 
-    ours, theirs = socket.socketpair()
+    path = os.path.join(tempfile.mkdtemp(prefix="zklock-test-"), "agent.sock")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)
+    listening.listen(1)
     hub = Hub()
+    agent = AgentConnection(SimpleNamespace(path=path, settings=ZkSettings()), answers=None)
     try:
-        step = _step(QoS(lambda **kw: None, 4))
-        step.active, step.sock, step.outbox = True, ours, Outbox(ours, hub)  # as the agent's start sets them
-        step.register_with_event_loop(step.c, hub)
-        assert ours.fileno() in hub.readers
+        agent.open(hub)  # the consumer's first start
+        fd = agent.sock.fileno()
+        assert fd in hub.readers
         hub.reset()  # what asynloop does as the broker connection goes
-        assert ours.fileno() not in hub.readers
-        step.register_with_event_loop(step.c, hub)
-        assert hub.readers[ours.fileno()][0] == step._readable
+        assert fd not in hub.readers
+        agent.register(hub)  # the step's register_with_event_loop
+        assert hub.readers[fd][0] == agent._readable
     finally:
         hub.close()
-        ours.close()
-        theirs.close()
+        agent.sock.close()
+        listening.close()
+        os.unlink(path)
 
 
 class _Restoring:
@@ -187,16 +191,16 @@ def test_celerys_restore_after_a_reconnection_does_not_shrink_the_window_for_goo
     sent: list = []
     qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4)
     consumer = _Restoring(qos, concurrency=4, multiplier=4)
-    step = _step(qos, pool=4)
+    window = _window(qos, pool=4)
     held = [f"r{i}" for i in range(10)]
     for request_id in held:
-        step._outside_window(request_id)
+        window.outside(request_id)
     assert _sent_window(qos, sent) >= 4 + len(held)
     while not consumer._maximum_prefetch_restored:
         consumer.restore(None)  # an acknowledgement's promise
         assert _sent_window(qos, sent) >= qos.value + len(held)  # Celery's window, and the held besides
     for request_id in held:
-        step._not_waiting(request_id, SimpleNamespace())
+        window.inside(request_id)
     assert _sent_window(qos, sent) == 16
 
 
@@ -208,16 +212,16 @@ def test_eta_tasks_at_the_eta_limit_do_not_shrink_the_window_for_good():
     window ended one place smaller for every ETA task that came while they were held."""
     sent: list = []
     qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 4, max_prefetch=8)
-    step = _step(qos, pool=1)
+    window = _window(qos, pool=1)
     held = [f"r{i}" for i in range(5)]
     for request_id in held:
-        step._outside_window(request_id)
+        window.outside(request_id)
     for _ in range(3):
         qos.increment_eventually()  # an ETA task comes (celery.worker.strategy)
     for _ in range(3):
         qos.decrement_eventually()  # ... and goes to the pool at its time
     for request_id in held:
-        step._not_waiting(request_id, SimpleNamespace())
+        window.inside(request_id)
     assert _sent_window(qos, sent) == 4 and qos.value == 4
 
 
@@ -227,8 +231,8 @@ def test_a_window_above_the_eta_limit_is_never_lowered_by_what_we_add():
     initial value) must stay 8 while requests are held, and after."""
     sent: list = []
     qos = QoS(lambda **kw: sent.append(kw["prefetch_count"]), 8, max_prefetch=4)
-    step = _step(qos, pool=1)
-    step._outside_window("r0")
+    window = _window(qos, pool=1)
+    window.outside("r0")
     assert _sent_window(qos, sent) == 8
-    step._not_waiting("r0", SimpleNamespace())
+    window.inside("r0")
     assert _sent_window(qos, sent) == 8

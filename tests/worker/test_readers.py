@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from support.workers import Worker
+from tests.lockedapp import history
 from tests.lockutil import children, write_overlaps
-from tests.test_celery_workers import env, history, mod  # noqa: F401  (module fixtures)
 
 
 def _most_at_once(spans) -> int:

@@ -1,4 +1,4 @@
-"""Which held requests were revoked: looked up from the smaller side (``worker_queue.among``).
+"""Which held requests were revoked: looked up from the smaller side (``wait_outside_pool.among``).
 
 Why: the main process checks every 0.1 s; a hot key's backlog holds up to ``MAX_HELD``
 requests aside, and walking all of them for the few ids Celery revoked was a cost per
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from celery.utils.collections import LimitedSet
 
-from celery_zklock.worker.worker_queue import among
+from celery_zklock.worker.wait_outside_pool import among
 
 
 def _limited(ids) -> LimitedSet:

@@ -8,7 +8,7 @@ no deadline at all, and waited there, holding the first, for as long as another 
 the next; a reserved request whose handoff's write failed went back to the queue with no
 deadline either.  Against a real ZooKeeper: agent-level (the agent runs here, the main
 process is a socket, tests/worker/test_deliveries.py), and cohort-level for the handoff
-(the agent's event thread is the test, tests/worker/test_cohort_replies.py).
+(the agent's event thread is the test, tests/worker/cohort_host.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import pytest
 
 from celery_zklock import FairLock
 from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.agent_protocol import Connection
+from celery_zklock.worker.agent_protocol import Finished, Hello, Role, Verdict, Wait
+from celery_zklock.worker.agent_socket import Connection
 from celery_zklock.worker.cohort import Cohort
-from tests.tcpproxy import wait_for
-from tests.worker.test_cohort_replies import _wait
-from tests.worker.test_free_node_after_suspension import _children, _TimesOut
-from tests.worker.test_late_claim import _answer, agent  # noqa: F401  (agent: the fixture)
+from tests.lockutil import children
+from tests.polling import wait_until
+from tests.worker.cohort_host import TimesOutHost, waiter
+from tests.worker.local_agent import answer, start_agent
 
 #: How long the verdict may take (s): a lock_timeout of 0 is one try, a round trip or two.
 WITHIN = 5.0
@@ -38,7 +39,7 @@ def _keys() -> tuple[str, str]:
 
 def _main(agent) -> Connection:
     main = Connection.open(agent.path)
-    main.send({"op": "hello", "role": "main"})
+    main.send(Hello(Role.MAIN))
     return main
 
 
@@ -49,13 +50,13 @@ def test_a_multi_key_wait_past_its_deadline_does_not_wait_on_its_next_key(agent,
     assert other.acquire(timeout=10)
     try:
         main = _main(agent)
-        main.send({"op": "wait", "id": "w", "seq": 1, "paths": [a, b], "timeout": 0, "identity": "w"})
+        main.send(Wait("w", (a, b), 1, timeout=0, identity="w"))
         started = time.monotonic()
-        verdict = _answer(main, "timeout", "w", WITHIN)
+        verdict = answer(main, Verdict.TIMEOUT, "w", WITHIN)
         assert verdict is not None, f"no timeout verdict within {WITHIN}s while {b} is held elsewhere"
         assert time.monotonic() - started < WITHIN
-        assert wait_for(lambda: _children(zk_client, a) == [], WITHIN), (
-            f"{a} still held by {_children(zk_client, a)} after the timeout")
+        wait_until(lambda: children(zk_client, a) == [], WITHIN,
+                   what=lambda: f"{a} let go after the timeout (held by {children(zk_client, a)})")
         main.close()
     finally:
         other.release()
@@ -67,10 +68,10 @@ def test_a_multi_key_wait_with_no_time_to_wait_still_gets_free_keys(agent, zk_cl
     zk_client.ensure_path("/overdue")
     a, b = _keys()
     main = _main(agent)
-    main.send({"op": "wait", "id": "free", "seq": 1, "paths": [a, b], "timeout": 0, "identity": "free"})
-    assert _answer(main, "granted", "free", WITHIN), "both keys free, yet no grant"
-    main.send({"op": "finished", "ids": ["free"], "seqs": [1]})  # nobody claims it: let go
-    assert wait_for(lambda: _children(zk_client, a) == _children(zk_client, b) == [], WITHIN)
+    main.send(Wait("free", (a, b), 1, timeout=0, identity="free"))
+    assert answer(main, Verdict.GRANTED, "free", WITHIN), "both keys free, yet no grant"
+    main.send(Finished(("free",), (1,)))  # nobody claims it: let go
+    wait_until(lambda: children(zk_client, a) == children(zk_client, b) == [], WITHIN, what="both keys let go")
     main.close()
 
 
@@ -80,9 +81,9 @@ def test_a_reserved_wait_past_its_deadline_is_not_queued_again_when_the_handoff_
     another worker): it times out instead of queueing for a new node with no deadline."""
     zk_client.ensure_path("/overdue")
     path = f"/overdue/{uuid.uuid4().hex[:8]}"
-    host = _TimesOut(zk_client)
+    host = TimesOutHost(zk_client)
     cohort = Cohort(host, path, 1)
-    first, second = _wait(cohort, "first"), _wait(cohort, "second")
+    first, second = waiter(cohort, "first"), waiter(cohort, "second")
     cohort.join(first)
     host.run(lambda: host.grants)
     [slot] = cohort.slots
@@ -99,7 +100,8 @@ def test_a_reserved_wait_past_its_deadline_is_not_queued_again_when_the_handoff_
         host.run(lambda: host.timed_out or host.grants[1:] or requeued(), timeout=WITHIN)
         assert host.timed_out == ["second"], "the reserved wait went back to the queue with no deadline"
         assert len(host.grants) == 1 and not cohort.queue
-        assert wait_for(lambda: len(_children(zk_client, path)) == 1, WITHIN), _children(zk_client, path)
+        wait_until(lambda: len(children(zk_client, path)) == 1, WITHIN,
+                   what=lambda: f"only the other worker's node: {children(zk_client, path)}")
     finally:
         other.release()
     host.run(lambda: cohort.idle)
@@ -114,19 +116,18 @@ def test_a_wait_while_zookeeper_is_unreachable_ends_unavailable_at_its_deadline(
     is busy (before: a try-once singleton sent during an outage was skipped as busy)."""
     from celery_zklock.config import ZkSettings
     from tests.tcpproxy import TcpProxy
-    from tests.worker.test_late_claim import start_agent
 
     with TcpProxy.to(zk_server.hosts) as proxy:
         agent = start_agent(ZkSettings(hosts=proxy.hosts), str(tmp_path / "agent.sock"))
         try:
             main = _main(agent)
             proxy.hold()
-            assert wait_for(lambda: not agent.client.connected, 5)
+            wait_until(lambda: not agent.client.connected, 5, what="the agent cut off")
             key = f"/overdue/{uuid.uuid4().hex[:8]}-cut"
-            main.send({"op": "wait", "id": "w", "seq": 1, "paths": [key], "timeout": timeout, "identity": "w"})
-            answer = _answer(main, "unavailable", "w", WITHIN)
-            assert answer is not None, "no 'unavailable' while ZooKeeper is unreachable"
-            assert "unreachable" in answer["error"], answer
+            main.send(Wait("w", (key,), 1, timeout=timeout, identity="w"))
+            reply = answer(main, Verdict.UNAVAILABLE, "w", WITHIN)
+            assert reply is not None, "no 'unavailable' while ZooKeeper is unreachable"
+            assert "unreachable" in reply.error, reply
         finally:
             proxy.release_held()
             agent.stopped.set()

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 import uuid
 
@@ -16,10 +15,10 @@ import pytest
 from celery_zklock import LockLost
 from celery_zklock.testing import four_letter_word
 from support.workers import Worker
+from tests.lockedapp import active_ids, history, in_broker, learn_short_holds, started, started_pid
 from tests.lockutil import children, overlapping
-from tests.polling import wait_until
+from tests.polling import holds_for, wait_until
 from tests.tcpproxy import TcpProxy
-from tests.test_celery_workers import _wait_pid, env, history, mod  # noqa: F401  (module fixtures)
 
 
 @pytest.fixture(autouse=True)
@@ -34,14 +33,17 @@ def _sessions(zk_server) -> int:
     return sum(1 for line in out.splitlines() if line.strip().startswith("/"))
 
 
-def _hot_and_cold(mod, hot_key: str, hot: int, cold: int, hold_ms: int):
+def _hot_and_cold(mod, hot_key: str, hot: int, cold: int, hold_ms: int, queued):
+    """Seconds the ``cold`` tasks take, sent once the ``hot`` chain runs and is ``queued(ids)``
+    for its lock (its task ids) at the worker."""
     blockers = [mod.hold.delay(hot_key, hold_ms, f"hot{i}") for i in range(hot)]
-    time.sleep(0.3)  # the hot requests are all queued in the lock before the others arrive
-    started = time.time()
+    ids = {b.id for b in blockers}
+    wait_until(lambda: started(mod, "hot0") and queued(ids), 10, what="the hot chain queued at the worker")
+    sent = time.time()
     cold_results = [mod.hold.delay(f"cold-{uuid.uuid4().hex[:6]}", 20, f"cold{i}") for i in range(cold)]
     for r in cold_results:
         r.get(timeout=60)
-    cold_done = time.time() - started
+    cold_done = time.time() - sent
     for r in blockers:
         r.get(timeout=120)
     return cold_done
@@ -52,7 +54,8 @@ def test_a_hot_key_takes_no_pool_slot(mod, env):
     at once instead of waiting behind the hot chain (in the pool they would have no slot)."""
     w = Worker(env, "hot1", concurrency=2).start(mod.app)
     try:
-        cold_done = _hot_and_cold(mod, "hot-" + uuid.uuid4().hex[:6], hot=12, cold=10, hold_ms=600)
+        cold_done = _hot_and_cold(mod, "hot-" + uuid.uuid4().hex[:6], hot=12, cold=10, hold_ms=600,
+                                  queued=lambda ids: in_broker(mod) == 0)  # all taken: they wait in the worker
         rows = history(mod, "hold")
         hot_rows = [r for r in rows if r["tag"].startswith("hot")]
         assert overlapping([(r["start"], r["end"]) for r in hot_rows]) is None
@@ -67,7 +70,8 @@ def test_in_pool_waiting_stays_available_for_comparison(mod, env):
     """zklock_wait_in="pool": the old behaviour, where the same workload blocks the slots."""
     w = Worker({**env, "TEST_ZK_WAIT_IN": "pool"}, "hot2", concurrency=2).start(mod.app)
     try:
-        cold_done = _hot_and_cold(mod, "hotp-" + uuid.uuid4().hex[:6], hot=6, cold=4, hold_ms=600)
+        cold_done = _hot_and_cold(mod, "hotp-" + uuid.uuid4().hex[:6], hot=6, cold=4, hold_ms=600,
+                                  queued=lambda ids: len(active_ids(mod, "hot2") & ids) == 2)  # in both processes
         assert cold_done > 1.5, "in-pool waiting should have held both slots behind the hot key"
     finally:
         w.stop()
@@ -92,7 +96,7 @@ def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
     try:
         key = f"rev-{uuid.uuid4().hex[:6]}"
         holder = mod.hold.delay(key, 1500, "holder")
-        time.sleep(0.3)
+        wait_until(lambda: started(mod, "holder"), 10, what="the holder runs")
         waiting = mod.hold_tracked.delay(key, 10, "revoked")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
         wait_until(lambda: waiting.state == "LOCK_WAITING", 5, "the second task waits")
@@ -102,9 +106,8 @@ def test_revoked_waiting_task_never_reaches_the_pool(mod, env, zk_client):
         wait_until(lambda: waiting.state == "REVOKED", 2, "the revoked task is REVOKED while the holder runs")
         assert not holder.ready() and len(children(zk_client, path)) == 1
         holder.get(timeout=30)
-        time.sleep(0.3)
-        assert waiting.state == "REVOKED"
-        assert [r["tag"] for r in history(mod, "hold")] == ["holder"]  # the body never ran
+        holds_for(lambda: waiting.state == "REVOKED" and [r["tag"] for r in history(mod, "hold")] == ["holder"], 0.3,
+                  what="the revoked task's body never running")
     finally:
         w.stop()
 
@@ -116,8 +119,7 @@ def test_lock_waiting_is_stored_only_for_tasks_that_track_their_start(mod, env):
     try:
         key = f"trk-{uuid.uuid4().hex[:6]}"
         holder = mod.hold.delay(key, 1500, "holder")
-        wait_until(lambda: any(json.loads(a)["tag"] == "holder" for a in mod._r.lrange("arrivals", 0, -1)), 10,
-                  "the holder runs")
+        wait_until(lambda: started(mod, "holder"), 10, "the holder runs")
         quiet = mod.hold.delay(key, 10, "quiet")
         tracked = mod.hold_tracked.delay(key, 10, "tracked")
         wait_until(lambda: tracked.state == "LOCK_WAITING", 5, "the tracked task waits")
@@ -133,12 +135,10 @@ def test_warm_shutdown_returns_waiting_tasks_to_the_broker(mod, env, zk_client):
     key = f"shut-{uuid.uuid4().hex[:6]}"
     w = Worker(env, "shut1", concurrency=2).start(mod.app)
     holder = mod.hold.delay(key, 1000, "holder")
-    time.sleep(0.3)
+    wait_until(lambda: started(mod, "holder"), 10, what="the holder runs")
     waiting = [mod.hold.delay(key, 10, f"w{i}") for i in range(3)]
     path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-    deadline = time.time() + 5
-    while len(children(zk_client, path)) < 4 and time.time() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: in_broker(mod) == 0, 5, what="the three waiting taken by the worker")
     w.stop()  # warm shutdown: the holder finishes, the waiting ones go back to the broker
     assert holder.get(timeout=5) is not None
     assert children(zk_client, path) == []  # their nodes were deleted
@@ -162,12 +162,12 @@ def test_a_grant_claimed_while_zookeeper_is_unreachable_waits_for_it(mod, env, z
     try:
         tag = uuid.uuid4().hex[:6]
         busy = mod.plain_hold.delay(f"busy-{tag}", 1500, "busy")  # unlocked: takes the only pool process
-        time.sleep(0.5)  # it reaches the pool process
+        wait_until(lambda: busy.id in active_ids(mod, "susp"), 10, what="the busy task in the pool process")
         later = mod.hold.delay(f"later-{tag}", 10, "later")  # uncontended: granted at once
         path = f"{env['TEST_ZK_ROOT']}/k:later-{tag}"
         wait_until(lambda: children(zk_client, path), 10, "the agent to take the later task's lock")
         proxy.hold()  # the agent's connection drops; reconnections are parked
-        time.sleep(2.5)  # the busy task ends meanwhile: the later one is claimed while suspended
+        time.sleep(2.5)  # the cut's length: the busy task ends meanwhile, the later one is claimed while suspended
         healed = time.time()
         proxy.release_held()
         assert later.get(timeout=30) is not None
@@ -184,15 +184,12 @@ def test_killed_agent_is_restarted_and_running_task_follows_on_lock_lost(mod, en
     try:
         key = f"ak-{uuid.uuid4().hex[:6]}"
         running = mod.lose_fail.delay(key, 1500)
-        _wait_pid(mod, key)
+        started_pid(mod, key)
         agent = w.agent_pid()
         os.kill(agent, signal.SIGKILL)
         with pytest.raises(LockLost):
             running.get(timeout=30)
-        deadline = time.time() + 10
-        while (w.agent_pid() in (None, agent)) and time.time() < deadline:
-            time.sleep(0.05)
-        assert w.agent_pid() not in (None, agent), "the agent was not restarted"
+        wait_until(lambda: w.agent_pid() not in (None, agent), 10, interval=0.05, what="the agent restarted")
         assert mod.hold.delay(key, 10, "after").get(timeout=30) is not None  # locking works again
     finally:
         w.stop()
@@ -205,9 +202,7 @@ def test_retry_published_while_holding_waits_for_the_running_attempt(mod, env):
     try:
         key = f"rh-{uuid.uuid4().hex[:6]}"
         mod.retry_while_holding.delay(key)
-        deadline = time.time() + 30
-        while len(history(mod, "hold")) < 2 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(history(mod, "hold")) >= 2, 30, interval=0.05, what="both attempts run")
         rows = sorted(history(mod, "hold"), key=lambda r: r["start"])
         assert [r["tag"] for r in rows] == ["attempt0", "attempt1"], rows
         assert overlapping([(r["start"], r["end"]) for r in rows]) is None
@@ -217,20 +212,6 @@ def test_retry_published_while_holding_waits_for_the_running_attempt(mod, env):
 
 
 # --------------------------------------------------------------- next in line, in the pool
-def _active_ids(mod, worker_name: str) -> set[str]:
-    """Ids of the requests the worker has handed to its pool (Celery's ``inspect active``)."""
-    node = f"{worker_name}@{socket.gethostname()}"
-    replies = mod.app.control.inspect(destination=[node], timeout=2.0).active() or {}
-    return {t["id"] for t in replies.get(node, [])}
-
-
-def _learn_short_holds(mod, key: str, n: int = 3) -> None:
-    """Run a few short tasks on ``key`` one after another: the agent learns its holds are
-    short, so the next in line on it may wait in a pool process."""
-    for i in range(n):
-        mod.hold.delay(key, 10, f"warm{i}").get(timeout=30)
-
-
 def test_next_in_line_waits_in_one_pool_process_and_revoke_still_stops_it(mod, env, zk_client):
     """-c 3 (one handoff slot): behind a holder, the next in line is handed to the pool and
     waits there for the release; the one after it stays in the worker.  Revoking the one in
@@ -239,15 +220,15 @@ def test_next_in_line_waits_in_one_pool_process_and_revoke_still_stops_it(mod, e
     w = Worker(env, name, concurrency=3).start(mod.app)
     try:
         key = f"nx-{uuid.uuid4().hex[:6]}"
-        _learn_short_holds(mod, key)
+        learn_short_holds(mod, key)
         holder = mod.hold.delay(key, 2500, "holder")
         wait_until(lambda: any(r["tag"] == "holder" for r in map(json.loads, mod._r.lrange("arrivals", 0, -1))), 10,
                   "the holder runs")
         nxt = mod.hold.delay(key, 10, "next")
         third = mod.hold.delay(key, 10, "third")
         path = f"{env['TEST_ZK_ROOT']}/k:{key}"
-        wait_until(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
-        assert third.id not in _active_ids(mod, name)  # only one handoff slot: it waits in the worker
+        wait_until(lambda: nxt.id in active_ids(mod, name), 5, "the next in line is in a pool process")
+        assert third.id not in active_ids(mod, name)  # only one handoff slot: it waits in the worker
         assert len(children(zk_client, path)) == 1  # one node of this worker's for all three
         nxt.revoke()
         wait_until(lambda: nxt.state == "REVOKED", 2, "the revoked next in line is REVOKED at once")
@@ -272,9 +253,8 @@ def test_long_holds_never_park_a_pool_process(mod, env, zk_client):
         holder = mod.hold.delay(key, 1500, "holder")
         nxt = mod.hold_tracked.delay(key, 10, "next")
         wait_until(lambda: nxt.state == "LOCK_WAITING", 5, "the next task waits")
-        wait_until(lambda: holder.id in _active_ids(mod, name), 5, "the holder runs")
-        time.sleep(0.3)
-        assert nxt.id not in _active_ids(mod, name)
+        wait_until(lambda: holder.id in active_ids(mod, name), 5, "the holder runs")
+        holds_for(lambda: nxt.id not in active_ids(mod, name), 0.3, what="the next in line kept in the worker")
         others = [mod.hold.delay(f"o-{uuid.uuid4().hex[:6]}", 10, f"o{i}") for i in range(4)]
         for r in others:
             r.get(timeout=5)  # two free processes serve other keys while the holder runs
@@ -290,10 +270,10 @@ def test_warm_shutdown_sends_the_next_in_line_back_from_the_pool(mod, env, zk_cl
     name = "next3"
     w = Worker(env, name, concurrency=3).start(mod.app)
     key = f"ns-{uuid.uuid4().hex[:6]}"
-    _learn_short_holds(mod, key)
+    learn_short_holds(mod, key)
     holder = mod.hold.delay(key, 1500, "holder")
     nxt = mod.hold.delay(key, 10, "next")
-    wait_until(lambda: nxt.id in _active_ids(mod, name), 5, "the next in line is in a pool process")
+    wait_until(lambda: nxt.id in active_ids(mod, name), 5, "the next in line is in a pool process")
     first_pids = set(w.child_pids())
     w.stop()
     assert holder.get(timeout=5) is not None
@@ -319,7 +299,7 @@ def test_handoff_slots_never_take_every_process(mod, env):
     try:
         keys = [f"nd-{uuid.uuid4().hex[:6]}" for _ in range(3)]
         for key in keys:
-            _learn_short_holds(mod, key, n=2)
+            learn_short_holds(mod, key, n=2)
         results = [mod.hold.delay(key, 30, f"{key}-{i}") for i in range(8) for key in keys]
         for r in results:
             r.get(timeout=20)
@@ -343,10 +323,9 @@ def test_a_zookeeper_outage_is_not_a_busy_lock(mod, env, wait_in):
         key = f"outage-{uuid.uuid4().hex[:6]}"
         assert mod.try_once.delay(key).get(timeout=30) == "ran"  # the worker and its agent are up
         proxy.hold()  # every ZooKeeper connection drops; reconnections are parked
-        time.sleep(1.0)
+        time.sleep(1.0)  # the outage under test (6 s): the task is sent 1 s into it...
         sent = mod.try_once.delay(key)
-        time.sleep(5.0)
-        assert sent.state != "SKIPPED", "an outage was reported as a busy lock"
+        holds_for(lambda: sent.state != "SKIPPED", 5.0, what="not skipped as if the lock were busy")  # ...and 5 s more
         proxy.release_held()
         assert sent.get(timeout=60) == "ran"
         log = w.log()
@@ -376,11 +355,10 @@ def test_a_whole_worker_stopped_and_resumed_keeps_its_agent(mod, env):
         assert mod.hold.delay(key, 10, "before").get(timeout=30) is not None
         agent = w.agent_pid()
         os.killpg(w.proc.pid, signal.SIGSTOP)
-        time.sleep(5.0)
+        time.sleep(5.0)  # the stop under test
         os.killpg(w.proc.pid, signal.SIGCONT)
         assert mod.hold.delay(key, 10, "after").get(timeout=30) is not None
-        time.sleep(1.0)
-        assert w.agent_pid() == agent, "the agent was replaced"
+        holds_for(lambda: w.agent_pid() == agent, 1.0, what="the agent kept")
         assert "killing it" not in w.log(), w.log()[-2000:]
     finally:
         w.stop()

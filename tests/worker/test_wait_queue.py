@@ -19,7 +19,8 @@ import pytest
 
 from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_protocol import Connection
+from celery_zklock.worker.agent_protocol import Finished, Hello, Role, Wait
+from celery_zklock.worker.agent_socket import Connection
 from celery_zklock.worker.agent_requests import WaitRequest
 from celery_zklock.worker.agent import STUCK_AFTER
 from celery_zklock.worker.wait_queue import WaitQueue
@@ -105,12 +106,11 @@ def test_5000_requests_leaving_in_one_event_out_of_order_cost_no_scan(zk_server,
             fn(*args)
 
     try:
-        agent.handle(main, {"op": "hello", "role": "main"})
+        agent.handle(main, Hello(Role.MAIN))
         path = f"/wait-queue/{uuid.uuid4().hex[:8]}"
         ids = [f"r{i}" for i in range(5000)]
         for request_id in ids:
-            agent.handle(main, {"op": "wait", "id": request_id, "task": "t", "paths": [path], "timeout": 600,
-                                 "identity": request_id})
+            agent.handle(main, Wait(request_id, (path,), task="t", timeout=600, identity=request_id))
             deadline = time.monotonic() + 10
             while not agent.requests.waits["r0"].holds:
                 assert time.monotonic() < deadline, "the first request was never granted"
@@ -122,7 +122,7 @@ def test_5000_requests_leaving_in_one_event_out_of_order_cost_no_scan(zk_server,
 
         compared[0] = 0
         started = time.perf_counter()
-        agent.handle(main, {"op": "finished", "ids": ids[::-1]})
+        agent.handle(main, Finished(tuple(ids[::-1])))
         took = time.perf_counter() - started
         assert compared[0] < 5 * len(ids), f"{compared[0]} comparisons for {len(ids)} leaves"
         assert not agent.requests.waits and not cohort.queue

@@ -1,10 +1,10 @@
-"""The states an :class:`~celery_zklock.engine.attempt.machine.Attempt` moves between."""
+"""The states an :class:`~celery_zklock.engine.attempt.machine.Attempt` moves between, and
+what its collaborators may read of it (:class:`AttemptView`)."""
 
 from __future__ import annotations
 
 import enum
-import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 from .. import znodes
 
@@ -43,32 +43,24 @@ WAITING_STATES = (State.CREATING, State.WAITING)
 HELD_STATES = (State.HELD, State.HELD_SUSPENDED)
 
 
-class AttemptPath(Protocol):
-    """What the attempt's collaborators (:mod:`.parents`, :mod:`.ghosts`, :mod:`.holding`)
-    may use of the :class:`~.machine.Attempt` they serve: its fields, and the steps of
-    its path they hand back to.  Each collaborator runs its handlers under ``mutex``."""
+class AttemptView(Protocol):
+    """What a collaborator (:mod:`.ghosts`, :mod:`.holding`) may read of the
+    :class:`~.machine.Attempt` it serves, under the attempt's ``mutex``, and never write:
+    whether a reply is still wanted (``finished``, ``look``) and which hold it is
+    (``state``, ``node``, ``session``).  What they find they tell the attempt, which
+    applies it itself."""
 
-    lk: Any  # the LockInternals: path, identifier, max_holders, grace(), on_lost
-    client: Any  # the KazooClient
-    monitor: Any  # the client's SessionMonitor: timers, epoch, new_keys
-    prefix: str
-    mutex: threading.RLock
-    state: State
-    node: str | None
-    session: int | None
-    finished: bool
-    look: int
-    pending: Pending | None
-    create_in_flight: bool
+    @property
+    def state(self) -> State: ...
 
-    def next_look(self) -> int: ...
-    def send_create(self, same_try: bool = False) -> None: ...
-    def on_created(self, session, listed, result) -> None: ...
-    def adopt(self, name: str, czxid: int, session) -> bool: ...
-    def act_on_queue(self, children) -> None: ...
-    def await_connection(self, kind: Pending | None) -> None: ...
-    def give_up(self, value: bool | BaseException) -> None: ...
-    def settle_cleanup(self) -> None: ...
-    def delete(self, name: str, session) -> Any: ...
-    def delete_given_up(self, name: str, session) -> None: ...
-    def mark_lost(self, reason: str) -> None: ...
+    @property
+    def node(self) -> str | None: ...
+
+    @property
+    def session(self) -> int | None: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def look(self) -> int: ...

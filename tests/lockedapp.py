@@ -1,0 +1,55 @@
+"""The locked-task app (tests/apps/locked.py) as a test reads it: what its tasks recorded in
+Redis, and what its workers hold or run.  Its fixtures (``env``, ``mod``, ``workers``) are in
+tests/conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from tests.polling import wait_until
+
+
+def history(mod, kind=None) -> list[dict]:
+    """The runs the app's tasks recorded (``hold``, ``singleton``...), oldest first."""
+    rows = [json.loads(x) for x in mod._r.lrange("history", 0, -1)]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def started(mod, tag) -> bool:
+    """Whether the body of the hold tagged ``tag`` has begun (it holds its key from then on).
+    ``arrivals`` outlives a module: its tests clear it first (a ``clean`` fixture), or tag uniquely."""
+    return any(json.loads(a)["tag"] == tag for a in mod._r.lrange("arrivals", 0, -1))
+
+
+def in_broker(mod, queue: str = "celery") -> int:
+    """Messages still in the broker's queue (Redis: a list), not yet taken by a worker."""
+    return mod._r.llen(queue)
+
+
+def held_aside(worker, mod) -> int:
+    """Requests the worker holds aside, waiting for their locks in its agent (``celery zklock
+    status``'s source: the ``zklock_waiting`` inspect command)."""
+    node = f"{worker.name}@{os.uname().nodename}"
+    replies = mod.app.control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
+    return sum(len(v) for reply in replies.values() for v in reply.values())
+
+
+def started_pid(mod, key, timeout: float = 20) -> int:
+    """The pid of the pool process running the task that recorded ``pid:<key>`` as it started."""
+    return int(wait_until(lambda: mod._r.get(f"pid:{key}"), timeout, what=f"the task on {key!r} to start"))
+
+
+def active_ids(mod, worker_name: str) -> set[str]:
+    """Ids of the requests the worker has handed to its pool (Celery's ``inspect active``)."""
+    node = f"{worker_name}@{socket.gethostname()}"
+    replies = mod.app.control.inspect(destination=[node], timeout=2.0).active() or {}
+    return {t["id"] for t in replies.get(node, [])}
+
+
+def learn_short_holds(mod, key: str, n: int = 3) -> None:
+    """Run a few short tasks on ``key`` one after another: the agent learns its holds are
+    short, so the next in line on it may wait in a pool process."""
+    for i in range(n):
+        mod.hold.delay(key, 10, f"warm{i}").get(timeout=30)
