@@ -28,11 +28,12 @@ def in_broker(mod, queue: str = "celery") -> int:
     return mod._r.llen(queue)
 
 
-def held_aside(worker, mod) -> int:
+def held_aside(worker, mod, app=None) -> int:
     """Requests the worker holds aside, waiting for their locks in its agent (``celery zklock
-    status``'s source: the ``zklock_waiting`` inspect command)."""
+    status``'s source: the ``zklock_waiting`` inspect command).  ``app``: one on the worker's
+    broker when that is not ``mod.app``'s (the command travels on the broker the worker consumes)."""
     node = f"{worker.name}@{os.uname().nodename}"
-    replies = mod.app.control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
+    replies = (app or mod.app).control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
     return sum(len(v) for reply in replies.values() for v in reply.values())
 
 
