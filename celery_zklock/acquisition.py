@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Callable
 
 from kazoo.exceptions import ConnectionClosedError
 
@@ -27,7 +28,7 @@ from .errors import LockUnavailable
 from .logs import task_logger
 from .redelivery import Redelivery, redelivered
 from .worker import agent_client
-from .worker.agent_protocol import Verdict
+from .worker.agent_protocol import Claimed, Verdict
 
 logger = task_logger()
 
@@ -68,6 +69,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
 
     common = dict(max_holders=task.lock_max_holders, identifier=identity, on_lost=on_lost, on_wait=on_wait)
     exclusive = exclusive_kind(opts.curator_interop)
+    lock: FairLock | MultiLock
     if len(paths) == 1:
         lock = FairLock(client, paths[0], kind=NodeKind.READ if paths[0] in read_paths else exclusive, **common)
     else:
@@ -102,24 +104,25 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
         raise
 
 
-def claimed_lock(task, claimed, opts: ZkSettings, on_lost) -> Decision:
+def claimed_lock(task, claimed: tuple[agent_client.AgentClient, Claimed], opts: ZkSettings,
+                 on_lost: Callable[[agent_client.AgentLock], None]) -> Decision:
     """The lock the worker's agent took for this request, or its other verdict: the one
-    reader of the claim's answer (``agent_client.claim``: the agent's link and its verdict)."""
-    link, verdict = claimed
-    outcome = OF_VERDICT[Verdict(verdict["verdict"])]
-    waited = float(verdict.get("waited") or 0.0)
+    reader of the claim's answer (``agent_client.claim``: the agent's link and its answer,
+    which is a verdict: neither ``pending`` nor ``unknown``)."""
+    link, answer = claimed
+    outcome = OF_VERDICT[Verdict(answer.verdict)]
+    waited = float(answer.waited or 0.0)
     if outcome is Outcome.TIMED_OUT:
-        return Decision(outcome, waited, holders=verdict.get("holders"))
+        return Decision(outcome, waited, holders=answer.holders)
     if outcome is Outcome.UNAVAILABLE:
         return Decision(outcome, waited,
-                        error=LockUnavailable(verdict.get("error") or "the lock agent could not reach ZooKeeper"))
+                        error=LockUnavailable(answer.error or "the lock agent could not reach ZooKeeper"))
     if outcome is not Outcome.GRANTED:
         return Decision(outcome, waited)
     req = task.request
-    lock = agent_client.AgentLock(
-        link, req.id, verdict["tokens"], grace=agent_client.silence_grace(opts.session_timeout, verdict),
-        release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=verdict, carried=bool(verdict.get("carried")),
-    )
+    grace = agent_client.silence_grace(opts.session_timeout, answer.session_timeout)
+    lock = agent_client.AgentLock(link, req.id, answer.tokens or {}, grace=grace,
+                                  release_bound=opts.session_timeout + 1.0, on_lost=on_lost, state=answer)
     # Its first delivery may have been taken by a pool process (and acknowledged there, an
     # acknowledgement lost with a connection) and run: a redelivered copy must not run it again.
     flagged = redelivered(req)

@@ -150,12 +150,9 @@ def act(task, opts: ZkSettings, label: Any, direct: bool, claim: Callable[[], De
     guard, decided = Guard.NONE, None
     try:
         try:
-            decision = claim()
-            if decision is not None:
-                guard = Guard.VERDICT
-            else:
-                guard = guard_here
-                decision = wait_here()
+            claimed = claim()
+            guard = Guard.VERDICT if claimed is not None else guard_here
+            decision = claimed if claimed is not None else wait_here()
             decided = decision.outcome
         except BaseException as exc:  # the wait failed: the run ends unrun
             _end_guard(task, opts, guard_end(guard, None, exc))
@@ -218,6 +215,7 @@ def _apply(task, decision: Decision, opts: ZkSettings, label: Any, direct: bool)
     if outcome is Outcome.TIMED_OUT:
         return outcomes.timed_out(task, LockTimeout(label, opts.timeout, decision.holders), opts, decision.waited)
     if outcome is Outcome.UNAVAILABLE:
+        assert decision.error is not None  # an unavailable decision always says why
         return outcomes.unavailable(task, decision.error, opts, label, direct)
     unrun = {  # the outcomes that end a run unrun without a policy (each raises)
         Outcome.REVOKED: outcomes.revoked,

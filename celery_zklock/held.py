@@ -9,12 +9,32 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 from .errors import LockLost
 
 #: The hold of the locked run in this thread or greenlet (set by celery_zklock.task around the body).
 CURRENT: contextvars.ContextVar["HeldLock | None"] = contextvars.ContextVar("celery_zklock_current", default=None)
+
+
+class LockPart(Protocol):
+    """One lock of a hold: why it was lost, if it was."""
+
+    @property
+    def lost_reason(self) -> str | None: ...
+
+
+class Hold(Protocol):
+    """What a locked run holds: a :class:`~celery_zklock.engine.lock.FairLock` or
+    :class:`~celery_zklock.engine.lock.MultiLock` (waited for in the process), the agent's
+    :class:`~celery_zklock.worker.agent_client.AgentLock`, or a :class:`NestedLock`."""
+
+    @property
+    def locks(self) -> Sequence[LockPart]: ...
+
+    def is_held(self) -> bool: ...
+
+    def release(self) -> bool: ...
 
 
 @dataclass
@@ -24,7 +44,7 @@ class HeldLock:
     keys: list[str]
     paths: list[str]
     tokens: dict[str, int]
-    _lock: Any = field(repr=False)
+    _lock: Hold = field(repr=False)
     #: Seconds this run waited for its lock (wherever it waited: the worker's agent or here).
     wait: float = 0.0
     #: When the lock was granted (``time.time()``): the run's real start, and prerun's time.
@@ -42,7 +62,7 @@ class HeldLock:
     @property
     def modes(self) -> dict[str, str]:
         """Each key's mode: "read" (shared with readers) or "write" (alone)."""
-        return {k: "read" if p in self.read_paths else "write" for k, p in zip(self.keys, self.paths)}
+        return {k: "read" if p in self.read_paths else "write" for k, p in zip(self.keys, self.paths, strict=True)}
 
     @property
     def mode(self) -> str:
@@ -78,11 +98,11 @@ def current_lock() -> HeldLock:
 class NestedLock:
     """A nested call's hold: the outer's keys (never released here) and the ones it took."""
 
-    def __init__(self, outer, taken) -> None:
+    def __init__(self, outer: Hold, taken: Hold) -> None:
         self.outer, self.taken = outer, taken
 
     @property
-    def locks(self) -> list:
+    def locks(self) -> list[LockPart]:
         return [*self.outer.locks, *self.taken.locks]
 
     def is_held(self) -> bool:
@@ -93,10 +113,12 @@ class NestedLock:
         return self.taken.release()
 
 
-def tokens_of(lock) -> dict[str, int]:
-    tokens = getattr(lock, "tokens", None)  # MultiLock and AgentLock: per path
+def tokens_of(lock: Any) -> dict[str, int]:
+    """The fencing token of each path of a granted lock (``Any``: a FairLock has one
+    ``path`` and ``token``, a MultiLock and an AgentLock have ``tokens`` per path)."""
+    tokens = getattr(lock, "tokens", None)
     return dict(tokens) if tokens is not None else {lock.path: lock.token}
 
 
-def lost_reason_of(lock) -> str | None:
+def lost_reason_of(lock: Hold) -> str | None:
     return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)

@@ -9,11 +9,13 @@ under ``celery_zklock``, which a user's logging config can name.
 
 from __future__ import annotations
 
+import logging
+
 from celery.utils.log import get_task_logger
 
 TASK_LOGGER = "celery_zklock.task"
 
 
-def task_logger():
+def task_logger() -> logging.Logger:
     """The logger of code that runs inside a task (its lines name the task)."""
     return get_task_logger(TASK_LOGGER)

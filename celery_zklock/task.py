@@ -15,27 +15,26 @@ task does when it does not get or loses it, :mod:`celery_zklock.outcomes` (funct
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
-import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from celery import Task
-
-from .logs import task_logger
-from .worker import agent_client, worker_hooks
 
 from . import acquisition, by_config, config, decision, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
 from .decision import Guard, Reentry
 from .errors import LockLost, LockReentered, LockUpgradeRefused
-from .held import CURRENT, HeldLock, NestedLock, current_lock, lost_reason_of, tokens_of
+from .held import CURRENT, HeldLock, LockPart, NestedLock, current_lock, lost_reason_of, tokens_of
 from .interrupts import RunState
 from .keys import KeySpec, compile_key, key_path
+from .logs import task_logger
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
 from .redelivery import redelivered
 from .states import LOCK_WAITING, SKIPPED
+from .worker import agent_client, worker_hooks
 
 #: The public names; HeldLock and current_lock live in celery_zklock.held, the states in
 #: celery_zklock.states (``from celery_zklock.task import SKIPPED`` keeps working).
@@ -47,7 +46,7 @@ logger = task_logger()
 _CLAIM_TIMEOUT = 5.0
 
 
-class ZkLockedTask(Task):
+class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: its Task is Any to mypy
     """A Task that waits its turn in a fair ZooKeeper lock queue before its body runs.
 
     Options are decorator kwargs or class attributes: ``lock_key``, ``lock_max_holders``
@@ -75,7 +74,7 @@ class ZkLockedTask(Task):
     def lock_options(self) -> ZkSettings:
         """The ``zklock_*`` settings with this task's options (and annotations) applied."""
         settings = cached_settings(self.app)
-        cached = self.__dict__.get("_zk_options")
+        cached: tuple[ZkSettings, ZkSettings] | None = self.__dict__.get("_zk_options")
         if cached is not None and cached[0] is settings:
             return cached[1]
         check_option_values({k: getattr(self, k) for k in LOCK_OPTIONS}, f"task {self.name}")
@@ -97,13 +96,13 @@ class ZkLockedTask(Task):
             spec = KeySpec((), spec.signature, self.name)
         return spec
 
-    def lock_keys(self, args: tuple, kwargs: dict) -> list[str]:
+    def lock_keys(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
         return self._spec().keys(args, kwargs)
 
-    def lock_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None) -> list[str]:
+    def lock_paths(self, args: tuple[Any, ...], kwargs: dict[str, Any], settings: ZkSettings | None = None) -> list[str]:
         return _paths(settings or load_settings(self.app.conf), self.lock_keys(args, kwargs))
 
-    def lock_read_paths(self, args: tuple, kwargs: dict, settings: ZkSettings | None = None,
+    def lock_read_paths(self, args: tuple[Any, ...], kwargs: dict[str, Any], settings: ZkSettings | None = None,
                         request: Any = None) -> frozenset[str]:
         """The paths of this call taken for reading (``lock_mode``); the others are written.
         A delivery that may be a copy (:func:`~celery_zklock.redelivery.redelivered`) writes
@@ -116,14 +115,14 @@ class ZkLockedTask(Task):
         return frozenset(_paths(opts, sorted(self._spec().read_keys(args, kwargs, opts.lock_mode))))
 
     # -------------------------------------------------------------- publishing
-    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
-                    shadow=None, **options):
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, producer: Any = None,
+                    link: Any = None, link_error: Any = None, shadow: str | None = None, **options: Any) -> Any:
         """Celery's, under an enqueue guard when ``lock_enqueue`` is set (:mod:`celery_zklock.enqueue`)."""
         opts = self.lock_options()
         if not opts.enqueue:
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
-        def plain(a, k, task_id=None, **o):
+        def plain(a: Any, k: Any, task_id: str | None = None, **o: Any) -> Any:
             return super(ZkLockedTask, self).apply_async(a, k, task_id, producer, link, link_error, shadow, **o)
 
         return enqueue.publish(self, plain, args, kwargs, task_id, options, opts, link=link, link_error=link_error)
@@ -152,7 +151,7 @@ class ZkLockedTask(Task):
             # The rest are taken in process, as a nested call always waits (see the README
             # on deadlocks: the canonical order no longer spans the whole set).
             missing = [p for p in paths if p not in outer.paths]
-            sub_keys = [k for k, p in zip(keys, paths) if p in missing]
+            sub_keys = [k for k, p in zip(keys, paths, strict=True) if p in missing]
             inner_label = sub_keys[0] if len(sub_keys) == 1 else sub_keys
             return self._locked_call(call, Nested(outer, missing, inner_label))
         prerun.fire(self)  # decided at once: under the outer hold, or refused
@@ -184,7 +183,7 @@ class ZkLockedTask(Task):
         run_state = RunState(threading.get_ident())
         started = time.monotonic()
 
-        def on_lost(lock) -> None:
+        def on_lost(lock: LockPart) -> None:
             run_state.lost(lock.lost_reason or "lock lost", call.opts.on_lost == "interrupt")
 
         req, direct, opts = call.req, call.direct, call.opts
@@ -202,7 +201,8 @@ class ZkLockedTask(Task):
             return taken.result  # not run: the policy's value
         return self._run_holding(call, nested, taken, run_state)
 
-    def _claimed(self, call: "Call", nested: "Nested | None", on_lost) -> "decision.Decision | None":
+    def _claimed(self, call: "Call", nested: "Nested | None",
+                 on_lost: Callable[[LockPart], None]) -> "decision.Decision | None":
         """The agent's verdict on this request; None when there is none to claim (a direct,
         nested or acks_late call, or another delivery of its id waits in the agent): the
         lock is waited for here."""
@@ -268,8 +268,8 @@ for _option, _default in OPTION_DEFAULTS.items():
 class Call:
     """One call of a locked task: its arguments, request and options, and the keys it locks."""
 
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     req: Any  # celery's Context
     direct: bool  # called directly (``task(...)``), not run by a worker or eagerly
     opts: ZkSettings
@@ -298,9 +298,9 @@ def _paths(settings: ZkSettings, keys: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ class helpers
-def _body(cls: type):
+def _body(cls: type) -> Callable[..., Any] | None:
     """The task function, minus ``self`` for bound tasks, for signature checks."""
-    run = cls.__dict__.get("run")
+    run: Callable[..., Any] | None = cls.__dict__.get("run")
     if run is None:
         return None
     if isinstance(run, staticmethod):
@@ -321,14 +321,16 @@ def _name(cls: type) -> str:
     return cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
 
 
-def lock_path(key: str, app=None) -> str:
+def lock_path(key: str, app: Any = None) -> str:
     """The znode path of lock ``key`` under ``zklock_root`` — share it with Curator/kazoo users."""
     if app is None:
-        from celery import current_app as app  # only for the documented helper's convenience
+        from celery import current_app  # only for the documented helper's convenience
+
+        app = current_app
     return key_path(load_settings(app.conf).root, key)
 
 
-def lock_configured_tasks(app) -> list[str]:
+def lock_configured_tasks(app: Any) -> list[str]:
     """Lock the tasks ``zklock_tasks`` names (see :mod:`celery_zklock.by_config`): done at
     worker start; call it in another process that runs those tasks eagerly."""
     return by_config.lock_tasks(app, ZkLockedTask)

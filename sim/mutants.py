@@ -219,8 +219,8 @@ MUTANTS = [
     Mutant("reader-forgotten", "32. the agent's reader is not registered again when the event loop restarts: after a "
            "broker reconnection grants are read only by the 0.4 s liveness check",
            "worker/agent_connection.py",
-           "            hub.add_reader(self.sock.fileno(), self._readable)\n            self.outbox.register(hub)\n",
-           "            self.outbox.register(hub)\n",
+           "            hub.add_reader(outbox.sock.fileno(), self._readable)\n            outbox.register(hub)\n",
+           "            outbox.register(hub)\n",
            killer="tests/worker/test_prefetch_accounting.py::"
                   "test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop"),
     Mutant("grace-by-epoch", "33. a suspension's grace judged by the connection's epoch: a reconnection whose "
@@ -382,7 +382,7 @@ MUTANTS = [
            "lapsed in a stall) takes the bypass path: it runs in-process, and the held delivery, its lease renewed "
            "on the new one's entry, runs when granted",
            "worker/wait_outside_pool.py",
-           "        if held is not None and _tag(held) == _tag(req):\n",
+           "        if held is not None and delivery_tag(held) == delivery_tag(req):\n",
            "        if False:\n"),
     Mutant("answer-by-id", "58. the agent's answers applied by task id alone (their seq not checked): a verdict or "
            "next for a delivery swept back during a stall decides the same message's new delivery (the simulator's "

@@ -36,8 +36,23 @@ from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
 from .agent_claims import Claims
 from .agent_guards import GuardJobs
-from .agent_protocol import (HEARTBEAT, Cancel, Claim, Dropped, Fence, FenceAnswer, Finished, Hello, Ping, Release,
-                             Role, StopWaiting, Unclaim, Unguard, Wait)
+from .agent_protocol import (
+    HEARTBEAT,
+    Cancel,
+    Claim,
+    Dropped,
+    Fence,
+    FenceAnswer,
+    Finished,
+    Hello,
+    Ping,
+    Release,
+    Role,
+    StopWaiting,
+    Unclaim,
+    Unguard,
+    Wait,
+)
 from .agent_requests import Requests
 from .agent_socket import AGENT_DIR_PREFIX, OWNER, Connection
 
@@ -92,6 +107,8 @@ class Agent:
     """Serves the worker's processes; every decision runs on one event thread (:meth:`post`),
     so its parts need no locks of their own."""
 
+    selector: selectors.BaseSelector  # made by serve() (the simulator runs events without one)
+
     def __init__(self, settings: ZkSettings, path: str, client=None) -> None:
         self.settings = settings
         self.path = path
@@ -101,7 +118,6 @@ class Agent:
         self.client = connect(settings, handler=EventLoopHandler(self.post)) if client is None else client
         self.monitor = monitor_for(self.client)
         self.progress = clock.monotonic()  # when the event thread last finished an event
-        self.selector: selectors.BaseSelector | None = None  # made by serve()
         self.peers_lock = threading.Lock()
         self.peers: set[Connection] = set()
         self.main: Connection | None = None
@@ -183,6 +199,7 @@ class Agent:
             sock, _ = server.accept()
         except OSError:
             return
+        peer: Connection  # named by its own backlog callback
         peer = Connection(sock, on_backlog=lambda: self.post(self._backlog, peer))
         with self.peers_lock:
             self.peers.add(peer)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ..engine.internals import State
 from ..engine import kazoo_compat
+from ..engine.internals import State
 from ..engine.kazoo_compat import on_all_ready
 from ..engine.session import PROOFS
 from .agent_protocol import ClaimAnswer, Claimed, LockState, Released, Verdict
@@ -23,14 +23,14 @@ from .agent_socket import Connection
 logger = logging.getLogger("celery_zklock.worker.agent")
 
 
-
 class Claims:
     """Claims, lock states and releases; its own state is the set of claimed requests
     (granted and claimed: their states are pushed on every heartbeat)."""
 
+    requests: Requests  # set by the Agent once both exist (each tells the other)
+
     def __init__(self, post, client, guards: GuardsView) -> None:
         self.post, self.client, self.guards = post, client, guards
-        self.requests: Requests | None = None  # set by the Agent once both exist
         self.claimed: set[WaitRequest] = set()
 
     def discard(self, wait: WaitRequest) -> None:
@@ -65,8 +65,8 @@ class Claims:
             self.requests.forget(wait)
 
     def _carried(self, peer: Connection, request_id: str, wait: WaitRequest | None) -> None:
-        granted = wait is not None and wait.verdict is not None and wait.verdict.verdict is Verdict.GRANTED
-        if not granted or wait.done or wait.claimer is not None:
+        if (wait is None or wait.verdict is None or wait.verdict.verdict is not Verdict.GRANTED
+                or wait.done or wait.claimer is not None):
             # A pool process runs on a grant this agent does not hold for it (it was let
             # go meanwhile, or granted by an agent that has since been replaced).
             peer.send(LockState(request_id, held=False, lost=True,
@@ -161,7 +161,8 @@ class Claims:
         """Tell the claimer its verdict; a grant carries the locks' state *now*: a request
         granted before ZooKeeper became unreachable may be claimed only later (no free pool
         process until then), and its body must not start on the old grant alone."""
-        message = wait.verdict
+        message, claimer = wait.verdict, wait.claimer
+        assert message is not None and claimer is not None  # told once decided and claimed
         if message.verdict is Verdict.GRANTED:
             self._runs(wait)
             state = self._state(wait)
@@ -170,7 +171,7 @@ class Claims:
             # the claimer trusts our silence for a third of it (agent_client.silence_grace).
             message = replace(message, held=state.held, lost=state.lost, reason=state.reason,
                               session_timeout=kazoo_compat.session_timeout(self.client))
-        wait.claimer.send(message)
+        claimer.send(message)
 
 
 def _outcome(pending):

@@ -15,10 +15,25 @@ import queue
 import select
 import threading
 import time
+from typing import Any, Callable, TypeVar
 
 from ..engine.session import session_margin
-from .agent_protocol import (BYPASSED, CARRIED, Carry, Claim, ClaimAnswer, Claimed, Hello, LockState, ProtocolError,
-                             Release, Released, Role, Unclaim, from_wire)
+from .agent_protocol import (
+    BYPASSED,
+    CARRIED,
+    Carry,
+    Claim,
+    ClaimAnswer,
+    Claimed,
+    Hello,
+    LockState,
+    ProtocolError,
+    Release,
+    Released,
+    Role,
+    Unclaim,
+    from_wire,
+)
 from .agent_socket import ENV, Connection
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
@@ -31,6 +46,8 @@ IDLE_DRAIN = 1.0
 #: within :data:`IDLE_DRAIN`): the most a state push from the agent waits before
 #: ``is_held()`` and an interrupt see it.
 POLL = 0.05
+
+_A = TypeVar("_A")  # the type of an answer a call waits for
 
 _link_guard = threading.Lock()
 _link: "AgentClient | None" = None
@@ -53,7 +70,8 @@ class AgentClient:
         self.pid = os.getpid()
         self.conn = Connection.open(path)
         self.last_heard = time.monotonic()
-        self._replies: dict[tuple[type, str], queue.SimpleQueue] = {}
+        # (answer type, id) -> its caller's queue; a None there ends the wait (the link ended).
+        self._replies: dict[tuple[type, str | None], queue.SimpleQueue[Any]] = {}
         self._locks: dict[str, "AgentLock"] = {}
         # A state pushed between the claim's reply and the lock's registration: kept for it.
         self._early: dict[str, LockState] = {}
@@ -73,14 +91,15 @@ class AgentClient:
     def silent_for(self) -> float:
         return time.monotonic() - self.last_heard
 
-    def call(self, message, answer: type, timeout: float, until=None):
+    def call(self, message: Claim | Release, answer: type[_A], timeout: float,
+             until: Callable[[_A], bool] | None = None) -> _A | None:
         """Send ``message``; the agent's answer of type ``answer`` for the same id, or None
         (timeout, gone).
 
         With ``until``, answers for which ``until(answer)`` is false are interim: the wait
         goes on, without a time limit, for as long as the link lives."""
         key = (answer, message.id)
-        replies: queue.SimpleQueue = queue.SimpleQueue()
+        replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
         with self._guard:
             self._replies[key] = replies
         with self._turn:
@@ -89,7 +108,7 @@ class AgentClient:
         try:
             if not self.conn.send(message):
                 return None
-            deadline = time.monotonic() + timeout
+            deadline: float | None = time.monotonic() + timeout
             while True:
                 reply = self._next_reply(replies, deadline, reads)
                 if reply is None or until is None or until(reply):
@@ -102,7 +121,7 @@ class AgentClient:
                 with self._turn:
                     self._caller_reads = False
 
-    def _next_reply(self, replies: queue.SimpleQueue, deadline: float | None, reads: bool):
+    def _next_reply(self, replies: queue.SimpleQueue[Any], deadline: float | None, reads: bool):
         """The next answer put in ``replies``, reading the socket here when ``reads``; None at
         ``deadline`` or once the link ends."""
         while True:
@@ -222,12 +241,14 @@ def link() -> AgentClient | None:
 class AgentLock:
     """The lock a pool process holds through the agent: what ``current_lock()`` wraps."""
 
-    def __init__(self, link: AgentClient, request_id: str, tokens: dict[str, int],
-                 grace: float, release_bound: float, on_lost=None, state: dict | None = None,
-                 carried: bool = False) -> None:
+    def __init__(self, link: AgentClient, request_id: str, tokens: dict[str, int], grace: float,
+                 release_bound: float, on_lost: Callable[[AgentLock], None] | None = None,
+                 state: Claimed | None = None) -> None:
+        """``state``: the claim's answer (None: held, as granted)."""
         self.link = link
         self.id = request_id
-        self.carried = carried  # started on the grant its task carried, not on the claim's answer
+        # Started on the grant its task carried, not on the claim's answer.
+        self.carried = state is not None and state.carried
         self.tokens = tokens
         self.grace = grace
         self.release_bound = release_bound
@@ -241,9 +262,10 @@ class AgentLock:
         link.reading_needed()
         if early is not None:  # pushed after the claim's answer, so newer than ``state``
             self._update(early.held, early.lost, early.reason)
+        elif state is None:
+            self._update(True, False, None)
         else:
-            state = state or {"held": True}
-            self._update(bool(state.get("held", True)), bool(state.get("lost")), state.get("reason"))
+            self._update(state.held, state.lost, state.reason)
 
     @property
     def locks(self) -> list["AgentLock"]:
@@ -298,13 +320,13 @@ class AgentLock:
         return self.lost_reason is None
 
 
-def silence_grace(requested: float, verdict: dict) -> float:
+def silence_grace(requested: float, granted: float | None) -> float:
     """How long a claimer trusts its lock while the agent is silent: a third of the agent's
-    session timeout, as negotiated with its server (the grant's ``session_timeout``), and
-    never more than a third of the one asked for.  Why the negotiated one: a frozen agent's
-    session expires after *that*, and a server's ``maxSessionTimeout`` may have cut it
-    short; trusting a third of the request could outlast the session itself."""
-    granted = verdict.get("session_timeout")
+    session timeout, as negotiated with its server (``granted``: the claim's answer's
+    ``session_timeout``, None when it does not say), and never more than a third of the one
+    asked for.  Why the negotiated one: a frozen agent's session expires after *that*, and a
+    server's ``maxSessionTimeout`` may have cut it short; trusting a third of the request
+    could outlast the session itself."""
     session = requested if granted is None else min(requested, float(granted))
     return session_margin(session)
 
@@ -363,17 +385,9 @@ def _heard_lately(current: AgentClient, carry: Carry) -> bool:
     return current.alive and current.silent_for() < session_margin(carry.session_timeout)
 
 
-def as_verdict(answer: Claimed, carried: bool = False) -> dict:
-    """A claim's answer as :func:`celery_zklock.acquisition.claimed_lock` reads it (``carried``:
-    the grant the task brought, started on without waiting for the answer)."""
-    return {"verdict": answer.verdict.value, "waited": answer.waited, "tokens": answer.tokens or {},
-            "nodes": answer.nodes or {}, "holders": answer.holders, "error": answer.error, "held": answer.held,
-            "lost": answer.lost, "reason": answer.reason, "session_timeout": answer.session_timeout,
-            **({"carried": True} if carried else {})}
-
-
-def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tuple[AgentClient, dict] | None:
-    """Ask the agent for the verdict on ``request_id``; None when there is no agent to ask.
+def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tuple[AgentClient, Claimed] | None:
+    """Ask the agent for the verdict on ``request_id``: its answer, never ``pending`` nor
+    ``unknown``; None when there is no agent to ask, or it has no verdict for this request.
 
     With a ``carried`` grant (:func:`carried_grant`) still young, that grant is the verdict:
     the claim is sent, not waited for (the agent pushes a state only if the lock is no
@@ -390,7 +404,7 @@ def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tupl
     if current is None:
         return None
     if carried is not None and _heard_lately(current, carried) and starts_on_carried(current.conn.send, request_id, carried):
-        return current, as_verdict(carried.as_claimed(request_id), carried=True)
+        return current, carried.as_claimed(request_id)
     reply = current.call(Claim(request_id), Claimed, timeout, until=lambda r: r.verdict is not ClaimAnswer.PENDING)
     if reply is None and current.alive:
         # No answer in time (a busy agent): this process locks in-process now, so the
@@ -402,4 +416,4 @@ def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tupl
             current._early.pop(request_id, None)
     if reply is None or reply.verdict is ClaimAnswer.UNKNOWN:
         return None
-    return current, as_verdict(reply)
+    return current, reply

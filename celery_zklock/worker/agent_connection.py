@@ -10,11 +10,12 @@ agent says through :class:`AgentAnswers`.  The messages: :mod:`celery_zklock.wor
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from celery.utils.log import get_logger
 
@@ -56,27 +57,40 @@ class AgentConnection:
     agent's liveness (:meth:`check`) and its restart."""
 
     def __init__(self, process: AgentProcess | None, answers: AgentAnswers) -> None:
-        self.process = process
+        self.process = process  # None: no agent (the step is inactive), never opened
         self.answers = answers
-        self.sock: socket.socket | None = None
-        self.hub = None
+        self.hub: Any = None  # kombu's Hub, Celery's event loop
+        # The open connection: its socket, and what waits to be written to it (None: no agent
+        # to send to, being restarted).
         self.outbox: Outbox | None = None
         self.reader = LineReader()
         # Listening from now: a first check after a stop of the whole worker, before any
         # check ran, must see the gap (a SIGSTOP right after start killed a healthy agent).
         self.last_check = self.last_ping = time.monotonic()
-        # An agent this silent is killed as frozen (None: no agent, never opened).
-        self.silence_limit = None if process is None else max(2.0, session_margin(process.settings.session_timeout))
+        # An agent this silent is killed as frozen (inf: no agent, never opened).
+        self.silence_limit = math.inf if process is None else max(2.0, session_margin(process.settings.session_timeout))
         self.finished: list[tuple[str, int]] = []  # (id, seq) done in the pool, told at the next loop turn
 
     @property
     def connected(self) -> bool:
         """Is there an agent to send to (not while it is being restarted)?"""
-        return self.sock is not None
+        return self.outbox is not None
+
+    @property
+    def sock(self) -> socket.socket | None:
+        """The agent's socket, while connected."""
+        return None if self.outbox is None else self.outbox.sock
+
+    @property
+    def _agent(self) -> AgentProcess:
+        """The agent's process: only a step that has one opens the connection."""
+        if self.process is None:
+            raise RuntimeError("no lock agent to connect to")
+        return self.process
 
     def open(self, hub) -> None:
         """Connect once (a broker reconnection restarts the consumer, not this link)."""
-        if self.sock is not None:
+        if self.outbox is not None:
             return
         try:
             self._connect(hub)
@@ -85,16 +99,16 @@ class AgentConnection:
             # here would restart the consumer over and over, and the hub that retries the
             # agent would never run: start it from here instead (or schedule the retry).
             logger.error("celery-zklock: no lock agent to connect to (%r); starting it again", exc)
-            self.process.kill()
+            self._agent.kill()
             self.hub = hub
             self._restart()
 
     def _connect(self, hub) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(5.0)
-        sock.connect(self.process.path)
+        sock.connect(self._agent.path)
         sock.setblocking(False)  # nothing here may block Celery's event loop (send)
-        self.sock, self.hub = sock, hub
+        self.hub = hub
         self.outbox = Outbox(sock, hub)
         self.reader = LineReader()
         self.last_check = self.last_ping = time.monotonic()
@@ -105,21 +119,22 @@ class AgentConnection:
         """Read the agent through the hub again: a broker reconnection resets the hub, which
         forgets every reader, and the event loop calls this each time it (re)starts.
         Without it the agent's grants were read only by the 0.4 s liveness check."""
-        if self.sock is not None:
+        outbox = self.outbox
+        if outbox is not None:
             self.hub = hub
-            hub.add_reader(self.sock.fileno(), self._readable)
-            self.outbox.register(hub)
+            hub.add_reader(outbox.sock.fileno(), self._readable)
+            outbox.register(hub)
 
     # ------------------------------------------------------------------ sending
-    def send(self, message) -> None:
-        if self.sock is None:
+    def send(self, message: Any) -> None:
+        if self.outbox is None:
             return  # no agent (being restarted): nothing of ours waits in it
         self.outbox.send(encode(message))
 
     def finish(self, request_id: str, seq: int) -> None:
         """The pool is done with this delivery: told in one :class:`Finished` per turn of the
         event loop, not one per request."""
-        if self.sock is None:
+        if self.outbox is None:
             return
         if not self.finished:
             self.hub.call_soon(self.send_finished)
@@ -132,20 +147,21 @@ class AgentConnection:
 
     def drain(self, timeout: float) -> bool:
         """At shutdown, when the hub no longer turns: write what waits (True if all went)."""
-        return self.sock is None or self.outbox.drain(timeout)
+        return self.outbox is None or self.outbox.drain(timeout)
 
     # ------------------------------------------------------------------ reading
     def _readable(self) -> None:
-        if self.sock is None:
+        outbox = self.outbox
+        if outbox is None:
             return
         try:
-            data = self.sock.recv(65536)
+            data = outbox.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
             return  # nothing yet (the liveness check reads too)
         except OSError:
             data = b""
         if not data:
-            return self._gone()
+            return self._gone(outbox)
         self.last_ping = time.monotonic()
         for msg in self.reader.feed(data):
             match msg:
@@ -165,7 +181,7 @@ class AgentConnection:
     def check(self) -> None:
         """Every 2 heartbeats: an agent silent for a third of its session (at least 2 s) is
         killed (frozen), and its end restarts it."""
-        if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
+        if self.outbox is not None and select.select([self.outbox.sock], [], [], 0)[0]:
             self._readable()  # pings may be waiting behind a long task (solo pool)
         now = time.monotonic()
         if not_listening(now - self.last_check):
@@ -175,34 +191,34 @@ class AgentConnection:
             self.last_ping = now
         self.last_check = now
         silent = self.silence()
-        if self.sock is not None and silent > self.silence_limit and self.process.alive:
+        if self.outbox is not None and silent > self.silence_limit and self._agent.alive:
             logger.error("celery-zklock: the lock agent has been silent for %.1fs; killing it", silent)
-            self.process.kill()  # its socket closes: _readable sees the end and restarts it
+            self._agent.kill()  # its socket closes: _readable sees the end and restarts it
 
     def silence(self) -> float:
         """Seconds since the agent was last heard."""
         return time.monotonic() - self.last_ping
 
-    def _gone(self) -> None:
+    def _gone(self, outbox: Outbox) -> None:
         """The agent died (or was killed as frozen): restart it and queue again.
 
         Its session ended with it, so its nodes are gone (at once, or at the session
         timeout if it could not close); requests we held queue again at the back.
         """
-        self.hub.remove(self.sock.fileno())
-        self.outbox.close()
-        self.sock.close()
-        self.sock = None
+        self.hub.remove(outbox.sock.fileno())
+        outbox.close()
+        outbox.sock.close()
+        self.outbox = None
         self.answers.agent_lost()
-        self.process.kill()
+        self._agent.kill()
         self._restart()
 
     def _restart(self) -> None:
         """Start the agent again; if ZooKeeper cannot be reached, the worker stays up and the
         start is tried again later (:meth:`AgentProcess.start_again`)."""
-        if self.sock is not None:
+        if self.outbox is not None:
             return  # connected meanwhile (a consumer restart started it): one agent only
-        failed = self.process.start_again()
+        failed = self._agent.start_again()
         if failed is not None:
             self.answers.agent_unavailable(failed)
             self.hub.call_later(failed.retry_in, self._restart)
@@ -251,9 +267,11 @@ class Outbox:
             self._unwatch()
 
     def _unwatch(self) -> None:
-        self.hub.remove_writer(self.wfd)
-        os.close(self.wfd)
-        self.wfd = None
+        wfd = self.wfd
+        if wfd is not None:
+            self.hub.remove_writer(wfd)
+            os.close(wfd)
+            self.wfd = None
 
     @property
     def pending(self) -> int:

@@ -11,12 +11,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Any, Callable
 
 from ..engine import clock, guards
 from .agent_protocol import Verdict
 from .agent_requests import EventLoop, WaitRequest
 
 logger = logging.getLogger("celery_zklock.worker.agent")
+
+#: Run on the event thread once a guard's job is done: ``after(error)``, None when it succeeded.
+After = Callable[[BaseException | None], None]
 
 
 class GuardJobs:
@@ -25,19 +29,22 @@ class GuardJobs:
 
     def __init__(self, loop: EventLoop) -> None:
         self.client, self.monitor, self.post = loop.client, loop.monitor, loop.post
-        self.jobs: queue.SimpleQueue | None = None
+        # (fn, its arguments after the client, after(error) or None, tries so far)
+        self.jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], After | None, int]] = queue.SimpleQueue()
+        self.started = False  # the jobs' thread, started with the first job
 
-    def start(self, wait: WaitRequest, after) -> None:
+    def start(self, wait: WaitRequest, after: After) -> None:
         """A granted request's guard ends (or becomes ours) before its body may start."""
         guard = wait.guard
+        assert guard is not None  # started only for a request that has one
         self.op(guards.start, guard["paths"], wait.id, int(guard.get("retries") or 0), guard["until"], after=after)
 
-    def op(self, fn, *args, after=None) -> None:
+    def op(self, fn: Callable[..., Any], *args: Any, after: After | None = None) -> None:
         """A guard's blocking ZooKeeper calls, off the event thread and in order on one
         thread of their own (a task's end must not overtake its start); ``after(error)`` then
         runs on the event thread, whatever the outcome (``error`` is None when it was done)."""
-        if self.jobs is None:
-            self.jobs = queue.SimpleQueue()
+        if not self.started:
+            self.started = True
             threading.Thread(target=self._loop, name="zklock-agent-guards", daemon=True).start()
         self.jobs.put((fn, args, after, 0))
 

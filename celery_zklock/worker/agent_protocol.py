@@ -18,7 +18,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Union
+from typing import Any, Callable, ClassVar, Protocol, TypeVar, Union
 
 from ..engine.tick_fence import Fenced
 
@@ -80,13 +80,20 @@ class ProtocolError(ValueError):
     """A line or value that is not a message of this protocol."""
 
 
-_BY_OP: dict[str, type] = {}
+class Message(Protocol):
+    """What every message class declares: its wire ``op``, set by :func:`message`."""
+
+    op: ClassVar[str]
 
 
-def message(op: str) -> Callable[[type], type]:
+_M = TypeVar("_M", bound=Message)
+_BY_OP: dict[str, type[Message]] = {}
+
+
+def message(op: str) -> Callable[[type[_M]], type[_M]]:
     """Register a frozen dataclass as the message whose wire ``op`` is ``op``."""
 
-    def register(cls: type) -> type:
+    def register(cls: type[_M]) -> type[_M]:
         if op in _BY_OP:
             raise TypeError(f"two messages share the op {op!r}")
         cls.op = op
@@ -171,7 +178,8 @@ class _Deliveries:
 
     def deliveries(self) -> list[tuple[str, int | None]]:
         """(id, seq) of each delivery named (seq None: whichever waits)."""
-        return list(zip(self.ids, self.seqs if self.seqs is not None else [None] * len(self.ids)))
+        seqs = self.seqs if self.seqs is not None else [None] * len(self.ids)
+        return list(zip(self.ids, seqs, strict=False))  # off the wire: a short seqs names fewer deliveries
 
 
 @message("finished")
@@ -236,7 +244,7 @@ class Carry:
     def as_claimed(self, request_id: str) -> "Claimed":
         """The claim's answer this grant stands for: granted, held as of its proof."""
         return Claimed(request_id, Verdict.GRANTED, waited=self.waited, tokens=self.tokens,
-                       held=True, session_timeout=self.session_timeout)
+                       held=True, session_timeout=self.session_timeout, carried=True)
 
 
 @message("decided")
@@ -355,7 +363,9 @@ class Claimed:
     ``holders`` for a timeout, ``error`` for ``unavailable``; for a grant, its ``tokens`` and
     ``nodes`` per path, the locks' state now (``held``, ``lost``, ``reason``: a grant made
     before ZooKeeper became unreachable says nothing of now) and the agent's negotiated
-    ``session_timeout`` (the claimer trusts its silence for a third of it).  No answer."""
+    ``session_timeout`` (the claimer trusts its silence for a third of it).  No answer.
+    ``carried``: the answer a pool process made itself from the grant its task carried
+    (:meth:`Carry.as_claimed`), started on without waiting for the agent's; never sent."""
 
     op: ClassVar[str]
     id: str
@@ -369,6 +379,7 @@ class Claimed:
     lost: bool = False
     reason: str | None = None
     session_timeout: float | None = None
+    carried: bool = False
 
 
 @message("state")

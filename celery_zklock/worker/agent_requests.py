@@ -295,27 +295,29 @@ class Requests:
         if wait.done or wait.verdict is not None:
             return
         self.monitor.timers.cancel(wait.timer)
-        if verdict.verdict is Verdict.GRANTED and wait.guard is not None and not wait.guard_moved:
+        decided = verdict.verdict
+        assert isinstance(decided, Verdict)  # the agent's own verdicts: never a ClaimAnswer
+        if decided is Verdict.GRANTED and wait.guard is not None and not wait.guard_moved:
             # Its enqueue guard ends (or becomes ours) before its body can start: a publish
             # after the start is then never deduped into a run that began without it.
             wait.guard_moved = True
             self.guards.start(wait, after=lambda error: self._guard_started(wait, verdict, error))
             return
-        wait.verdict = replace(verdict, waited=round(clock.monotonic() - wait.started, 6))
-        if verdict.verdict is Verdict.GRANTED:
+        told = wait.verdict = replace(verdict, waited=round(clock.monotonic() - wait.started, 6))
+        if decided is Verdict.GRANTED:
             wait.granted_at = clock.monotonic()
-        self.guards.decided(wait, verdict.verdict)
+        self.guards.decided(wait, decided)
         claimer = wait.claimer
-        carry = self._carry(wait) if claimer is None and verdict.verdict is Verdict.GRANTED else None
+        carry = self._carry(wait, told) if claimer is None and decided is Verdict.GRANTED else None
         # The claimer first: a request next in line has a pool process waiting for this
         # verdict, and the main process only records it.
         if claimer is not None:
             self.claims.send_verdict(wait)
-        wait.owner.send(Decided(wait.id, verdict.verdict, wait.seq, wait.queued, verdict.error, carry))
-        if claimer is not None and verdict.verdict is not Verdict.GRANTED:
+        wait.owner.send(Decided(wait.id, decided, wait.seq, wait.queued, verdict.error, carry))
+        if claimer is not None and decided is not Verdict.GRANTED:
             self.forget(wait)
 
-    def _carry(self, wait: WaitRequest) -> Carry | None:
+    def _carry(self, wait: WaitRequest, granted: Claimed) -> Carry | None:
         """The grant, for the main process to hand to the pool with the task, when every path
         was granted on a young proof (the lease: a write to the node, or the create that made
         it, sent less than the lease window ago): the pool process may start on it without
@@ -335,7 +337,7 @@ class Requests:
             return None
         proof = min(proofs)
         wait.carry_until = proof + lease_window(session)
-        return Carry(proof, session, wait.verdict.waited, wait.verdict.tokens)
+        return Carry(proof, session, granted.waited, granted.tokens or {})
 
     def carry_left(self, wait: WaitRequest) -> float:
         """Seconds (monotonic) until a grant carried to the pool can no longer be started on

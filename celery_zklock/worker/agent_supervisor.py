@@ -59,7 +59,7 @@ class AgentProcess:
         self.loglevel = loglevel  # the worker's (-l): the agent's lines are the worker's too
         self.path = socket_path()
         self.maker = os.getpid()  # only this process removes the directory (never a pool process)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.backoff = 0.0  # seconds before the next start, while starts fail (ZooKeeper unreachable)
 
     def start_again(self) -> NotStarted | None:
@@ -80,19 +80,21 @@ class AgentProcess:
         self._own_directory()
         if os.path.exists(self.path):
             os.unlink(self.path)
-        self.proc = subprocess.Popen(
+        proc = self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery_zklock.worker.agent", self.path, str(self.loglevel)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
         )
-        self.proc.stdin.write((json.dumps(to_wire(self.settings)) + "\n").encode())  # may hold credentials: never argv
-        self.proc.stdin.close()
+        stdin, stdout = proc.stdin, proc.stdout
+        assert stdin is not None and stdout is not None  # both PIPE
+        stdin.write((json.dumps(to_wire(self.settings)) + "\n").encode())  # may hold credentials: never argv
+        stdin.close()
         deadline = time.monotonic() + self.settings.connect_timeout + 5.0
         line = b""
         while time.monotonic() < deadline and not line.endswith(b"\n"):
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            ready, _, _ = select.select([stdout], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
-            chunk = os.read(self.proc.stdout.fileno(), 64)
+            chunk = os.read(stdout.fileno(), 64)
             if not chunk:
                 break
             line += chunk
@@ -102,7 +104,7 @@ class AgentProcess:
                 f"celery-zklock: the lock agent did not start (cannot reach ZooKeeper at "
                 f"zklock_hosts={self.settings.hosts!r}?); locked tasks would otherwise run unprotected."
             )
-        self.proc.stdout.close()
+        stdout.close()
         os.environ[ENV] = self.path  # pool processes forked from now on find their agent
 
     def _own_directory(self) -> None:

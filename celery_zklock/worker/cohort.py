@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from itertools import islice, takewhile
 from typing import Any, Callable, Protocol
 
-from ..engine.internals import Attempt, LockInternals, State
 from ..engine import kazoo_compat
+from ..engine.internals import Attempt, LockInternals, State
 from ..engine.kazoo_compat import on_ready
 from ..engine.session import LEASED, WRITTEN, ReleaseOutcome, guaranteed_proof, session_margin
 from ..engine.znodes import NodeKind, exclusive_kind, fencing_token, sequence_of
 from .cohort_rules import fresh, passes_locally, renews, streak_left
-from .wait_queue import WaitQueue
 from .lease_clock import Clock, lease_clock
+from .wait_queue import WaitQueue
 
 
 class CohortHost(Protocol):
@@ -50,7 +50,7 @@ class CohortHost(Protocol):
 class Slot:
     """One contender node of ours for the key, and which of our requests holds through it."""
 
-    attempt: Attempt
+    attempt: Attempt = field(init=False)  # set as the slot is made (its callbacks name the slot)
     holder: Any = None  # the agent's WaitRequest holding through this node, if any
     handing_on: bool = False  # the holder is reserved: granted once the handoff's proof answers
     grants: int = 0  # holders this node has had
@@ -273,7 +273,9 @@ class Cohort:
             slot.since = self.clock()
             if slot.attempt.lk.identifier != wait.identity:  # created for a waiter that left
                 self._prove(slot, rename=wait.identity)
-        token = fencing_token(slot.attempt.czxid, slot.grants)
+        czxid = slot.attempt.czxid
+        assert czxid is not None  # a node that was granted was created
+        token = fencing_token(czxid, slot.grants)
         slot.grants += 1
         slot.holder = wait
         self.host.on_granted(wait, self, slot, token)
@@ -295,7 +297,8 @@ class Cohort:
                     self._prove(slot)
             left = [streak_left(s.grants, s.since or now, now, s.foreign, settings.cohort_handoffs,
                                 settings.cohort_hold) for s in busy]
-            self.host.on_next(self.queue.first(), True, None if None in left else max(left))
+            bounded = [s for s in left if s is not None]
+            self.host.on_next(self.queue.first(), True, max(bounded) if len(bounded) == len(left) else None)
             for slot in busy:
                 if not slot.watching:
                     slot.watching = True
@@ -327,7 +330,7 @@ class Cohort:
     def _new_slot(self) -> Slot:
         # Callbacks only post to the agent's thread (this one), which runs them after this
         # returns: the slot is complete by then.
-        slot = Slot(None)
+        slot = Slot()
         post = self.host.post
         internals = LockInternals(self.host.client, self.path, 1 if self.reads else self.max_holders,
                                   self.queue.first().identity, on_lost=lambda: post(self._slot_lost, slot),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ..engine.znodes import MAX_GRANTS_PER_NODE
 
-
 #: How old (s) the newest proof that a node is ours may be for a local handoff to skip the
 #: round trip.  The proof's strength comes from the session, not from this number: ZooKeeper
 #: expires a session only after hearing nothing from it for the negotiated session timeout,

@@ -28,13 +28,20 @@ a delivery locally without touching Redis (another worker may hold its new deliv
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any, Union
 
 from celery.utils.log import get_logger
+
+if TYPE_CHECKING:
+    from kombu.message import Message
 
 logger = get_logger("celery_zklock.worker")
 
 #: Seconds between this worker's sweeps for lapsed leases (any worker's).
 SWEEP_EVERY = 1.0
+
+#: A delivery's tag: Redis's are strings (kept across a sweep back to the queue), AMQP's numbers.
+Tag = Union[str, int]
 
 
 def redis_channel(channel):
@@ -49,10 +56,10 @@ class HeldLeases:
 
     def __init__(self, lease: float) -> None:
         self.lease = lease
-        self.held: dict[str, tuple[object, float, object]] = {}  # tag -> (channel, monotonic time leased (0: not
+        self.held: dict[Tag, tuple[Any, float, Message]] = {}  # tag -> (channel, monotonic time leased (0: not
         # yet), message): kept until the message is acknowledged, not only while it waits aside
         self.failing = False  # the last renewal failed (logged once until one succeeds)
-        self.fresh: list[str] = []  # tags held since the last renewal_new (it is due while any)
+        self.fresh: list[Tag] = []  # tags held since the last renewal_new (it is due while any)
         self.last_score = 0.0  # the score of the last renewal: each one's is higher
 
     def hold(self, req) -> bool:
@@ -69,7 +76,7 @@ class HeldLeases:
         """Messages held since the last :meth:`renew_new`: it is due."""
         return bool(self.fresh)
 
-    def renew_new(self) -> set[str]:
+    def renew_new(self) -> set[Tag]:
         """Lease the messages held since the last renewal (one transaction for all that came
         in a turn of the event loop): until then a SIGKILL strands them for the timeout."""
         fresh, self.fresh = self.fresh, []
@@ -81,9 +88,11 @@ class HeldLeases:
         self.fresh = []
 
     def let_go(self, req) -> None:
-        self.held.pop(getattr(getattr(req, "message", None), "delivery_tag", None), None)
+        tag = delivery_tag(req)
+        if tag is not None:
+            self.held.pop(tag, None)
 
-    def renew(self, tags=None) -> set[str]:
+    def renew(self, tags: list[Tag] | None = None) -> set[Tag]:
         """Renew the leases of ``tags`` (all held, by default) in one transaction per channel;
         returns the tags Redis no longer holds as unacknowledged (swept back to their queue:
         no longer ours).  On a Redis error nothing is renewed, and nothing is said lost."""
@@ -94,11 +103,11 @@ class HeldLeases:
             tags = list(self.held)
         else:  # a few, on the event loop's hot path: no walk over every held message
             tags = [t for t in tags if t in self.held]
-        by_channel: dict[int, tuple[object, list[str]]] = {}
+        by_channel: dict[int, tuple[Any, list[Tag]]] = {}
         for tag in tags:
             channel = self.held[tag][0]
             by_channel.setdefault(id(channel), (channel, []))[1].append(tag)
-        lost: set[str] = set()
+        lost: set[Tag] = set()
         for channel, group in by_channel.values():
             now = time.monotonic()
             try:
@@ -110,14 +119,14 @@ class HeldLeases:
                 self.failing = True
                 continue
             self.failing = False
-            for tag, score in zip(group, scores):
+            for tag, score in zip(group, scores, strict=True):  # one reply per command
                 if score is None:
                     lost.add(tag)
                 else:
                     self.held[tag] = (channel, now, self.held[tag][2])
         return lost
 
-    def _renew(self, channel, tags: list[str]) -> list:
+    def _renew(self, channel: Any, tags: list[Tag]) -> list[float | None]:
         """One ``ZADD XX CH`` per tag, in one round trip: 1 where the message is still held
         unacknowledged (its score moved), 0 where Redis no longer has it (XX adds nothing).
         Why ZADD and no read: kombu prefixes the keys of the commands it uses itself
@@ -136,9 +145,9 @@ class HeldLeases:
         """May ``req``, held aside, still run here?  Yes if its lease was renewed within half a
         lease, or is renewed now; no if Redis swept it back, or cannot say (its lease then
         lapses and the sweep returns it to its queue: it runs once, elsewhere or here)."""
-        tag = getattr(getattr(req, "message", None), "delivery_tag", None)
-        entry = self.held.get(tag)
-        if entry is None:
+        tag = delivery_tag(req)
+        entry = None if tag is None else self.held.get(tag)
+        if tag is None or entry is None:
             return True  # not a Redis message (or not leased here): the broker's own rules
         if entry[1] and time.monotonic() - entry[1] < self.lease / 2:
             return True
@@ -152,6 +161,11 @@ class HeldLeases:
             channel.qos.restore_visible(start=0, num=getattr(channel, "unacked_restore_limit", None), interval=1)
         except Exception as exc:  # the broker is down: kombu's reconnection deals with it
             logger.debug("celery-zklock: sweep for lapsed leases failed: %r", exc)
+
+
+def delivery_tag(req: Any) -> Tag | None:
+    """The delivery tag of ``req``'s message (None: it has none)."""
+    return getattr(getattr(req, "message", None), "delivery_tag", None)
 
 
 def forget_delivery(req, redelivered_here: bool = False) -> None:

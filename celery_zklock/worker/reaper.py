@@ -11,11 +11,10 @@ If anything fails, the dead child's session timeout remains the bound.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
-
-import logging
 
 # Standard logging and no Celery import: this process starts on the critical path of a
 # handoff (see celery_zklock/__init__.py).
@@ -41,8 +40,8 @@ def reap_nodes(settings: dict, paths: list[str], task_id: str, pid: int, host: s
     """Delete the lock nodes under ``paths`` owned by ``task_id`` in dead ``pid`` on ``host``."""
     from kazoo.exceptions import NoNodeError
 
-    from ..engine.client import connect, disconnect
     from ..config import from_wire
+    from ..engine.client import connect, disconnect
     from ..engine.identity import Identity
 
     deadline = time.monotonic() + wait_dead

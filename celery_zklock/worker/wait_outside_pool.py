@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 from celery.bootsteps import RUN
@@ -32,13 +34,34 @@ from ..options import is_locked_task
 from ..states import stores_waiting
 from . import agent_supervisor
 from .agent_connection import AgentConnection
-from .agent_protocol import (BYPASSED, CARRIED, HEARTBEAT, Bypass, Cancel, Carry, Decided, Dropped, Fence,
-                             FenceAnswer, Finished, Next, Queued, StopWaiting, Unguard, Verdict, Wait, as_wire)
+from .agent_protocol import (
+    BYPASSED,
+    CARRIED,
+    HEARTBEAT,
+    Bypass,
+    Cancel,
+    Carry,
+    Decided,
+    Dropped,
+    Fence,
+    FenceAnswer,
+    Finished,
+    Next,
+    Queued,
+    StopWaiting,
+    Unguard,
+    Verdict,
+    Wait,
+    as_wire,
+)
 from .agent_supervisor import NotStarted
-from .held_lease import SWEEP_EVERY, HeldLeases, forget_delivery, redis_channel
+from .held_lease import SWEEP_EVERY, HeldLeases, delivery_tag, forget_delivery, redis_channel
 from .next_in_line import NextInLine
 from .pool_handoff import handoff_slots, pool_size, run_next
 from .prefetch_window import PrefetchWindow
+
+if TYPE_CHECKING:
+    from celery.worker.request import Request
 
 logger = get_logger("celery_zklock.worker")
 
@@ -62,7 +85,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
 
     label = "zklock wait outside the pool"
 
-    def __init__(self, c, **kwargs):
+    def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
         global _step
         self.c = c
@@ -71,10 +94,11 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         process = agent_supervisor.running()
         self.active = process is not None and getattr(c, "hub", None) is not None
         self.agent = AgentConnection(process, self)
-        self.aside: dict[str, object] = {}  # requests held aside, waiting for a verdict here
+        self.aside: dict[str, Request] = {}  # requests held aside, waiting for a verdict here
         self.expiring: set[str] = set()  # held ids with an ``expires`` (checked every 0.1 s)
         self.counted_waiting: set[str] = set()  # held ids in the zklock_waiting gauge
-        self.parked = NextInLine(c, handoff_slots(c, process.settings) if self.active else 0, self)
+        self.parked = NextInLine(c, handoff_slots(c, process.settings) if process is not None and self.active else 0,
+                                 self)
         self.window = PrefetchWindow(c)
         self.listing = WaitingPaths()
         self.ticks = BeatTicks(c, self.agent, self._lock_or_run, process.settings.beat_fence if process else True)
@@ -90,7 +114,12 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             c.on_close = c.blueprint.on_close = self.on_close
             lost = getattr(c, "on_connection_error_after_connected", None)
             if lost is not None:
-                c.on_connection_error_after_connected = lambda exc: (no_restore_on_a_dead_channel(c), lost(exc))[1]
+
+                def connection_lost(exc: BaseException) -> Any:
+                    no_restore_on_a_dead_channel(c)
+                    return lost(exc)
+
+                c.on_connection_error_after_connected = connection_lost
             _step = self
 
     def ours(self) -> bool:
@@ -150,7 +179,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         if not self.agent.connected or task.acks_late or not req.id or not is_locked_task(task):
             return self.inner(req)
         held = self.aside.get(req.id)
-        if held is not None and _tag(held) == _tag(req):
+        if held is not None and delivery_tag(held) == delivery_tag(req):
             # The same message again: Redis swept the held one back (its lease lapsed while
             # this worker stalled): that delivery is void, this one waits in its place.
             self.aside.pop(req.id)
@@ -187,10 +216,11 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         # not known to wait here.
         self.seq += 1
         req.zklock_seq = self.seq  # this delivery, as the agent knows it (finished, dropped)
-        self.agent.send(Wait(req.id, tuple(paths), self.seq, task.name, task.lock_max_holders, opts.timeout,
-                             str(identity), early=self.parked.slots() > 0, guard=guards.guarded(req),
-                             watched=not behind or watched(req),
-                             **({"read": tuple(sorted(reads)), "readers": pool_size(self.c)} if reads else {})))
+        wait = Wait(req.id, tuple(paths), self.seq, task.name, task.lock_max_holders, opts.timeout, str(identity),
+                    early=self.parked.slots() > 0, guard=guards.guarded(req), watched=not behind or watched(req))
+        if reads:  # at most one read node of ours per pool process
+            wait = replace(wait, read=tuple(sorted(reads)), readers=pool_size(self.c))
+        self.agent.send(wait)
         return True
 
     # ------------------------------------------------------------------ what the agent says
@@ -341,7 +371,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
     def _renew_leases(self, new_only: bool = False) -> None:
         lost = self.leases.renew_new() if new_only else self.leases.renew()
         if lost:
-            for request_id, req in [(i, r) for i, r in self.aside.items() if _tag(r) in lost]:
+            for request_id, req in [(i, r) for i, r in self.aside.items() if delivery_tag(r) in lost]:
                 self.aside.pop(request_id)
                 self.parked.not_waiting(request_id)
                 self._taken_back(request_id, req)
@@ -506,7 +536,7 @@ class BeatTicks:
         self.agent = agent
         self.run = run  # what a tick that may run goes on to (the step's _lock_or_run)
         self.fence = fence  # zklock_beat_fence: a task's own zklock_beat_fence overrides it
-        self.held: dict[str, object] = {}  # key (id#seq: two copies of a tick share an id) -> request
+        self.held: dict[str, Request] = {}  # key (id#seq: two copies of a tick share an id) -> request
 
     def fenced(self, task) -> bool:
         """Do ``task``'s ticks ask the fence?"""
@@ -564,11 +594,6 @@ def no_restore_on_a_dead_channel(c) -> None:
     channel = redis_channel(getattr(getattr(c, "connection", None), "_default_channel", None))
     if channel is not None:
         channel.do_restore = False
-
-
-def _tag(req):
-    """The delivery tag of ``req``'s message (Redis keeps it across a sweep back to the queue)."""
-    return getattr(getattr(req, "message", None), "delivery_tag", None)
 
 
 def returned_to_broker(req) -> bool:

@@ -25,7 +25,6 @@ from celery.utils.log import get_logger
 from celery.worker.request import Request
 
 from .. import metrics
-
 from . import agent_supervisor, wait_outside_pool
 
 logger = get_logger("celery_zklock.worker")
@@ -61,9 +60,11 @@ def _reap_async(request: Request) -> None:
            "host": socket.gethostname()}
     # The job goes through stdin, not argv: it may carry zklock_auth_secret credentials.
     proc = subprocess.Popen([sys.executable, "-m", "celery_zklock.worker.reaper"], stdin=subprocess.PIPE, close_fds=True)
+    stdin = proc.stdin
+    assert stdin is not None  # PIPE
     try:
-        proc.stdin.write(json.dumps(job).encode())
-        proc.stdin.close()
+        stdin.write(json.dumps(job).encode())
+        stdin.close()
     except OSError as exc:
         logger.warning("zklock: could not hand lost task %s to the reaper: %r", request.id, exc)
     _reapers.append(proc)
@@ -152,11 +153,11 @@ def validate_app(app) -> bool:
     ordinary exceptions from signal receivers, which would let a misconfigured worker
     start and run tasks it cannot protect.
     """
-    from ..engine.client import connect, disconnect
     from ..config import load_settings
+    from ..engine.client import connect, disconnect
+    from ..engine.znodes import probe_permissions
     from ..errors import ConfigurationError, LockUnavailable
     from ..options import is_locked_task
-    from ..engine.znodes import probe_permissions
 
     try:
         for hook in before_validation:

@@ -2,14 +2,19 @@
 travel as enums whose values are the stable encoding, and a line that is no message is refused."""
 
 import json
+import threading
+import types
 
 import pytest
+
+from celery_zklock.acquisition import claimed_lock
+from celery_zklock.config import ZkSettings
+from celery_zklock.decision import Outcome
 
 from celery_zklock.engine.attempt.state import Pending
 from celery_zklock.engine.session import PROOFS, ReleaseOutcome
 from celery_zklock.engine.tick_fence import Fenced
 from celery_zklock.worker import agent_protocol
-from celery_zklock.worker.agent_client import as_verdict
 from celery_zklock.worker.agent_protocol import (
     Bypass, Cancel, Carry, Claim, ClaimAnswer, Claimed, Decided, Dropped, Fence, FenceAnswer, Finished, Hello,
     LockState, Next, Ping, ProtocolError, Queued, Release, Released, Role, StopWaiting, Unclaim, Unguard, Verdict,
@@ -143,17 +148,59 @@ def test_a_carried_grant_travels_as_plain_data_and_stands_for_the_claims_answer(
     sends it as JSON); the pool process reads it back, and claims on it as on a grant."""
     info = as_wire(CARRY)
     assert json.loads(json.dumps(info)) == info and from_wire(Carry, info) == CARRY
-    verdict = as_verdict(CARRY.as_claimed("r1"), carried=True)
-    assert verdict["verdict"] == "granted" and verdict["carried"] is True and verdict["held"] is True
-    assert verdict["tokens"] == CARRY.tokens and verdict["session_timeout"] == 10.0 and verdict["waited"] == 0.25
-    assert not verdict["lost"] and verdict["reason"] is None
+    claimed = CARRY.as_claimed("r1")
+    assert claimed.verdict is Verdict.GRANTED and claimed.carried is True and claimed.held is True
+    assert claimed.tokens == CARRY.tokens and claimed.session_timeout == 10.0 and claimed.waited == 0.25
+    assert not claimed.lost and claimed.reason is None
 
 
-def test_a_claims_answer_reads_as_acquisition_reads_it():
+def test_a_claims_answer_off_the_wire_is_never_a_carried_one():
     granted = Claimed("r1", Verdict.GRANTED, waited=0.5, tokens={"/a": 3}, nodes={"/a": "/a/n"}, held=False,
                       reason="ZooKeeper connection suspended", session_timeout=4.0)
-    verdict = as_verdict(granted)
-    assert Verdict(verdict["verdict"]) is Verdict.GRANTED and "carried" not in verdict
-    assert (verdict["held"], verdict["lost"], verdict["reason"]) == (False, False, "ZooKeeper connection suspended")
-    timed_out = as_verdict(Claimed("r1", Verdict.TIMEOUT, waited=2.0, holders=["w2"]))
-    assert timed_out["holders"] == ["w2"] and timed_out["waited"] == 2.0
+    assert decode(encode(granted)) == granted and not granted.carried
+    assert "carried" not in as_wire(granted)
+
+
+class _Link:
+    """What an AgentLock reads of its link: alive, heard just now."""
+
+    def __init__(self):
+        self._guard, self._locks, self._early, self.alive = threading.Lock(), {}, {}, True
+
+    def reading_needed(self):
+        pass
+
+    def silent_for(self):
+        return 0.0
+
+
+SETTINGS = ZkSettings(session_timeout=9.0)
+
+
+@pytest.mark.parametrize("answer, outcome, waited, holders, error", [
+    (Claimed("r1", Verdict.TIMEOUT, waited=2.0, holders=["w2"]), Outcome.TIMED_OUT, 2.0, ["w2"], None),
+    (Claimed("r1", Verdict.UNAVAILABLE, error="no quorum"), Outcome.UNAVAILABLE, 0.0, None, "no quorum"),
+    (Claimed("r1", Verdict.UNAVAILABLE), Outcome.UNAVAILABLE, 0.0, None, "the lock agent could not reach ZooKeeper"),
+    (Claimed("r1", Verdict.REVOKED, waited=1.0), Outcome.REVOKED, 1.0, None, None),
+    (Claimed("r1", Verdict.SHUTDOWN), Outcome.SHUTDOWN, 0.0, None, None),
+])
+def test_a_claims_answer_that_is_no_grant_reads_as_its_outcome(answer, outcome, waited, holders, error):
+    decision = claimed_lock(None, (_Link(), answer), SETTINGS, lambda lock: None)
+    assert (decision.outcome, decision.waited, decision.holders, decision.lock) == (outcome, waited, holders, None)
+    assert (None if decision.error is None else str(decision.error)) == error
+
+
+@pytest.mark.parametrize("answer, suspended, carried, grace", [
+    (Claimed("r1", Verdict.GRANTED, waited=0.5, tokens={"/a": 3}, held=False,
+             reason="ZooKeeper connection suspended", session_timeout=4.0),
+     "ZooKeeper connection suspended", False, 4.0 / 3),
+    (CARRY.as_claimed("r1"), None, True, 3.0),
+    (Claimed("r1", Verdict.GRANTED, tokens={"/a": 3}, held=True), None, False, 3.0),
+])
+def test_a_granted_claims_answer_is_held_as_it_says(answer, suspended, carried, grace):
+    task = types.SimpleNamespace(request=types.SimpleNamespace(id="r1", retries=0, delivery_info={}))
+    decision = claimed_lock(task, (_Link(), answer), SETTINGS, lambda lock: None)
+    lock = decision.lock
+    assert decision.outcome is Outcome.GRANTED and decision.waited == (answer.waited or 0.0)
+    assert (lock.tokens, lock.suspended_reason, lock.carried) == (answer.tokens, suspended, carried)
+    assert lock.grace == pytest.approx(grace) and decision.confirm_within == 10.0 and decision.copies is None

@@ -50,15 +50,15 @@ def test_the_lease_follows_the_negotiated_session_timeout(short_client):
 
 
 @pytest.mark.parametrize(
-    "requested, verdict, grace, why",
+    "requested, granted, grace, why",
     [
-        (9.0, {"session_timeout": 0.6}, 0.2, "the server granted less: a third of that"),
-        (9.0, {"session_timeout": 30.0}, 3.0, "granted more: the request still bounds it"),
-        (9.0, {}, 3.0, "an agent that does not say: a third of the request"),
+        (9.0, 0.6, 0.2, "the server granted less: a third of that"),
+        (9.0, 30.0, 3.0, "granted more: the request still bounds it"),
+        (9.0, None, 3.0, "an agent that does not say: a third of the request"),
     ],
 )
-def test_silence_grace(requested, verdict, grace, why):
-    assert agent_client.silence_grace(requested, verdict) == pytest.approx(grace), why
+def test_silence_grace(requested, granted, grace, why):
+    assert agent_client.silence_grace(requested, granted) == pytest.approx(grace), why
 
 
 def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(short_session_server, tmp_path,
@@ -75,10 +75,10 @@ def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(sh
         answer(main, Verdict.GRANTED, "r1")
         monkeypatch.setenv(ENV, agent.path)
         monkeypatch.setattr(agent_client, "_link", None)
-        link, verdict = agent_client.claim("r1", 5.0)
-        assert verdict["verdict"] == "granted"
-        assert verdict["session_timeout"] == pytest.approx(0.4)
-        assert agent_client.silence_grace(10.0, verdict) == pytest.approx(0.4 / 3)
+        link, claimed = agent_client.claim("r1", 5.0)
+        assert claimed.verdict is Verdict.GRANTED
+        assert claimed.session_timeout == pytest.approx(0.4)
+        assert agent_client.silence_grace(10.0, claimed.session_timeout) == pytest.approx(0.4 / 3)
         link.conn.send(Release("r1"))
         main.close()
     finally:

@@ -371,7 +371,7 @@ class Attempt:
             self.client.handler.spawn(self.lk.on_lost)
 
     # ------------------------------------------------------------------ 6. release
-    def release(self):
+    def release(self) -> tuple[bool, Any]:
         """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node,
         :attr:`~celery_zklock.engine.session.ReleaseOutcome.EXPIRED`, or the guaranteed delete's async result."""
         with self.mutex:
