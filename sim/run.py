@@ -144,6 +144,15 @@ SCENARIOS = {
                                 "rw": {"beside_workers": True, "readers": ("ours", "kazoo"), "writers": ("ours",)},
                                 "plan": [("partition", 1.0, 0.5, 0), ("rw-partition", 2.0, 1.5), ("delete", 3.0, 0.0),
                                          ("rw-drop", 3.5, 0.0), ("pause", 4.0, 0.5, 0)]},
+    # Two workers and a peer on one hot key; eight times a run, the server applies one
+    # worker's create of a node and the connection breaks before the reply leaves (a ghost);
+    # kazoo goes straight on to the ensemble's next server, connected again within the
+    # session a round trip later, while the completion thread waits a GIL switch interval:
+    # the attempt hears CONNECTED with its create still in flight, its ConnectionLoss not yet
+    # read.  That failure, not the reconnection, must decide what comes next (a look for the
+    # ghost), or the create is sent twice and both nodes are taken.
+    "create-reply-lost": {"workers": 2, "pools": 2, "keys": 1, "rate": 40.0, "peers": 1, "session": 3.0,
+                          "plan": [("create-reply-lost", 0.4 + 0.7 * i, 0.0) for i in range(8)]},
 }
 
 #: Scenarios run with --scenario only (none now: the held-aside stalls joined SCENARIOS once
@@ -413,6 +422,12 @@ class Run:
         elif kind == "drop-read":
             world.log(f"fault: {worker.client.name}'s connection to drop at its next read of a key's queue")
             worker.client.drop_on_send = (("children", True),)  # a read that sets a child watch
+        elif kind == "create-reply-lost":
+            # The server applies the worker's next create of a node (not a container) and the
+            # connection breaks before its reply leaves; the client is connected again at once
+            # (sim/zk.py:SimClient.broke): a ghost node, its create still in flight at CONNECTED.
+            world.log(f"fault: {worker.client.name}'s connection to break once its next create is applied")
+            worker.client.break_on_apply = (("create", False),)
         elif kind == "main-paused-cut-off":
             # The worker's main process stopped while its agent is cut off from ZooKeeper past
             # the session: a grant the agent made on its lease just before reaches a pool

@@ -85,6 +85,11 @@ class Thread:
         self.scheduled = False
         self.gap = gap
         self.rng = self.world.rng(self.name)
+        self.not_before = 0.0  # descheduled until then (a fault: another thread has the CPU or the GIL)
+
+    def late(self, seconds: float) -> None:
+        """The thread gets no CPU for ``seconds`` from now (its process's other threads run)."""
+        self.not_before = max(self.not_before, self.world.now + seconds)
 
     def put(self, fn: Callable, *args) -> None:
         if not self.proc.alive:
@@ -97,6 +102,10 @@ class Thread:
     def _run_one(self) -> None:
         self.scheduled = False
         if not self.items or not self.proc.alive:
+            return
+        if self.world.now < self.not_before:
+            self.scheduled = True
+            self.world.at(self.not_before, self.name, self._run_one, proc=self.proc)
             return
         fn, args = self.items.popleft()
         if self.items:

@@ -5,7 +5,8 @@ ephemeral, sequential and container nodes; czxid/mzxid/zxid; one-shot data, exis
 child watches; ``multi`` all or nothing in one zxid (a ``check`` in it fires no watch);
 replies and watch events in FIFO order per session; session expiry only after the *negotiated* timeout of silence, on the
 server's clock; a lost connection whose in-flight requests may have been applied with
-their replies lost; leader failover; a server-side delete by an operator.
+their replies lost (or one that breaks just after the server applies a given request);
+leader failover; a server-side delete by an operator.
 
 The client is a :class:`kazoo.client.KazooClient` (the engine checks that) whose requests
 go to the simulated server instead of a socket.  Results are kazoo's own ``AsyncResult``,
@@ -36,6 +37,11 @@ from .world import Proc, Thread, World
 from .zk_server import TICK, Server, ServerSession, parent_of
 
 
+#: CPython's default switch interval (``sys.getswitchinterval()``): how long a thread may
+#: wait for the GIL while another thread of its process runs.
+GIL_SWITCH = 0.005
+
+
 # --------------------------------------------------------------------------- the wire
 class Link:
     """One client's connection: requests up, replies and watch events down, FIFO each way.
@@ -61,11 +67,20 @@ class Link:
         self.held_down: list = []
         self.down: deque = deque()  # [item, delivered] in flight to the client, in order
         self.up: deque = deque()  # [request, arrived] in flight to the server, in order
+        # A fault (SimClient.break_on_apply): the connection breaks once the server has
+        # applied this request, before its reply leaves: that reply, and whatever else is
+        # still on its way to the client, is lost.
+        self.breaks_after: Request | None = None
+        self.broken = False
         session.link = self
 
     def _latency(self) -> float:
         r = self.rng.random()
         return 0.0002 + (0.002 if r < 0.9 else 0.02) * self.rng.random()
+
+    def round_trip(self) -> float:
+        """A connect's round trip: a request's latency each way."""
+        return self._latency() + self._latency()
 
     def heard_by_server(self) -> bool:
         return self.open and not self.client.partitioned and not self.client.proc.frozen() and self.client.proc.alive
@@ -91,7 +106,7 @@ class Link:
         if not self._arrived(self.up, entry):
             return
         item = entry[0]
-        if not self.open:
+        if not self.open or self.broken:
             return
         if self.client.partitioned:
             self.held_up.append(item)
@@ -106,6 +121,10 @@ class Link:
         except Exception as exc:  # the request's own error
             value, error = None, exc
         self.session.last_heard = self.world.now
+        if request is self.breaks_after:
+            self.breaks_after, self.broken = None, True
+            self.client.broke(self)
+            return
         self.to_client(("reply", request, value, error))
 
     def to_client(self, item) -> None:
@@ -119,7 +138,7 @@ class Link:
         if not self._arrived(self.down, entry):
             return
         item = entry[0]
-        if not self.open:
+        if not self.open or self.broken:
             return
         if self.client.partitioned:
             self.held_down.append(item)
@@ -132,14 +151,14 @@ class Link:
         reaches the server now, and every reply and event before and including its reply
         reaches the client, as kazoo's connection thread would deliver them meanwhile.  The
         race ``kazoo_compat.on_ready`` exists for.  FIFO holds both ways."""
-        if (not self.open or self.client.partitioned or self.client.conn_thread.items or not self.server.up
-                or not self.session.alive):
+        if (not self.open or self.broken or self.client.partitioned or self.client.conn_thread.items
+                or not self.server.up or not self.session.alive):
             return False
         if self.up:
             entry = self.up[0]
             self._arrived(self.up, entry)
             self._apply(entry[0])
-        if not self.down or self.down[-1][0][0] != "reply":
+        if self.broken or not self.down or self.down[-1][0][0] != "reply":
             return False
         while self.down:
             entry = self.down[0]
@@ -412,6 +431,10 @@ class SimClient(KazooClient):
         # A fault: the connection drops right after the next request of these (op, watch) is
         # sent (its reply never comes: ConnectionLoss), then comes back within the session.
         self.drop_on_send: tuple = ()
+        # A fault: the connection breaks just after the server applies the next request of
+        # these (op, last field), before its reply is on its way (Link.breaks_after), and is
+        # made again at once (_back_at_once).
+        self.break_on_apply: tuple = ()
         zk_session.monitor_for(self, timers=SimTimers(world, proc, self.handler))
         self._connect()
         world.at(world.now + TICK, f"{name}.zk-tick", self.conn_thread.put, self._tick, proc=proc)
@@ -497,6 +520,24 @@ class SimClient(KazooClient):
         if self.connected and not self.closed:
             self.last_trouble = self.world.now
             self._teardown()
+
+    def broke(self, link: Link) -> None:
+        """Our connection broke just after the server applied a request (Link.breaks_after).
+        kazoo's connection thread sees it, fails what is pending, and goes straight on to the
+        ensemble's next server (its ``_connect_loop`` tries each host before any retry's
+        sleep): connected again within the session a connect's round trip later, while the
+        completion thread waits a GIL switch interval.  The CONNECTED listeners then run
+        before any failed request's callback has."""
+        self.world.log(f"{self.name}: connection broken after the server applied a request, its reply lost")
+        self.handler.completion_queue.thread.late(GIL_SWITCH)
+        self.world.at(self.world.now, f"{self.name}.drop", self.conn_thread.put, self._dropped, proc=self.proc)
+        self.world.at(self.world.now + link.round_trip(), f"{self.name}.drop", self.conn_thread.put,
+                      self._back_at_once, proc=self.proc)
+
+    def _back_at_once(self) -> None:
+        if not self.connected and not self.closed and not self.partitioned and self.server.up:
+            self.world.log(f"{self.name}: connected again at once, to another server")
+            self._reconnect()
 
     def _teardown(self) -> None:
         """The connection is gone (kazoo: CONNECTING): in-flight requests fail with
@@ -587,6 +628,9 @@ class SimClient(KazooClient):
             self.drop_on_send = ()
             self.world.log(f"{self.name}: connection drops, a {request.op[0]} request just sent")
             self.world.at(self.world.now, f"{self.name}.drop", self.conn_thread.put, self._dropped, proc=self.proc)
+        if (request.op[0], request.op[-1]) in self.break_on_apply:
+            self.break_on_apply = ()
+            self.link.breaks_after = request
 
     def _receive(self, link: Link, item) -> None:
         if link is not self.link or not link.open:

@@ -104,6 +104,16 @@ def _mutant_in_scenario(name: str, scenario: str, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+def test_a_create_in_flight_at_a_reconnection_is_found_in_its_scenario(tmp_path):
+    """A create whose reply is lost with its connection, the connection made again at once
+    (kazoo's next server) before the completion thread reads the failure: random seeds seldom
+    reach that window, the scenario create-reply-lost does at every seed.  The attempt must
+    wait for the create's own failure, not send it again at CONNECTED (ghost-twice)."""
+    done = _mutant_in_scenario("ghost-twice", "create-reply-lost", tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "VIOLATION at seed 1 (scenario create-reply-lost)" in done.stdout, done.stdout[:3000]
+
+
 @pytest.mark.parametrize("name,scenario,says", [
     ("reader-ignores-writer", "readers-writers", "(exclusive) queues ahead of it|a write hold overlaps reads"),
     ("writer-watches-like-a-reader", "readers-writers", "after it became first in line|(a writer) starved"),
