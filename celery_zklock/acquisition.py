@@ -4,7 +4,7 @@ the worker's lock agent, which waited for it before the pool got the request.
 Why apart from the wrapper: each way has its own hazards — a node left behind on any
 exception, a redelivered copy queued behind its original, a grant that is no longer safe
 by the time the pool process claims it.  Each returns a
-:class:`~celery_zklock.decision.Decision` and applies no policy: that, and prerun, is
+:class:`~celery_zklock.decision.LockDecision` and applies no policy: that, and prerun, is
 :func:`celery_zklock.decision.act`.  Functions of the running
 :class:`celery_zklock.task.ZkLockedTask`.
 """
@@ -19,7 +19,7 @@ from kazoo.exceptions import ConnectionClosedError
 
 from . import lock_waiting, outcomes
 from .config import ZkSettings
-from .decision import OF_VERDICT, Decision, Outcome, in_process
+from .decision import OF_VERDICT, LockDecision, Outcome, in_process
 from .engine.client import get_client
 from .engine.identity import Identity
 from .engine.lock import FairLock, MultiLock
@@ -34,7 +34,7 @@ logger = task_logger()
 
 
 def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: list[str], on_lost,
-                    started: float, give_back: bool = False, read_paths: frozenset[str] = frozenset()) -> Decision:
+                    started: float, give_back: bool = False, read_paths: frozenset[str] = frozenset()) -> LockDecision:
     """Wait for the lock in this process: held, or not (timed out, unavailable, given back).
 
     With ``give_back`` (a pool process of a worker whose lock agent queues for the same keys:
@@ -46,7 +46,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
     try:
         client = get_client(opts)
     except LockUnavailable as exc:
-        return Decision(Outcome.UNAVAILABLE, 0.0, error=exc)
+        return LockDecision(Outcome.UNAVAILABLE, 0.0, error=exc)
 
     identity = Identity.of_this_process(
         task_id=req.id, retries=req.retries or 0, task=task.name, worker=req.hostname,
@@ -83,7 +83,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
                         else copies.acquire(lock, opts.timeout, task.lock_max_holders > 1 or bool(read_paths)))
         except ConnectionClosedError as exc:  # the client closed for good (get_client replaces it next)
             lock.release()
-            return Decision(Outcome.UNAVAILABLE, time.monotonic() - started,
+            return LockDecision(Outcome.UNAVAILABLE, time.monotonic() - started,
                             error=LockUnavailable(f"could not wait for lock {label!r}: {exc}"))
         finally:
             if said[0]:
@@ -91,12 +91,12 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
         waited = time.monotonic() - started
         outcome = in_process(acquired, give_back, client.connected)
         if outcome is Outcome.GRANTED:
-            return Decision(outcome, waited, lock=lock, said_waiting=said[0], copies=copies, own_node=True)
+            return LockDecision(outcome, waited, lock=lock, said_waiting=said[0], copies=copies, own_node=True)
         if outcome is Outcome.UNAVAILABLE:
             error = LockUnavailable(f"lost the ZooKeeper connection while waiting for lock {label!r}")
-            decision = Decision(outcome, waited, error=error)
+            decision = LockDecision(outcome, waited, error=error)
         else:
-            decision = Decision(outcome, waited, holders=_holders(lock) if outcome is Outcome.TIMED_OUT else None)
+            decision = LockDecision(outcome, waited, holders=_holders(lock) if outcome is Outcome.TIMED_OUT else None)
         lock.release()  # nothing held: a failed acquire deleted its nodes (this lets go of the rest)
         return decision
     except BaseException:
@@ -105,7 +105,7 @@ def lock_in_process(task, req, direct: bool, opts: ZkSettings, label, paths: lis
 
 
 def claimed_lock(task, claimed: tuple[agent_client.AgentClient, Claimed], opts: ZkSettings,
-                 on_lost: Callable[[agent_client.AgentLock], None]) -> Decision:
+                 on_lost: Callable[[agent_client.AgentLock], None]) -> LockDecision:
     """The lock the worker's agent took for this request, or its other verdict: the one
     reader of the claim's answer (``agent_client.claim``: the agent's link and its answer,
     which is a verdict: neither ``pending`` nor ``unknown``)."""
@@ -113,12 +113,12 @@ def claimed_lock(task, claimed: tuple[agent_client.AgentClient, Claimed], opts: 
     outcome = OF_VERDICT[Verdict(answer.verdict)]
     waited = float(answer.waited or 0.0)
     if outcome is Outcome.TIMED_OUT:
-        return Decision(outcome, waited, holders=answer.holders)
+        return LockDecision(outcome, waited, holders=answer.holders)
     if outcome is Outcome.UNAVAILABLE:
-        return Decision(outcome, waited,
+        return LockDecision(outcome, waited,
                         error=LockUnavailable(answer.error or "the lock agent could not reach ZooKeeper"))
     if outcome is not Outcome.GRANTED:
-        return Decision(outcome, waited)
+        return LockDecision(outcome, waited)
     req = task.request
     grace = agent_client.silence_grace(opts.session_timeout, answer.session_timeout)
     lock = agent_client.AgentLock(link, req.id, answer.tokens or {}, grace=grace,
@@ -127,7 +127,7 @@ def claimed_lock(task, claimed: tuple[agent_client.AgentClient, Claimed], opts: 
     # acknowledgement lost with a connection) and run: a redelivered copy must not run it again.
     flagged = redelivered(req)
     copies = Redelivery(task, None, req.id, req.retries or 0, enabled=flagged, flagged=flagged) if flagged else None
-    return Decision(outcome, waited, lock=lock, copies=copies, confirm_within=opts.session_timeout + 1.0)
+    return LockDecision(outcome, waited, lock=lock, copies=copies, confirm_within=opts.session_timeout + 1.0)
 
 
 def _holders(lock) -> list[str | None] | None:

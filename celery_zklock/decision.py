@@ -6,7 +6,7 @@ process (:mod:`celery_zklock.acquisition`) — and both must end the same way: p
 once, STARTED stored again after LOCK_WAITING, a grant checked before its body (confirmed,
 not a copy whose first delivery finished), or the outcome's policy applied
 (:mod:`celery_zklock.outcomes`), and the enqueue guard started or ended.  So each way
-returns a :class:`Decision` and applies nothing; :func:`act` does the rest, in that order.
+returns a :class:`LockDecision` and applies nothing; :func:`act` does the rest, in that order.
 Which outcome follows which verdict or condition are pure functions (tests/test_decision.py).
 """
 
@@ -42,7 +42,7 @@ class Outcome(str, enum.Enum):
     DUPLICATE = "duplicate"  # a redelivered copy whose first delivery finished: not run again
 
 
-class Guard(enum.Enum):
+class GuardOwner(enum.Enum):
     """Whose the call's enqueue guard (``lock_enqueue``) is, and so who ends it."""
 
     NONE = "none"  # none here: a direct call, a nested one (the outer's), or no wait began
@@ -51,7 +51,7 @@ class Guard(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Decision:
+class LockDecision:
     """What a wait decided, with what acting on it needs."""
 
     outcome: Outcome
@@ -78,7 +78,7 @@ class Taken(NamedTuple):
     lock: Any
     waited: float
     result: Any = None
-    guard: Guard = Guard.NONE
+    guard: GuardOwner = GuardOwner.NONE
 
 
 # ------------------------------------------------------------------ the pure rules
@@ -105,7 +105,7 @@ def in_process(acquired: bool, give_back: bool, connected: bool) -> Outcome:
     return Outcome.TIMED_OUT
 
 
-def guard_end(guard: Guard, decided: Outcome | None, raised: BaseException | None) -> str | None:
+def guard_end(guard: GuardOwner, decided: Outcome | None, raised: BaseException | None) -> str | None:
     """Why this process ends the call's enqueue guard, the run ending unrun (``decided``:
     the wait's outcome, None when the wait failed; ``raised``: what ends it, None when a
     policy returned); None when the guard is not ended here.  A retry or a request given
@@ -113,9 +113,9 @@ def guard_end(guard: Guard, decided: Outcome | None, raised: BaseException | Non
     if isinstance(raised, (Retry, outcomes.GivenBack)):
         return None
     ending = "skipped" if raised is None else type(raised).__name__
-    if guard is Guard.RUN:
+    if guard is GuardOwner.RUN:
         return "not run" if raised is None else ending
-    if guard is Guard.VERDICT and decided in (Outcome.TIMED_OUT, Outcome.UNAVAILABLE):
+    if guard is GuardOwner.VERDICT and decided in (Outcome.TIMED_OUT, Outcome.UNAVAILABLE):
         return f"{decided.value}: {ending}"
     return None
 
@@ -141,17 +141,17 @@ def reentry(outer_paths, outer_read_paths, paths, read_paths, reentrant: bool) -
 
 
 # ------------------------------------------------------------------ acting on a decision
-def act(task, opts: ZkSettings, label: Any, direct: bool, claim: Callable[[], Decision | None],
-        wait_here: Callable[[], Decision], guard_here: Guard) -> Taken:
+def act(task, opts: ZkSettings, label: Any, direct: bool, claim: Callable[[], LockDecision | None],
+        wait_here: Callable[[], LockDecision], guard_here: GuardOwner) -> Taken:
     """Get the call's lock: the agent's verdict (``claim``, None when it has none for this
     request), else a wait here (``wait_here``, whose enqueue guard is ``guard_here``); then,
     in this order, prerun, STARTED again after LOCK_WAITING, a grant's checks, the outcome's
     policy and the enqueue guard's start or end."""
-    guard, decided = Guard.NONE, None
+    guard, decided = GuardOwner.NONE, None
     try:
         try:
             claimed = claim()
-            guard = Guard.VERDICT if claimed is not None else guard_here
+            guard = GuardOwner.VERDICT if claimed is not None else guard_here
             decision = claimed if claimed is not None else wait_here()
             decided = decision.outcome
         except BaseException as exc:  # the wait failed: the run ends unrun
@@ -175,7 +175,7 @@ def act(task, opts: ZkSettings, label: Any, direct: bool, claim: Callable[[], De
     return Taken(decision.lock, decision.waited, None, guard)
 
 
-def _before_run(task, decision: Decision, opts: ZkSettings, label: Any, direct: bool, guard: Guard) -> Decision:
+def _before_run(task, decision: LockDecision, opts: ZkSettings, label: Any, direct: bool, guard: GuardOwner) -> LockDecision:
     """A grant, up to its body: GRANTED still, or not run after all (its lock let go)."""
     lock = decision.lock
     if decision.said_waiting and not direct and stores_waiting(task):
@@ -195,7 +195,7 @@ def _before_run(task, decision: Decision, opts: ZkSettings, label: Any, direct: 
     if decision.copies is not None and decision.copies.finished_elsewhere():
         lock.release()
         return replace(decision, outcome=Outcome.DUPLICATE, lock=None)
-    if guard is Guard.RUN:
+    if guard is GuardOwner.RUN:
         # Its enqueue guard ends (or moves) before the body runs; if ZooKeeper cannot, the
         # body does not run: that guard would swallow the work published during the run.
         try:
@@ -206,7 +206,7 @@ def _before_run(task, decision: Decision, opts: ZkSettings, label: Any, direct: 
     return decision
 
 
-def _apply(task, decision: Decision, opts: ZkSettings, label: Any, direct: bool) -> Any:
+def _apply(task, decision: LockDecision, opts: ZkSettings, label: Any, direct: bool) -> Any:
     """The outcome's policy: nothing for a grant; the timeout and unavailable policies
     (retry, skip or fail); the others end the run unrun (they raise)."""
     outcome = decision.outcome

@@ -24,7 +24,7 @@ class LockPart(Protocol):
     def lost_reason(self) -> str | None: ...
 
 
-class Hold(Protocol):
+class Holding(Protocol):
     """What a locked run holds: a :class:`~celery_zklock.engine.lock.FairLock` or
     :class:`~celery_zklock.engine.lock.MultiLock` (waited for in the process), the agent's
     :class:`~celery_zklock.worker.agent_client.AgentLock`, or a :class:`NestedLock`."""
@@ -44,7 +44,7 @@ class HeldLock:
     keys: list[str]
     paths: list[str]
     tokens: dict[str, int]
-    _lock: Hold = field(repr=False)
+    _lock: Holding = field(repr=False)
     #: Seconds this run waited for its lock (wherever it waited: the worker's agent or here).
     wait: float = 0.0
     #: When the lock was granted (``time.time()``): the run's real start, and prerun's time.
@@ -98,7 +98,7 @@ def current_lock() -> HeldLock:
 class NestedLock:
     """A nested call's hold: the outer's keys (never released here) and the ones it took."""
 
-    def __init__(self, outer: Hold, taken: Hold) -> None:
+    def __init__(self, outer: Holding, taken: Holding) -> None:
         self.outer, self.taken = outer, taken
 
     @property
@@ -120,5 +120,5 @@ def tokens_of(lock: Any) -> dict[str, int]:
     return dict(tokens) if tokens is not None else {lock.path: lock.token}
 
 
-def lost_reason_of(lock: Hold) -> str | None:
+def lost_reason_of(lock: Holding) -> str | None:
     return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)

@@ -25,7 +25,7 @@ from celery import Task
 
 from . import acquisition, by_config, config, decision, enqueue, outcomes, prerun, signals
 from .config import ZkSettings, cached_settings, load_settings
-from .decision import Guard, Reentry
+from .decision import GuardOwner, Reentry
 from .errors import LockLost, LockReentered, LockUpgradeRefused
 from .held import CURRENT, HeldLock, LockPart, NestedLock, current_lock, lost_reason_of, tokens_of
 from .interrupts import RunState
@@ -196,13 +196,13 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
                 give_back=(nested is None and not direct and not self.acks_late and bool(req.id)
                            and agent_client.beside_agent()),
                 read_paths=call.read_paths),
-            guard_here=Guard.RUN if nested is None and not direct else Guard.NONE)
+            guard_here=GuardOwner.RUN if nested is None and not direct else GuardOwner.NONE)
         if taken.lock is None:
             return taken.result  # not run: the policy's value
         return self._run_holding(call, nested, taken, run_state)
 
     def _claimed(self, call: "Call", nested: "Nested | None",
-                 on_lost: Callable[[LockPart], None]) -> "decision.Decision | None":
+                 on_lost: Callable[[LockPart], None]) -> "decision.LockDecision | None":
         """The agent's verdict on this request; None when there is none to claim (a direct,
         nested or acks_late call, or another delivery of its id waits in the agent): the
         lock is waited for here."""
@@ -217,7 +217,7 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
     def _run_holding(self, call: "Call", nested: "Nested | None", taken: decision.Taken, run_state: RunState) -> Any:
         """Run the body with the hold set as :func:`current_lock`; release with the proof."""
         req, opts, paths, label, lock, waited = call.req, call.opts, call.paths, call.label, taken.lock, taken.waited
-        guarded = taken.guard is Guard.RUN  # started before the body: it ends after it
+        guarded = taken.guard is GuardOwner.RUN  # started before the body: it ends after it
         tokens = tokens_of(lock)
         if nested is not None:  # keys the outer holds keep its tokens; the lock is both
             tokens = {**{p: nested.outer.tokens[p] for p in paths if p in nested.outer.tokens}, **tokens}

@@ -21,7 +21,7 @@ from celery_zklock.engine.kazoo_compat import on_ready
 from celery_zklock.engine.znodes import NodeKind
 from celery_zklock.worker.agent import Agent
 from celery_zklock.worker.agent_protocol import (HEARTBEAT, Bypass, Cancel, Claim, ClaimAnswer, Claimed, Decided,
-                                                 Finished, Hello, LockState, Next, Ping, Release, Released, Role,
+                                                 Finished, Hello, LockState, Next, Ping, Release, Released, PeerRole,
                                                  StopWaiting, Unclaim, Verdict, Wait)
 from celery_zklock.worker.agent_client import starts_on_carried
 from celery_zklock.worker.pool_handoff import Early, hand_over_early
@@ -208,7 +208,7 @@ class MainProcess:
         self.rng = self.world.rng(self.proc.name)
         self.peer = worker.connect(self, "main")
         worker.agent.peers.add(self.peer)
-        self.to_agent.send(Hello(Role.MAIN))
+        self.to_agent.send(Hello(PeerRole.MAIN))
         self.requests: dict[str, dict] = {}
         self.backlog: deque = deque()  # decided or next in line, waiting for a free pool process
         self.early: set[str] = set()  # handed to the pool while next in line

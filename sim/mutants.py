@@ -394,8 +394,8 @@ MUTANTS = [
            "process takes it (its ack): one granted while every process is busy waits in the pool's queue unleased, "
            "is swept back, delivered again and run twice (found by a real-broker test first: Redis out of reach twice)",
            "worker/wait_outside_pool.py",
-           "            metrics.record(\"waited\", req.task)\n\n    def _taken_back(",
-           "            metrics.record(\"waited\", req.task)\n        self.leases.let_go(req)\n\n    def _taken_back(",
+           "            lock_waiting.ended(req.task)\n\n    def _taken_back(",
+           "            lock_waiting.ended(req.task)\n        self.leases.let_go(req)\n\n    def _taken_back(",
            killer="tests/worker/test_held_aside.py::test_repeated_broker_outages_while_tasks_run_lose_nothing[redis]"),
     # Broker reconnections and RabbitMQ (issue 59 item 6, scenarios held-aside-reconnect and
     # held-aside-rabbitmq-cut):

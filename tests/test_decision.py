@@ -9,7 +9,7 @@ import pytest
 from celery.exceptions import Ignore, Retry
 
 from celery_zklock import decision, outcomes
-from celery_zklock.decision import Decision, Guard, Outcome, Reentry, guard_end, in_process, reentry
+from celery_zklock.decision import LockDecision, GuardOwner, Outcome, Reentry, guard_end, in_process, reentry
 from celery_zklock.errors import LockTimeout, LockUnavailable
 from celery_zklock.worker.agent_protocol import Verdict
 
@@ -40,28 +40,28 @@ class Odd(Exception):
 
 @pytest.mark.parametrize("guard, decided, raised, why", [
     # no guard here: never ended
-    (Guard.NONE, None, Odd(), None),
-    (Guard.NONE, Outcome.TIMED_OUT, None, None),
+    (GuardOwner.NONE, None, Odd(), None),
+    (GuardOwner.NONE, Outcome.TIMED_OUT, None, None),
     # waited here: every unrun ending ends it, but a retry or a request given back carries it on
-    (Guard.RUN, None, Odd(), "Odd"),
-    (Guard.RUN, Outcome.TIMED_OUT, None, "not run"),
-    (Guard.RUN, Outcome.TIMED_OUT, LockTimeout("k", 1.0), "LockTimeout"),
-    (Guard.RUN, Outcome.UNAVAILABLE, LockUnavailable("x"), "LockUnavailable"),
-    (Guard.RUN, Outcome.UNAVAILABLE, Retry(), None),
-    (Guard.RUN, Outcome.GIVEN_BACK, outcomes.GivenBack(), None),
-    (Guard.RUN, Outcome.GRANTED, Ignore(), "Ignore"),  # a copy whose first delivery finished
-    (Guard.RUN, Outcome.GRANTED, LockUnavailable("x"), "LockUnavailable"),  # the guard could not start
+    (GuardOwner.RUN, None, Odd(), "Odd"),
+    (GuardOwner.RUN, Outcome.TIMED_OUT, None, "not run"),
+    (GuardOwner.RUN, Outcome.TIMED_OUT, LockTimeout("k", 1.0), "LockTimeout"),
+    (GuardOwner.RUN, Outcome.UNAVAILABLE, LockUnavailable("x"), "LockUnavailable"),
+    (GuardOwner.RUN, Outcome.UNAVAILABLE, Retry(), None),
+    (GuardOwner.RUN, Outcome.GIVEN_BACK, outcomes.GivenBack(), None),
+    (GuardOwner.RUN, Outcome.GRANTED, Ignore(), "Ignore"),  # a copy whose first delivery finished
+    (GuardOwner.RUN, Outcome.GRANTED, LockUnavailable("x"), "LockUnavailable"),  # the guard could not start
     # claimed: the agent's, left here with a timeout or unavailable verdict only
-    (Guard.VERDICT, None, Odd(), None),
-    (Guard.VERDICT, Outcome.TIMED_OUT, None, "timeout: skipped"),
-    (Guard.VERDICT, Outcome.TIMED_OUT, LockTimeout("k", 1.0), "timeout: LockTimeout"),
-    (Guard.VERDICT, Outcome.TIMED_OUT, Retry(), None),
-    (Guard.VERDICT, Outcome.UNAVAILABLE, LockUnavailable("x"), "unavailable: LockUnavailable"),
-    (Guard.VERDICT, Outcome.UNAVAILABLE, Retry(), None),
-    (Guard.VERDICT, Outcome.REVOKED, Ignore(), None),
-    (Guard.VERDICT, Outcome.SHUTDOWN, Ignore(), None),
-    (Guard.VERDICT, Outcome.GRANTED, Ignore(), None),  # a claimed copy whose first delivery finished
-    (Guard.VERDICT, Outcome.GRANTED, LockUnavailable("x"), None),  # a grant never confirmed
+    (GuardOwner.VERDICT, None, Odd(), None),
+    (GuardOwner.VERDICT, Outcome.TIMED_OUT, None, "timeout: skipped"),
+    (GuardOwner.VERDICT, Outcome.TIMED_OUT, LockTimeout("k", 1.0), "timeout: LockTimeout"),
+    (GuardOwner.VERDICT, Outcome.TIMED_OUT, Retry(), None),
+    (GuardOwner.VERDICT, Outcome.UNAVAILABLE, LockUnavailable("x"), "unavailable: LockUnavailable"),
+    (GuardOwner.VERDICT, Outcome.UNAVAILABLE, Retry(), None),
+    (GuardOwner.VERDICT, Outcome.REVOKED, Ignore(), None),
+    (GuardOwner.VERDICT, Outcome.SHUTDOWN, Ignore(), None),
+    (GuardOwner.VERDICT, Outcome.GRANTED, Ignore(), None),  # a claimed copy whose first delivery finished
+    (GuardOwner.VERDICT, Outcome.GRANTED, LockUnavailable("x"), None),  # a grant never confirmed
 ])
 def test_who_ends_the_enqueue_guard(guard, decided, raised, why):
     assert guard_end(guard, decided, raised) == why
@@ -155,27 +155,27 @@ def _opts(on_timeout="skip", on_unavailable="fail"):
     return SimpleNamespace(on_timeout=on_timeout, on_unavailable=on_unavailable, timeout=1.0)
 
 
-def _act(task, opts, claimed=None, here=None, guard_here=Guard.RUN, direct=False):
+def _act(task, opts, claimed=None, here=None, guard_here=GuardOwner.RUN, direct=False):
     return decision.act(task, opts, "k", direct, claim=lambda: claimed, wait_here=lambda: here, guard_here=guard_here)
 
 
 def test_a_grant_waited_for_here(seen):
     lock = Lock(seen)
     taken = _act(_task(track_started=True), _opts(),
-                 here=Decision(Outcome.GRANTED, 0.5, lock=lock, said_waiting=True, copies=Copies(seen, False), own_node=True))
+                 here=LockDecision(Outcome.GRANTED, 0.5, lock=lock, said_waiting=True, copies=Copies(seen, False), own_node=True))
     assert seen == ["prerun", "STARTED", "copy read", "guard start"]
-    assert taken == decision.Taken(lock, 0.5, None, Guard.RUN)
+    assert taken == decision.Taken(lock, 0.5, None, GuardOwner.RUN)
 
 
 def test_a_grant_that_said_nothing_of_waiting_keeps_the_tracers_started(seen):
-    _act(_task(track_started=True), _opts(), here=Decision(Outcome.GRANTED, 0.0, lock=Lock(seen), own_node=True))
+    _act(_task(track_started=True), _opts(), here=LockDecision(Outcome.GRANTED, 0.0, lock=Lock(seen), own_node=True))
     assert seen == ["prerun", "guard start"]
 
 
 def test_a_claimed_grant(seen):
     lock = Lock(seen)
-    taken = _act(_task(), _opts(), claimed=Decision(Outcome.GRANTED, 0.2, lock=lock, confirm_within=5.0))
-    assert seen == ["prerun"] and taken == decision.Taken(lock, 0.2, None, Guard.VERDICT)
+    taken = _act(_task(), _opts(), claimed=LockDecision(Outcome.GRANTED, 0.2, lock=lock, confirm_within=5.0))
+    assert seen == ["prerun"] and taken == decision.Taken(lock, 0.2, None, GuardOwner.VERDICT)
 
 
 @pytest.mark.parametrize("confirms, then", [(True, []), (False, ["abandon", "unavailable lock 'k' could not be confirmed "
@@ -183,20 +183,20 @@ def test_a_claimed_grant(seen):
 def test_a_claimed_grant_not_safe_at_its_start_waits_for_zookeeper(seen, confirms, then):
     lock = Lock(seen, suspended="gone", confirms=confirms)
     try:
-        _act(_task(), _opts(), claimed=Decision(Outcome.GRANTED, 0.2, lock=lock, confirm_within=5.0))
+        _act(_task(), _opts(), claimed=LockDecision(Outcome.GRANTED, 0.2, lock=lock, confirm_within=5.0))
     except LockUnavailable:
         seen.append("raised")
     assert seen == ["prerun", "confirm 5.0", *then]  # no guard end: a grant's guard is the agent's
 
 
 @pytest.mark.parametrize("guard, own, then", [
-    (Guard.RUN, True, ["guard end Ignore"]),
-    (Guard.VERDICT, False, []),
+    (GuardOwner.RUN, True, ["guard end Ignore"]),
+    (GuardOwner.VERDICT, False, []),
 ])
 def test_a_copy_whose_first_delivery_finished(seen, guard, own, then):
-    grant = Decision(Outcome.GRANTED, 0.0, lock=Lock(seen), copies=Copies(seen, True), own_node=own)
+    grant = LockDecision(Outcome.GRANTED, 0.0, lock=Lock(seen), copies=Copies(seen, True), own_node=own)
     with pytest.raises(Ignore):
-        if guard is Guard.RUN:
+        if guard is GuardOwner.RUN:
             _act(_task(), _opts(), here=grant)
         else:
             _act(_task(), _opts(), claimed=grant)
@@ -205,16 +205,16 @@ def test_a_copy_whose_first_delivery_finished(seen, guard, own, then):
 
 def test_a_guard_that_cannot_start_runs_nothing(seen):
     with pytest.raises(LockUnavailable):
-        _act(_task(guard_fails=True), _opts(), here=Decision(Outcome.GRANTED, 0.0, lock=Lock(seen), own_node=True))
+        _act(_task(guard_fails=True), _opts(), here=LockDecision(Outcome.GRANTED, 0.0, lock=Lock(seen), own_node=True))
     assert seen == ["prerun", "guard start", "release", "unavailable guard", "guard end LockUnavailable"]
 
 
 @pytest.mark.parametrize("on_timeout, raises, end", [
     ("skip", None, "not run"), ("fail", LockTimeout, "LockTimeout"), ("retry", Retry, None)])
 def test_a_timeout_here(seen, on_timeout, raises, end):
-    here = Decision(Outcome.TIMED_OUT, 1.5, holders=["h"])
+    here = LockDecision(Outcome.TIMED_OUT, 1.5, holders=["h"])
     if raises is None:
-        assert _act(_task(), _opts(on_timeout), here=here) == decision.Taken(None, 1.5, None, Guard.RUN)
+        assert _act(_task(), _opts(on_timeout), here=here) == decision.Taken(None, 1.5, None, GuardOwner.RUN)
     else:
         with pytest.raises(raises):
             _act(_task(), _opts(on_timeout), here=here)
@@ -224,16 +224,16 @@ def test_a_timeout_here(seen, on_timeout, raises, end):
 @pytest.mark.parametrize("on_timeout, end", [("skip", "timeout: skipped"), ("fail", "timeout: LockTimeout")])
 def test_a_timeout_verdict(seen, on_timeout, end):
     try:
-        _act(_task(), _opts(on_timeout), claimed=Decision(Outcome.TIMED_OUT, 2.0, holders=None))
+        _act(_task(), _opts(on_timeout), claimed=LockDecision(Outcome.TIMED_OUT, 2.0, holders=None))
     except LockTimeout:
         pass
     assert seen == ["prerun", "timed out None 2.0", f"guard end {end}"]
 
 
 @pytest.mark.parametrize("claimed, guard_here, end", [
-    (True, Guard.RUN, "unavailable: LockUnavailable"), (False, Guard.RUN, "LockUnavailable"), (False, Guard.NONE, None)])
+    (True, GuardOwner.RUN, "unavailable: LockUnavailable"), (False, GuardOwner.RUN, "LockUnavailable"), (False, GuardOwner.NONE, None)])
 def test_unavailable(seen, claimed, guard_here, end):
-    unavailable = Decision(Outcome.UNAVAILABLE, 0.0, error=LockUnavailable("no zk"))
+    unavailable = LockDecision(Outcome.UNAVAILABLE, 0.0, error=LockUnavailable("no zk"))
     with pytest.raises(LockUnavailable):
         _act(_task(), _opts(), claimed=unavailable if claimed else None, here=unavailable, guard_here=guard_here)
     assert seen == ["prerun", "unavailable no zk", *([f"guard end {end}"] if end else [])]
@@ -246,11 +246,11 @@ def test_unavailable(seen, claimed, guard_here, end):
 ])
 def test_ends_unrun_with_no_guard_end(seen, outcome, step, raises, claimed):
     with pytest.raises(raises):
-        _act(_task(), _opts(), claimed=Decision(outcome) if claimed else None, here=Decision(outcome))
+        _act(_task(), _opts(), claimed=LockDecision(outcome) if claimed else None, here=LockDecision(outcome))
     assert seen == ["prerun", step]
 
 
-@pytest.mark.parametrize("guard_here, end", [(Guard.RUN, ["guard end Odd"]), (Guard.NONE, [])])
+@pytest.mark.parametrize("guard_here, end", [(GuardOwner.RUN, ["guard end Odd"]), (GuardOwner.NONE, [])])
 def test_a_failed_wait_ends_its_guard_then_sends_prerun(seen, guard_here, end):
     def fails():
         raise Odd()
@@ -265,12 +265,12 @@ def test_a_failed_claim_ends_no_guard(seen):
         raise Odd()
 
     with pytest.raises(Odd):
-        decision.act(_task(), _opts(), "k", False, claim=fails, wait_here=lambda: None, guard_here=Guard.RUN)
+        decision.act(_task(), _opts(), "k", False, claim=fails, wait_here=lambda: None, guard_here=GuardOwner.RUN)
     assert seen == ["prerun"]
 
 
 def test_an_error_before_the_body_lets_go_of_a_node_of_ours(seen, monkeypatch):
     monkeypatch.setattr(decision.enqueue, "started", lambda *a: _raise(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
-        _act(_task(), _opts(), here=Decision(Outcome.GRANTED, 0.0, lock=Lock(seen), own_node=True))
+        _act(_task(), _opts(), here=LockDecision(Outcome.GRANTED, 0.0, lock=Lock(seen), own_node=True))
     assert seen == ["prerun", "release", "guard end KeyboardInterrupt"]

@@ -45,9 +45,9 @@ from .agent_protocol import (
     FenceAnswer,
     Finished,
     Hello,
+    PeerRole,
     Ping,
     Release,
-    Role,
     StopWaiting,
     Unclaim,
     Unguard,
@@ -253,7 +253,7 @@ class Agent:
     def handle(self, peer: Connection, msg) -> None:
         """One message from a peer (protocol: :mod:`celery_zklock.worker.agent_protocol`)."""
         match msg:
-            case Hello(role=Role.MAIN):
+            case Hello(role=PeerRole.MAIN):
                 self.main, self.main_seen = peer, True
             case Wait():
                 self.requests.wait(peer, msg)

@@ -27,10 +27,10 @@ from .agent_protocol import (
     Claimed,
     Hello,
     LockState,
+    PeerRole,
     ProtocolError,
     Release,
     Released,
-    Role,
     Unclaim,
     from_wire,
 )
@@ -81,7 +81,7 @@ class AgentClient:
         self._caller_reads = False  # a caller reads for its answer: a second caller queues
         self._busy_at = float("-inf")  # when a lock last registered
         self._dozing = False  # the link's thread sleeps IDLE_DRAIN: a registering lock wakes it
-        self.conn.send(Hello(Role.POOL, self.pid))
+        self.conn.send(Hello(PeerRole.POOL, self.pid))
         threading.Thread(target=self._poll, name="zklock-agent-link", daemon=True).start()
 
     @property

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from celery.utils.log import get_logger
 
 from ..engine.session import session_margin
-from .agent_protocol import HEARTBEAT, Bypass, Decided, FenceAnswer, Finished, Hello, Next, Queued, Role, encode
+from .agent_protocol import HEARTBEAT, Bypass, Decided, FenceAnswer, Finished, Hello, Next, PeerRole, Queued, encode
 from .agent_socket import LineReader
 from .agent_supervisor import AgentProcess, NotStarted
 
@@ -112,7 +112,7 @@ class AgentConnection:
         self.outbox = Outbox(sock, hub)
         self.reader = LineReader()
         self.last_check = self.last_ping = time.monotonic()
-        self.send(Hello(Role.MAIN, os.getpid()))
+        self.send(Hello(PeerRole.MAIN, os.getpid()))
         hub.add_reader(sock.fileno(), self._readable)
 
     def register(self, hub) -> None:

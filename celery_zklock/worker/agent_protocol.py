@@ -69,7 +69,7 @@ class Cancel(str, enum.Enum):
     FINISHED = "finished"  # the pool is done with it without claiming it
 
 
-class Role(str, enum.Enum):
+class PeerRole(str, enum.Enum):
     """Who connects to the agent (:class:`Hello`)."""
 
     MAIN = "main"
@@ -111,7 +111,7 @@ class Hello:
     agent exits once its main process has gone (and no pool process holds a lock through it)."""
 
     op: ClassVar[str]
-    role: Role
+    role: PeerRole
     pid: int | None = None
 
 

@@ -352,7 +352,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         self.window.inside(request_id)
         if request_id in self.counted_waiting:
             self.counted_waiting.discard(request_id)
-            metrics.record("waited", req.task)
+            lock_waiting.ended(req.task)
 
     def _taken_back(self, request_id: str, req, redelivered_here: bool = False) -> None:
         """The broker took back the message of ``req``, held aside (its lease lapsed): it

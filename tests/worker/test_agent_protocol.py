@@ -17,7 +17,7 @@ from celery_zklock.engine.tick_fence import Fenced
 from celery_zklock.worker import agent_protocol
 from celery_zklock.worker.agent_protocol import (
     Bypass, Cancel, Carry, Claim, ClaimAnswer, Claimed, Decided, Dropped, Fence, FenceAnswer, Finished, Hello,
-    LockState, Next, Ping, ProtocolError, Queued, Release, Released, Role, StopWaiting, Unclaim, Unguard, Verdict,
+    LockState, Next, Ping, ProtocolError, Queued, Release, Released, PeerRole, StopWaiting, Unclaim, Unguard, Verdict,
     Wait, as_wire, decode, encode, from_wire,
 )
 from celery_zklock.worker.agent_socket import LineReader
@@ -26,8 +26,8 @@ CARRY = Carry(proof=12.5, session_timeout=10.0, waited=0.25, tokens={"/a": 7 << 
 
 #: (a message, its wire line as an object): every op, with its optional fields at defaults and not.
 MESSAGES = [
-    (Hello(Role.MAIN, 42), {"op": "hello", "role": "main", "pid": 42}),
-    (Hello(Role.POOL), {"op": "hello", "role": "pool"}),
+    (Hello(PeerRole.MAIN, 42), {"op": "hello", "role": "main", "pid": 42}),
+    (Hello(PeerRole.POOL), {"op": "hello", "role": "pool"}),
     (Ping(), {"op": "ping"}),
     (Wait("r1", ("/a",)), {"op": "wait", "id": "r1", "paths": ["/a"]}),
     (Wait("r1", ("/a", "/b"), seq=3, task="t", max_holders=2, timeout=1.5, identity="i", early=True,

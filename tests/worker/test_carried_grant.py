@@ -21,7 +21,7 @@ from celery.app.task import Context
 
 from celery_zklock.worker import agent_client
 from celery_zklock.worker.agent_protocol import (CARRIED, Carry, Claim, Claimed, Hello, LockState, Release,
-                                                 Released, Role, Verdict, Wait, as_wire)
+                                                 Released, PeerRole, Verdict, Wait, as_wire)
 from celery_zklock.worker.agent_socket import Connection
 from celery_zklock.worker.agent_requests import CARRY_GRACE
 from celery_zklock.worker.cohort_rules import lease_window
@@ -83,7 +83,7 @@ def test_the_carried_grant_is_taken_off_the_request_before_the_body_runs():
 # ---------------------------------------------------------------------------- the agent
 def _main(agent) -> Connection:
     main = Connection.open(agent.path)
-    main.send(Hello(Role.MAIN))
+    main.send(Hello(PeerRole.MAIN))
     return main
 
 

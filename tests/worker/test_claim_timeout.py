@@ -19,7 +19,7 @@ import uuid
 
 from celery_zklock import FairLock
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import Finished, Hello, Role, Verdict, Wait
+from celery_zklock.worker.agent_protocol import Finished, Hello, PeerRole, Verdict, Wait
 from celery_zklock.worker.agent_socket import ENV, Connection
 from tests.polling import wait_until
 from tests.worker.local_agent import answer
@@ -29,7 +29,7 @@ def test_a_late_claim_reply_does_not_leave_the_key_blocked(agent, zk_client, mon
     key = f"/late-claim/{uuid.uuid4().hex[:8]}"
     zk_client.ensure_path("/late-claim")
     main = Connection.open(agent.path)
-    main.send(Hello(Role.MAIN))
+    main.send(Hello(PeerRole.MAIN))
     main.send(Wait("r1", (key,), identity="r1"))
     answer(main, Verdict.GRANTED, "r1")
 

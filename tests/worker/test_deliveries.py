@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 
-from celery_zklock.worker.agent_protocol import Claim, Claimed, Finished, Hello, Release, Released, Role, Verdict, Wait
+from celery_zklock.worker.agent_protocol import Claim, Claimed, Finished, Hello, Release, Released, PeerRole, Verdict, Wait
 from celery_zklock.worker.agent_socket import Connection
 from tests.worker.local_agent import answer
 
@@ -39,9 +39,9 @@ def test_the_end_of_a_delivery_does_not_end_the_next_delivery_of_its_task_id(age
     zk_client.ensure_path("/deliveries")
     key = f"/deliveries/{uuid.uuid4().hex[:8]}"
     main = Connection.open(agent.path)
-    main.send(Hello(Role.MAIN))
+    main.send(Hello(PeerRole.MAIN))
     pool = Connection.open(agent.path)
-    pool.send(Hello(Role.POOL, 1))
+    pool.send(Hello(PeerRole.POOL, 1))
 
     _wait(main, "retried", 1, key)  # the first delivery: granted, run, released
     assert answer(main, Verdict.GRANTED, "retried", WITHIN)
@@ -60,7 +60,7 @@ def test_a_finished_delivery_still_lets_go_of_a_grant_nobody_claimed(agent, zk_c
     zk_client.ensure_path("/deliveries")
     key = f"/deliveries/{uuid.uuid4().hex[:8]}"
     main = Connection.open(agent.path)
-    main.send(Hello(Role.MAIN))
+    main.send(Hello(PeerRole.MAIN))
     _wait(main, "dropped", 1, key)
     assert answer(main, Verdict.GRANTED, "dropped", WITHIN)
     main.send(Finished(("dropped",), (1,)))

@@ -15,7 +15,7 @@ from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
 from celery_zklock.engine.session import LEASED, WRITTEN
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import Hello, Release, Role, Verdict, Wait
+from celery_zklock.worker.agent_protocol import Hello, Release, PeerRole, Verdict, Wait
 from celery_zklock.worker.agent_socket import ENV, Connection
 from tests.worker.cohort_host import LeaseClock, held_with_a_young_proof
 from tests.worker.local_agent import answer, start_agent
@@ -70,7 +70,7 @@ def test_a_claimer_trusts_agent_silence_for_a_third_of_the_negotiated_session(sh
                         str(tmp_path / "agent.sock"))
     try:
         main = Connection.open(agent.path)
-        main.send(Hello(Role.MAIN))
+        main.send(Hello(PeerRole.MAIN))
         main.send(Wait("r1", ("/negotiated/k",), identity="r1"))
         answer(main, Verdict.GRANTED, "r1")
         monkeypatch.setenv(ENV, agent.path)

@@ -20,7 +20,7 @@ import pytest
 
 from celery_zklock import FairLock
 from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.agent_protocol import Finished, Hello, Role, Verdict, Wait
+from celery_zklock.worker.agent_protocol import Finished, Hello, PeerRole, Verdict, Wait
 from celery_zklock.worker.agent_socket import Connection
 from celery_zklock.worker.cohort import Cohort
 from tests.lockutil import children
@@ -39,7 +39,7 @@ def _keys() -> tuple[str, str]:
 
 def _main(agent) -> Connection:
     main = Connection.open(agent.path)
-    main.send(Hello(Role.MAIN))
+    main.send(Hello(PeerRole.MAIN))
     return main
 
 

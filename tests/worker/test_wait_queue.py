@@ -19,7 +19,7 @@ import pytest
 
 from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_protocol import Finished, Hello, Role, Wait
+from celery_zklock.worker.agent_protocol import Finished, Hello, PeerRole, Wait
 from celery_zklock.worker.agent_socket import Connection
 from celery_zklock.worker.agent_requests import WaitRequest
 from celery_zklock.worker.agent import STUCK_AFTER
@@ -106,7 +106,7 @@ def test_5000_requests_leaving_in_one_event_out_of_order_cost_no_scan(zk_server,
             fn(*args)
 
     try:
-        agent.handle(main, Hello(Role.MAIN))
+        agent.handle(main, Hello(PeerRole.MAIN))
         path = f"/wait-queue/{uuid.uuid4().hex[:8]}"
         ids = [f"r{i}" for i in range(5000)]
         for request_id in ids:
