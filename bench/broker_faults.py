@@ -31,7 +31,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import time

@@ -11,6 +11,7 @@ delete from outside any client.  Clients reach it through :mod:`sim.zk`'s links.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kazoo.exceptions import (
     BadVersionError, NoNodeError, NodeExistsError, NotEmptyError, RolledBackError, RuntimeInconsistency,
@@ -18,6 +19,9 @@ from kazoo.exceptions import (
 from kazoo.protocol.states import EventType, ZnodeStat
 
 from .world import World
+
+if TYPE_CHECKING:  # sim/zk.py imports this module: the link type is for readers and checkers only
+    from .zk import Link
 
 TICK = 0.05  # how often the server checks its sessions (and a client its connection)
 
@@ -47,7 +51,7 @@ class ServerSession:
     timeout: float  # negotiated
     last_heard: float
     alive: bool = True
-    link: "Link | None" = None
+    link: Link | None = None
 
 
 def parent_of(path: str) -> str:

@@ -308,11 +308,11 @@ def test_zklock_tasks_turns_on_enqueue_guards_for_tasks_you_cannot_edit(env, red
                     zklock_tasks={"bycfg.job": {"lock_key": "job:{n}", "lock_enqueue": "reject"}})
 
     @app.task(name="bycfg.job")
-    def job(n):
+    def plain_job(n):
         return n
 
     assert lock_configured_tasks(app) == ["bycfg.job"]
-    job = app.tasks["bycfg.job"]
+    job = app.tasks["bycfg.job"]  # the configured base replaced plain_job's class
     key = _key()
     first = job.apply_async((key,), queue=f"nobody-{key}")
     with pytest.raises(AlreadyQueued) as refused:
