@@ -13,19 +13,16 @@ ping-pong of one-line JSON messages over a Unix socket, in processes of their ow
 reports their CPU per task; :func:`ceilings` turns them into the best ratio any code of
 ours could reach, beside the measured one.
 
-What those numbers leave out is what the design's hops cost inside loaded Celery workers;
-:func:`design` measures that, with the design's chain and nothing else in it
-(:mod:`bench.skeleton_app`), beside plain Celery and ZkLockedTask (``make bench`` scenario 14).
+What those numbers leave out is what the design's hops cost inside loaded Celery workers:
+:mod:`bench.design_floor` measures that.
 
-Run alone: ``.venv/bin/python -m bench.floor`` (starts its own ZooKeeper), or
-``.venv/bin/python -m bench.floor design [TASKS] [PASSES]``.
+Run alone: ``.venv/bin/python -m bench.floor`` (starts its own ZooKeeper).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -172,53 +169,6 @@ def ceilings(plain: dict, floor: dict) -> dict:
 
 
 #: Keys of the hot workload: the flash sale's five SKUs, each task holding 1 ms.
-HOT_KEYS, HOT_MS = 5, 1.0
-
-
-def design(services, tasks: int = 500, passes: int = 4) -> dict:
-    """The design's floor in real workers (:mod:`bench.skeleton_app`), in the same two
-    workers as plain Celery and ZkLockedTask, order alternating pass by pass, CPU per task
-    by process role (the skeleton's one agent counted as the workers' agents):
-
-    * ``distinct``: ``tasks`` trivial tasks on distinct keys per contender (scenario 1's
-      workload), the skeleton joining and leaving each key in ZooKeeper;
-    * ``hot``: ``tasks`` tasks holding 1 ms on five keys (the flash sale's shape), the
-      skeleton queueing them in its agent only (a local handoff: no ZooKeeper request).
-    """
-    from .celery_scenarios import Driver, bursts
-    from .infra import CostMeter, Workers
-
-    driver = Driver(services.env())  # sets the environment bench.app reads at import
-    from . import skeleton_app  # registers the skeleton's tasks with the driver too
-
-    agent, path = skeleton_app.start_agent(services.zk_hosts, f"/bench-skeleton-{uuid.uuid4().hex[:8]}")
-    try:
-        workers = Workers({**services.env(), skeleton_app.SOCK_ENV: path}, count=2, concurrency=2,
-                          app_module="bench.skeleton_app").start(driver.app, connection=driver.connection)
-    except BaseException:
-        agent.kill()
-        raise
-    workloads = {"distinct": (["plain", "skeleton", "skeleton_main", "zklock"], "trivial", 0.0, lambda tag, p, i: f"{tag}-{i}"),
-                 "hot": (["plain", "skeleton_local", "skeleton_local_full", "zklock"], "hold", HOT_MS, lambda tag, p, i: f"{tag}-{i % HOT_KEYS}")}
-    labels = {**skeleton_app.bench_app.CONTENDERS, **skeleton_app.bench_app.EXTRA}
-    out: dict = {"tasks_per_pass": tasks, "passes": passes, "hot_keys": HOT_KEYS, "hot_ms": HOT_MS}
-    try:
-        driver.contenders = ["plain", "skeleton", "skeleton_main", "skeleton_local", "skeleton_local_full", "zklock"]
-        driver.warm_up(40)
-        for workload, (names, kind, ms, key_of) in workloads.items():
-            meters = {c: CostMeter(services, workers, agents=[agent.pid] if c.startswith("skeleton") else ())
-                      for c in names}
-            rows = bursts(driver, names, tasks, passes, meters.__getitem__, key_of,
-                          f"the design's floor, {workload} keys,", kind, ms)
-            out[workload] = {c: {"label": labels[c], **row} for c, row in rows.items()}
-    finally:
-        workers.stop()
-        agent.kill()
-        agent.wait()
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    return out
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["kazoo"]:
         print(json.dumps(kazoo_loop(argv[1], int(argv[2]))))
@@ -230,10 +180,7 @@ def main(argv: list[str]) -> int:
 
     services = Services().start()
     try:
-        if argv[:1] == ["design"]:
-            print(json.dumps(design(services, *(int(a) for a in argv[1:3])), indent=1))
-        else:
-            print(json.dumps(measure(services), indent=1))
+        print(json.dumps(measure(services), indent=1))
     finally:
         services.close()
     return 0

@@ -27,8 +27,21 @@ from pathlib import Path
 
 from celery_zklock.engine.client import close_clients
 
-from . import (burst, celery_scenarios, enqueue, fairness, flash_sale, floor, lock_bench, many_keys, pool_slots, report,
-               scale, tls, worker_loss)
+from . import (
+    burst,
+    celery_scenarios,
+    design_floor,
+    enqueue,
+    fairness,
+    flash_sale,
+    lock_bench,
+    many_keys,
+    pool_slots,
+    report,
+    scale,
+    tls,
+    worker_loss,
+)
 from .infra import CostMeter, Services, Workers, log
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -101,7 +114,7 @@ def run(quick: bool, out: Path, burst_tasks: int | None = None) -> dict:
             workers.stop(timeout=5 if quick else 20)
         workers.procs.remove_logs()
         # Scenario 1's floor in real workers: the agent's chain with no lock logic in it.
-        sc["design_floor"] = timed(results, "design_floor", floor.design, services, 100 if quick else 500,
+        sc["design_floor"] = timed(results, "design_floor", design_floor.design, services, 100 if quick else 500,
                                    1 if quick else 4)
         hot, cold = (12, 24) if quick else (60, 120)
         sc["pool_slots"] = timed(results, "pool_slots", pool_slots.run, services, driver, hot, cold, 30,

@@ -30,7 +30,7 @@ main process joining and leaving the key itself (:class:`InMain`).  It is not a
 lock (nothing checks an order, nothing survives a fault): only the cost floor of the
 design's chain, with real Celery around it.
 
-Measured by :func:`bench.floor.design` (``.venv/bin/python -m bench.floor design``), which
+Measured by :func:`bench.design_floor.design` (``.venv/bin/python -m bench.design_floor``), which
 runs it beside plain Celery and ZkLockedTask in the same workers.
 """
 

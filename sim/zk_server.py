@@ -11,17 +11,19 @@ delete from outside any client.  Clients reach it through :mod:`sim.zk`'s links.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kazoo.exceptions import (
-    BadVersionError, NoNodeError, NodeExistsError, NotEmptyError, RolledBackError, RuntimeInconsistency,
+    BadVersionError,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    RolledBackError,
+    RuntimeInconsistency,
 )
 from kazoo.protocol.states import EventType, ZnodeStat
 
 from .world import World
-
-if TYPE_CHECKING:  # sim/zk.py imports this module: the link type is for readers and checkers only
-    from .zk import Link
 
 TICK = 0.05  # how often the server checks its sessions (and a client its connection)
 
@@ -45,13 +47,24 @@ class ZNode:
                          len(self.data), len(self.children), self.pzxid)
 
 
+class SessionLink(Protocol):
+    """What the server needs of a client's connection (sim/zk.py's Link), declared here so
+    the server does not import its clients."""
+
+    def heard_by_server(self) -> bool: ...
+
+    def server_closed(self) -> None: ...
+
+    def to_client(self, item) -> None: ...
+
+
 @dataclass(eq=False)
 class ServerSession:
     id: int
     timeout: float  # negotiated
     last_heard: float
     alive: bool = True
-    link: Link | None = None
+    link: SessionLink | None = None
 
 
 def parent_of(path: str) -> str:
