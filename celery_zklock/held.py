@@ -1,13 +1,20 @@
-"""What a running locked task holds: :class:`HeldLock` and :func:`current_lock`.
+"""What a running locked task holds, and how losing it stops the body.
 
 Why a context variable: one task instance is shared by every thread (and greenlet) of a
-process, so the hold of *this* run can live neither on ``self`` nor in a global; the
-wrapper in :mod:`celery_zklock.task` sets it around the body and resets it after.
+process, so the hold of *this* run (:class:`HeldLock`, :func:`current_lock`) can live
+neither on ``self`` nor in a global; the wrapper in :mod:`celery_zklock.task` sets it around
+the body and resets it after.  Why :class:`RunState` is here: a lost hold interrupts the body
+(``on_lock_lost="interrupt"``) by raising into its thread or greenlet, which must never land
+after the body, where it would skip the release; it is the one place that knows whether the
+body runs and how to reach it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import ctypes
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -122,3 +129,74 @@ def tokens_of(lock: Any) -> dict[str, int]:
 
 def lost_reason_of(lock: Holding) -> str | None:
     return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)
+
+
+# ------------------------------------------------------------------ interrupting the body when the hold is lost
+class RunState:
+    """Whether the body is running, and how to interrupt it when the lock is lost."""
+
+    def __init__(self, thread_ident: int) -> None:
+        self.thread_ident = thread_ident
+        self.guard = threading.Lock()
+        self.running = False
+        self.interrupted = False  # an interrupt was raised into the thread
+        self.reason: str | None = None
+        self.greenlet = _current_greenlet()
+
+    def enter(self) -> None:
+        with self.guard:
+            self.running = True
+
+    def leave_for_good(self) -> None:
+        """Stop interrupts, and take delivery of one raised but not yet delivered.
+
+        Retried until it completes: an interrupt delivered *inside* this method must not
+        skip the release that follows it.  A pending interrupt is not cancelled with
+        ``PyThreadState_SetAsyncExc(tid, NULL)``: that leaves CPython's eval-breaker flag
+        set (every later bytecode of the process takes the slow path); it is let land
+        here instead, where it is caught.
+        """
+        while True:
+            try:
+                with self.guard:
+                    self.running = False
+                    pending, self.interrupted = self.interrupted, False
+                if pending and self.greenlet is None:
+                    for _ in range(1000):  # the eval loop checks for it at each iteration
+                        pass
+                return
+            except LockLost:
+                continue
+
+    def lost(self, reason: str, interrupt: bool) -> None:
+        with self.guard:
+            self.reason = reason
+            if not (interrupt and self.running):
+                return
+            self.interrupted = True
+            if self.greenlet is not None:
+                _kill_greenlet(self.greenlet, reason, self)
+            else:
+                # Raised in the task's thread at its next bytecode, like a soft time limit.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_ident), ctypes.py_object(LockLost))
+
+
+def _current_greenlet() -> Any:
+    if "gevent" not in sys.modules:  # never import gevent into a process that does not use it
+        return None
+    from gevent import getcurrent, monkey
+
+    if monkey.is_module_patched("threading"):
+        return getcurrent()
+    return None
+
+
+def _kill_greenlet(glet: Any, reason: str, run_state: RunState) -> None:
+    import gevent
+
+    def throw() -> None:
+        # Runs later in the hub: the body may have ended (and begun releasing) meanwhile.
+        if run_state.running:
+            glet.throw(LockLost("lock", reason))
+
+    gevent.get_hub().loop.run_callback(throw)

@@ -15,8 +15,8 @@ the undocumented public names our behaviour depends on (``Consumer.on_task_reque
 ``QoS.prev``, beat's ``reserve``...).  Not in it: their documented API (``Task``,
 ``Request.on_failure``, bootsteps, signals, ``app.control``, kazoo's client calls), and
 the internals of other libraries: CPython's ``_thread._local`` and
-``ctypes.pythonapi.PyThreadState_SetAsyncExc`` (``engine/owner.py``, ``interrupts.py``),
-gevent's ``get_hub().loop.run_callback`` (``interrupts.py``), prometheus_client's
+``ctypes.pythonapi.PyThreadState_SetAsyncExc`` (``engine/owner.py``, ``held.py``),
+gevent's ``get_hub().loop.run_callback`` (``held.py``), prometheus_client's
 ``values.ValueClass`` (``metrics.py``), and pytest-celery's and pytest-docker-tools' in the
 opt-in ``contrib/pytest_celery`` (the test's scan names those it meets).
 
@@ -98,8 +98,8 @@ INTERNALS: tuple[Internal, ...] = (
     # ---------------------------------------------------------------- Celery: the tracer
     Internal("celery.app.trace", "send_prerun", _PAT, _MOD,
              "hold the tracer's task_prerun back until the lock is decided (build_tracer looks the global up at "
-             "each call)", ("prerun",), "celery 5.3",
-             "prerun.install() returns False: task_prerun fires before the lock wait again, so a timing "
+             "each call)", ("decision",), "celery 5.3",
+             "decision.install_prerun() returns False: task_prerun fires before the lock wait again, so a timing "
              "dashboard counts the wait as run time; nothing else changes"),
     # ---------------------------------------------------------------- Celery: the worker's consumer
     Internal("celery.worker.consumer.Consumer", "on_task_request", _PAT, _INS,

@@ -8,9 +8,9 @@ Lock state lives in locals and a context variable (:mod:`celery_zklock.held`), n
 ``self``: one task instance is shared by every thread of a process.
 
 This module holds the class users subclass: its options and the call path, each step in
-one place.  How the lock is waited for is :mod:`celery_zklock.acquisition`; what follows
-the decision (prerun, the policy, the enqueue guard), :mod:`celery_zklock.decision`; what a
-task does when it does not get or loses it, :mod:`celery_zklock.outcomes` (functions of the task).
+one place.  How the lock is decided (waited for here or claimed from the agent) and what
+follows (prerun, the policy, the events, the enqueue guard) is :mod:`celery_zklock.decision`;
+what the body holds, and how losing it interrupts the body, :mod:`celery_zklock.held`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from typing import Any, Callable
 
 from celery import Task
 
-from . import acquisition, by_config, config, decision, enqueue, outcomes, prerun, signals
+from . import by_config, config, decision, enqueue, signals
 from .config import ZkSettings, cached_settings, load_settings
 from .decision import GuardOwner, Reentry
 from .errors import LockLost, LockReentered, LockUpgradeRefused
-from .held import CURRENT, HeldLock, LockPart, NestedLock, current_lock, lost_reason_of, tokens_of
-from .interrupts import RunState
+from .held import CURRENT, HeldLock, LockPart, NestedLock, RunState, current_lock, lost_reason_of, tokens_of
 from .keys import KeySpec, compile_key, key_path
 from .logs import task_logger
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
@@ -57,7 +56,7 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
 
     Request = "celery_zklock.worker.worker_hooks:LockAwareRequest"
 
-    #: The tracer's ``task_prerun`` is sent when the lock is decided (see celery_zklock.prerun).
+    #: The tracer's ``task_prerun`` is sent when the lock is decided (see celery_zklock.decision.fire_prerun).
     _zklock_defers_prerun = True
 
     _lock_spec: KeySpec | None = None
@@ -154,20 +153,20 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
             sub_keys = [k for k, p in zip(keys, paths, strict=True) if p in missing]
             inner_label = sub_keys[0] if len(sub_keys) == 1 else sub_keys
             return self._locked_call(call, Nested(outer, missing, inner_label))
-        prerun.fire(self)  # decided at once: under the outer hold, or refused
+        decision.fire_prerun(self)  # decided at once: under the outer hold, or refused
         held_paths = [p for p in paths if p in outer.paths]
         if entry is Reentry.UPGRADE_REFUSED:
             upgrade = next(p for p in held_paths if p in outer.read_paths and p not in call.read_paths)
             raise LockUpgradeRefused(keys[paths.index(upgrade)])
         if entry is Reentry.REFUSED:
             holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
-            outcomes.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
+            decision.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
             raise LockReentered(label, holder)
         held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
                         acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id,
                         read_paths=frozenset(p for p in paths if p in outer.read_paths))
         logger.debug("re-entered lock %s under %s[%s] (token %s)", label, outer.task, outer.task_id, held.token)
-        outcomes.lock_event(self, "task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
+        decision.lock_event(self, "task-lock-reentered", key=label, token=held.token, holder=f"{outer.task}[{outer.task_id}]")
         ctx_token = CURRENT.set(held)
         try:
             return self._run_body(call)
@@ -191,7 +190,7 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
         taken = decision.act(
             self, opts, label, direct,
             claim=lambda: self._claimed(call, nested, on_lost),
-            wait_here=lambda: acquisition.lock_in_process(
+            wait_here=lambda: decision.lock_in_process(
                 self, req, direct, opts, label, nested.take if nested else call.paths, on_lost, started,
                 give_back=(nested is None and not direct and not self.acks_late and bool(req.id)
                            and agent_client.beside_agent()),
@@ -212,7 +211,7 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
         if call.direct or nested is not None or self.acks_late or not req.id or bypassed:
             return None
         claimed = agent_client.claim(req.id, _CLAIM_TIMEOUT, carried)
-        return None if claimed is None else acquisition.claimed_lock(self, claimed, call.opts, on_lost)
+        return None if claimed is None else decision.claimed_lock(self, claimed, call.opts, on_lost)
 
     def _run_holding(self, call: "Call", nested: "Nested | None", taken: decision.Taken, run_state: RunState) -> Any:
         """Run the body with the hold set as :func:`current_lock`; release with the proof."""
@@ -227,8 +226,8 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
         acquired_at = time.monotonic()
 
         logger.debug("acquired lock %s (%s) token=%s after %.3fs", label, held.mode, held.token, waited)
-        outcomes.lock_event(self, "task-lock-acquired", key=label, wait=round(waited, 6), token=held.token,
-                            mode=held.mode)
+        decision.lock_event(self, "task-lock-acquired", key=label, wait=round(waited, 6), token=held.token,
+                             mode=held.mode)
         signals.lock_acquired.send(sender=self, task_id=req.id, key=label, paths=paths, token=held.token, wait=waited)
         ctx_token = CURRENT.set(held)
         proven = False
@@ -248,14 +247,14 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
                 if guarded:
                     enqueue.finished(self, req, opts)
                 signals.lock_released.send(sender=self, task_id=req.id, key=label, paths=paths, proven=proven)
-                outcomes.lock_event(self, "task-lock-released", key=label, token=held.token, proven=proven,
-                                    held=round(time.monotonic() - acquired_at, 6))
+                decision.lock_event(self, "task-lock-released", key=label, token=held.token, proven=proven,
+                                     held=round(time.monotonic() - acquired_at, 6))
         except LockLost:
-            raise outcomes.lost_error(self, label, run_state) from None
+            raise decision.lost_error(self, label, run_state) from None
         if not proven and run_state.reason is None:
             run_state.reason = lost_reason_of(lock) or "lock not held at release"
         if run_state.reason is not None:
-            raise outcomes.lost_error(self, label, run_state)
+            raise decision.lost_error(self, label, run_state)
         return result
 
 
@@ -338,4 +337,4 @@ def lock_configured_tasks(app: Any) -> list[str]:
 
 worker_hooks.before_validation.append(lock_configured_tasks)
 worker_hooks.install()
-prerun.install()
+decision.install_prerun()

@@ -22,7 +22,7 @@ in the hub, the ``Outbox``) and its Redis leases (``held_lease``), against a bro
 * Celery's own dispatch (``c.on_task_request``, the step's ``inner``): the semaphore, then
   a free pool process (the simulator's pool process model, as in the other scenarios),
   which checks a delivery flagged ``redelivered`` against the result store with the real
-  ``redelivery.earlier_run`` once it holds the lock (acquisition's ``claimed_lock``), and
+  ``redelivery.earlier_run`` once it holds the lock (``decision.claimed_lock``), and
   stores the final state just after its lock's release;
 * a broker connection lost and made again (:meth:`CeleryMain.cut_connection`), in
   ``Consumer.start``'s order: the broker's side (RabbitMQ requeues the unacknowledged
@@ -728,7 +728,7 @@ class CeleryMain:
 
     def _body(self, pool):
         """The pool process holds the lock: its body begins, unless the delivery is flagged
-        redelivered and the result store says an earlier run finished (acquisition's
+        redelivered and the result store says an earlier run finished (decision's
         claimed_lock: ``ran_before``, whose reading is ``redelivery.earlier_run``)."""
         job = pool.req
         job["ran"] = True
@@ -762,7 +762,7 @@ class CeleryMain:
 
     def _published_back(self, pool, job: dict) -> None:
         """Told "shutdown" next in line (the worker stops warm): the pool process publishes the
-        task back to the broker, a new message with the same id (acquisition: Verdict.SHUTDOWN)."""
+        task back to the broker, a new message with the same id (decision: Verdict.SHUTDOWN, shut_down)."""
         if self.world.now < self.unreachable_until:  # apply_async raises: the task is lost
             self.world.log(f"{pool.proc.name}: {job['id']} cannot be published back: the broker is out of reach")
             return

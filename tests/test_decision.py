@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from celery.exceptions import Ignore, Retry
 
-from celery_zklock import decision, outcomes
+from celery_zklock import decision
 from celery_zklock.decision import LockDecision, GuardOwner, Outcome, Reentry, guard_end, in_process, reentry
 from celery_zklock.errors import LockTimeout, LockUnavailable
 from celery_zklock.worker.agent_protocol import Verdict
@@ -48,7 +48,7 @@ class Odd(Exception):
     (GuardOwner.RUN, Outcome.TIMED_OUT, LockTimeout("k", 1.0), "LockTimeout"),
     (GuardOwner.RUN, Outcome.UNAVAILABLE, LockUnavailable("x"), "LockUnavailable"),
     (GuardOwner.RUN, Outcome.UNAVAILABLE, Retry(), None),
-    (GuardOwner.RUN, Outcome.GIVEN_BACK, outcomes.GivenBack(), None),
+    (GuardOwner.RUN, Outcome.GIVEN_BACK, decision.GivenBack(), None),
     (GuardOwner.RUN, Outcome.GRANTED, Ignore(), "Ignore"),  # a copy whose first delivery finished
     (GuardOwner.RUN, Outcome.GRANTED, LockUnavailable("x"), "LockUnavailable"),  # the guard could not start
     # claimed: the agent's, left here with a timeout or unavailable verdict only
@@ -113,7 +113,7 @@ class Copies:
 def seen(monkeypatch):
     """What act did, in order; the policies' behaviour set by ``policy`` ("skip": return)."""
     log: list = []
-    monkeypatch.setattr(decision.prerun, "fire", lambda task: log.append("prerun"))
+    monkeypatch.setattr(decision, "fire_prerun", lambda task: log.append("prerun"))
     monkeypatch.setattr(decision.enqueue, "finished", lambda task, req, opts, ran=True, why="": log.append(f"guard end {why}"))
 
     def started(task, req, opts):
@@ -133,11 +133,11 @@ def seen(monkeypatch):
         log.append(f"unavailable {exc}")
         raise Retry() if opts.on_unavailable == "retry" else exc
 
-    monkeypatch.setattr(outcomes, "timed_out", timed_out)
-    monkeypatch.setattr(outcomes, "unavailable", unavailable)
-    for name, exc in (("revoked", Ignore), ("shut_down", Ignore), ("given_back", outcomes.GivenBack),
+    monkeypatch.setattr(decision, "timed_out", timed_out)
+    monkeypatch.setattr(decision, "unavailable", unavailable)
+    for name, exc in (("revoked", Ignore), ("shut_down", Ignore), ("given_back", decision.GivenBack),
                       ("duplicate", Ignore)):
-        monkeypatch.setattr(outcomes, name, lambda task, label, name=name, exc=exc: (log.append(name), _raise(exc())))
+        monkeypatch.setattr(decision, name, lambda task, label, name=name, exc=exc: (log.append(name), _raise(exc())))
     monkeypatch.setattr(decision, "_store_started", lambda task: log.append("STARTED"))
     return log
 
@@ -242,7 +242,7 @@ def test_unavailable(seen, claimed, guard_here, end):
 @pytest.mark.parametrize("outcome, step, raises, claimed", [
     (Outcome.REVOKED, "revoked", Ignore, True),
     (Outcome.SHUTDOWN, "shut_down", Ignore, True),
-    (Outcome.GIVEN_BACK, "given_back", outcomes.GivenBack, False),
+    (Outcome.GIVEN_BACK, "given_back", decision.GivenBack, False),
 ])
 def test_ends_unrun_with_no_guard_end(seen, outcome, step, raises, claimed):
     with pytest.raises(raises):

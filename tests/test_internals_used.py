@@ -171,7 +171,7 @@ def _code_objects(code: types.CodeType):
 
 
 def test_the_tracer_looks_up_send_prerun_at_each_call():
-    """prerun.install replaces the module global: the tracer must read it as a global at each
+    """decision.install_prerun replaces the module global: the tracer must read it as a global at each
     call (a local or closure bound at build time would keep Celery's)."""
     from celery.app import trace
 
@@ -323,7 +323,7 @@ OTHER_LIBRARIES = {
 OWN_RECEIVERS = {
     ("engine.kazoo_compat", "_connect"): "our wrapper of kazoo's _connect",
     ("engine.lock", "attempt"): "the lock's Attempt", ("engine.owner", "_per_thread"): "our thread-local",
-    ("engine.rwlock", "self.write"): "the WriteLock", ("task", "run_state"): "interrupts.RunState",
+    ("engine.rwlock", "self.write"): "the WriteLock", ("task", "run_state"): "held.RunState",
     ("worker.agent", "self.claims"): "Claims", ("worker.agent", "handler"): "our EventLoopHandler",
     ("worker.agent", "events"): "the agent's EventQueue", ("worker.agent_claims", "wait"): "the agent's WaitRequest",
     ("worker.agent_guards", "wait"): "the agent's WaitRequest", ("worker.agent_client", "self.conn"): "AgentClient's Connection",

@@ -95,7 +95,7 @@ def test_no_import_cycles_in_the_package():
 #: * glue: the Celery task class, publishing, the CLI, the elected beat (beat.*) and the test plugin.
 BASE = {"errors", "config", "security", "states", "signals", "keys", "options", "metrics", "logs", "process_records",
         "internals_used", "lock_waiting"}
-GLUE = {"task", "held", "acquisition", "decision", "outcomes", "enqueue", "cli", "by_config", "prerun", "interrupts", "redelivery",
+GLUE = {"task", "held", "decision", "enqueue", "cli", "by_config", "redelivery",
         "testing", "testing_servers", "testing_tls", "testing_probes"}
 
 

@@ -216,7 +216,7 @@ class AgentClient:
 def beside_agent() -> bool:
     """Does this pool process belong to a worker whose lock agent queues for the same keys?
     Then a lock taken here must never be waited for: the agent's nodes ahead may be granted
-    to requests that need this very process (acquisition.lock_in_process, ``give_back``)."""
+    to requests that need this very process (decision.lock_in_process, ``give_back``)."""
     return bool(os.environ.get(ENV))
 
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from celery_zklock.acquisition import claimed_lock
+from celery_zklock.decision import claimed_lock
 from celery_zklock.config import ZkSettings
 from celery_zklock.decision import Outcome
 
