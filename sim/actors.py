@@ -24,7 +24,7 @@ from celery_zklock.worker.agent_protocol import (HEARTBEAT, Bypass, Cancel, Clai
                                                  Finished, Hello, LockState, Next, Ping, Release, Released, PeerRole,
                                                  StopWaiting, Unclaim, Verdict, Wait)
 from celery_zklock.worker.agent_client import starts_on_carried
-from celery_zklock.worker.pool_handoff import Early, hand_over_early
+from celery_zklock.worker.next_in_line import Early, hand_over_early
 
 from .world import Proc, Thread, World
 from .zk import SimClient
@@ -247,12 +247,12 @@ class MainProcess:
             req["done"] = True
 
     def may_park(self, ours: bool) -> bool:
-        """pool_handoff.may_park: nothing waits for a process; behind another contender's
+        """next_in_line.may_park: nothing waits for a process; behind another contender's
         holders, two are free."""
         return not self.backlog and (ours or sum(1 for pool in self.worker.pools if pool.free()) >= 2)
 
     def slots(self) -> int:
-        """wait_outside_pool's handoff slots: never the whole pool."""
+        """next_in_line's handoff slots (NextInLine.slots): never the whole pool."""
         return max(0, min(len(self.worker.pools) // 2, len(self.worker.pools) - 1))
 
     def _next_in_line(self, req: dict, hold, ours: bool = True) -> None:

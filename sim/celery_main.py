@@ -10,7 +10,7 @@ in the hub, the ``Outbox``) and its Redis leases (``held_lease``), against a bro
   readers and writers) run as the process's event loop, one turn per simulated event, on
   the main process's clock, so a stalled main process runs nothing; the consumer's QoS
   (its window sent to the channel when ``qos.prev != qos.value``, as asynloop does); the
-  prefork pool's books as ``pool_handoff`` reads them (the semaphore's ``value`` and
+  prefork pool's books as ``next_in_line`` reads them (the semaphore's ``value`` and
   ``_waiting``, the outbound buffer); the task consumer's channel and the connection's
   default channel; Celery's worker state (``reserved_requests``, ``active_requests``), per
   process;
@@ -468,7 +468,7 @@ class _QoS:
 
 
 class _Semaphore:
-    """The worker's pool semaphore (one permit per free process) as pool_handoff reads it."""
+    """The worker's pool semaphore (one permit per free process) as next_in_line reads it."""
 
     def __init__(self, main: "CeleryMain") -> None:
         self.main = main

@@ -196,7 +196,7 @@ def test_beat_ticks_through_reserve_and_apply_entry():
 
 
 def test_the_semaphore_queues_a_request_as_its_first_argument():
-    """pool_handoff.run_next finds a request in the semaphore as (callback, (request,), {})."""
+    """next_in_line.run_next finds a request in the semaphore as (callback, (request,), {})."""
     from celery.worker.worker import WorkController
     from kombu.asynchronous.semaphore import LaxBoundedSemaphore
 

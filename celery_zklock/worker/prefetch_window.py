@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kombu.common import PREFETCH_COUNT_MAX
 
-from .pool_handoff import pool_size
+from .next_in_line import pool_size
 
 #: Requests one worker holds aside for their locks beyond its prefetch window (unacknowledged;
 #: a few KB of memory each).  Why a bound: a burst of 100,000 on one key must stay in the

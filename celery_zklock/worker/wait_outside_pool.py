@@ -8,8 +8,8 @@ bootstep wraps ``c.on_task_request``; it owns its connection to the agent
 (:mod:`celery_zklock.worker.agent_connection`), which runs in the hub, with no thread in the
 forking parent.  Prefork and solo pools only.  Why: docs/design.md, "Waiting outside the pool".
 Its collaborators: the prefetch window (:mod:`celery_zklock.worker.prefetch_window`), the Redis
-leases (:mod:`celery_zklock.worker.held_lease`), a handoff's rules
-(:mod:`celery_zklock.worker.pool_handoff`).
+leases (:mod:`celery_zklock.worker.held_lease`), a handoff to the pool, its rules and books
+(:mod:`celery_zklock.worker.next_in_line`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ from .agent_protocol import (
 )
 from .agent_supervisor import NotStarted
 from .held_lease import SWEEP_EVERY, HeldLeases, delivery_tag, forget_delivery, redis_channel
-from .next_in_line import NextInLine
-from .pool_handoff import handoff_slots, pool_size, run_next
+from .next_in_line import NextInLine, handoff_slots, pool_size, run_next
 from .prefetch_window import PrefetchWindow
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import pytest
 
 from celery_zklock.engine.driver import Decision, gets_the_lock
 from celery_zklock.engine.identity import Identity
-from celery_zklock.worker.pool_handoff import Early, hand_over_early
+from celery_zklock.worker.next_in_line import Early, hand_over_early
 
 
 def n(seq: int, kind: str = "ours") -> str:
@@ -131,7 +131,7 @@ def _consumer(semaphore, buffer=()):
     ],
 )
 def test_may_park_only_while_nothing_else_waits_for_a_process(free, waiting, buffered, ours, parks, why):
-    from celery_zklock.worker.pool_handoff import may_park
+    from celery_zklock.worker.next_in_line import may_park
 
     c = _consumer(_Semaphore(free, [object()] * waiting), [object()] * buffered)
     assert may_park(c, ours) is parks, why
@@ -140,7 +140,7 @@ def test_may_park_only_while_nothing_else_waits_for_a_process(free, waiting, buf
 def test_may_park_is_no_without_the_pools_internals():
     from types import SimpleNamespace
 
-    from celery_zklock.worker.pool_handoff import may_park
+    from celery_zklock.worker.next_in_line import may_park
 
     assert may_park(SimpleNamespace(controller=SimpleNamespace(), pool=SimpleNamespace()), True) is False
 
