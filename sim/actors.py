@@ -63,7 +63,7 @@ class Wire:
 
 
 class AgentPeer:
-    """What the agent holds for a connected process (``agent_socket.Connection``'s ``send``)."""
+    """What the agent holds for a connected process (``agent_protocol.Connection``'s ``send``)."""
 
     def __init__(self, wire: Wire, label: str) -> None:
         self.wire = wire

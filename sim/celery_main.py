@@ -60,8 +60,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from celery_zklock.worker import agent_connection, agent_supervisor, held_lease, wait_outside_pool
-from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, Carry, encode, from_wire
-from celery_zklock.worker.agent_socket import LineReader
+from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, Carry, LineReader, encode, from_wire
 
 import logging
 

@@ -140,7 +140,7 @@ MUTANTS = [
            "        self.post(told, [c.identifier for c in contenders(self.client, path, wait.max_holders) if c.holder])\n"),
     Mutant("watch-never-run", "19. the agent never says a task runs under a hold: its node is never watched "
            "(issue 39's watch from the claim, left out)",
-           "worker/agent_claims.py",
+           "worker/agent_requests.py",
            "            hold.slot.attempt.hold.running()  # its node is watched from now on\n",
            "            pass\n"),
     Mutant("carry-stale", "20. a pool process starts on the grant its task carried however old it is "

@@ -10,11 +10,12 @@ Run by the worker (:mod:`celery_zklock.worker.agent_supervisor`) as ``python -m 
 SOCKET`` with the settings as JSON on stdin (they may carry credentials: never argv).
 
 :class:`Agent` is the plumbing (socket, one event thread, heartbeat, peers leaving) and the
-dispatch of each message to its parts, each an object with its own state:
+dispatch of each message to its parts (:mod:`celery_zklock.worker.agent_requests`, read top
+to bottom), each an object with its own state:
 :class:`~celery_zklock.worker.agent_requests.Requests` (a request's life up to its verdict,
 and the key's :class:`~celery_zklock.worker.cohort.Cohort`),
-:class:`~celery_zklock.worker.agent_claims.Claims` (pool processes claiming, lock states,
-releases) and :class:`~celery_zklock.worker.agent_guards.GuardJobs` (enqueue guards).
+:class:`~celery_zklock.worker.agent_requests.Claims` (pool processes claiming, lock states,
+releases) and :class:`~celery_zklock.worker.agent_requests.GuardJobs` (enqueue guards).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from ..config import ZkSettings, from_wire
 from ..engine import clock, guards, kazoo_compat, tick_fence
 from ..engine.client import EventLoopHandler, connect, disconnect
 from ..engine.session import monitor_for
-from .agent_claims import Claims
-from .agent_guards import GuardJobs
 from .agent_protocol import (
+    AGENT_DIR_PREFIX,
     HEARTBEAT,
+    OWNER,
     Cancel,
     Claim,
+    Connection,
     Dropped,
     Fence,
     FenceAnswer,
@@ -53,8 +55,7 @@ from .agent_protocol import (
     Unguard,
     Wait,
 )
-from .agent_requests import Requests
-from .agent_socket import AGENT_DIR_PREFIX, OWNER, Connection
+from .agent_requests import Claims, GuardJobs, Requests
 
 logger = logging.getLogger("celery_zklock.worker.agent")
 
@@ -213,7 +214,7 @@ class Agent:
 
     def _backlog(self, peer: Connection) -> None:
         """A peer's socket took only part of what we sent: write the rest when it can take it
-        (the event thread never blocks on a peer: :class:`~.agent_socket.Connection`)."""
+        (the event thread never blocks on a peer: :class:`~.agent_protocol.Connection`)."""
         if peer.pending and not peer.closed:
             self.selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                  lambda m: self._ready(peer, m))

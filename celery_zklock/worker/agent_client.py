@@ -21,10 +21,12 @@ from ..engine.session import session_margin
 from .agent_protocol import (
     BYPASSED,
     CARRIED,
+    ENV,
     Carry,
     Claim,
     ClaimAnswer,
     Claimed,
+    Connection,
     Hello,
     LockState,
     PeerRole,
@@ -34,7 +36,6 @@ from .agent_protocol import (
     Unclaim,
     from_wire,
 )
-from .agent_socket import ENV, Connection
 from .cohort_rules import fresh
 from .lease_clock import lease_clock
 

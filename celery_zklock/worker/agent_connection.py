@@ -20,8 +20,19 @@ from typing import Any, Protocol
 from celery.utils.log import get_logger
 
 from ..engine.session import session_margin
-from .agent_protocol import HEARTBEAT, Bypass, Decided, FenceAnswer, Finished, Hello, Next, PeerRole, Queued, encode
-from .agent_socket import LineReader
+from .agent_protocol import (
+    HEARTBEAT,
+    Bypass,
+    Decided,
+    FenceAnswer,
+    Finished,
+    Hello,
+    LineReader,
+    Next,
+    PeerRole,
+    Queued,
+    encode,
+)
 from .agent_supervisor import AgentProcess, NotStarted
 
 logger = get_logger("celery_zklock.worker")

@@ -28,7 +28,7 @@ from celery.utils.log import get_logger
 
 from ..config import ZkSettings, to_wire
 from ..process_records import process_record, record_alive
-from .agent_socket import AGENT_DIR_PREFIX, ENV, OWNER, SOCKET, socket_path
+from .agent_protocol import AGENT_DIR_PREFIX, ENV, OWNER, SOCKET, socket_path
 
 logger = get_logger("celery_zklock.worker")
 

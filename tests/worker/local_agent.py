@@ -12,8 +12,7 @@ import time
 
 from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_protocol import Decided, Verdict
-from celery_zklock.worker.agent_socket import Connection
+from celery_zklock.worker.agent_protocol import Connection, Decided, Verdict
 from tests.polling import wait_until
 
 

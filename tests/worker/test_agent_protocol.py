@@ -17,10 +17,9 @@ from celery_zklock.engine.tick_fence import Fenced
 from celery_zklock.worker import agent_protocol
 from celery_zklock.worker.agent_protocol import (
     Bypass, Cancel, Carry, Claim, ClaimAnswer, Claimed, Decided, Dropped, Fence, FenceAnswer, Finished, Hello,
-    LockState, Next, Ping, ProtocolError, Queued, Release, Released, PeerRole, StopWaiting, Unclaim, Unguard, Verdict,
+    LineReader, LockState, Next, Ping, ProtocolError, Queued, Release, Released, PeerRole, StopWaiting, Unclaim, Unguard, Verdict,
     Wait, as_wire, decode, encode, from_wire,
 )
-from celery_zklock.worker.agent_socket import LineReader
 
 CARRY = Carry(proof=12.5, session_timeout=10.0, waited=0.25, tokens={"/a": 7 << 8 | 1, "/b": 9 << 8})
 

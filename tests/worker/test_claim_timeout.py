@@ -19,8 +19,7 @@ import uuid
 
 from celery_zklock import FairLock
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import Finished, Hello, PeerRole, Verdict, Wait
-from celery_zklock.worker.agent_socket import ENV, Connection
+from celery_zklock.worker.agent_protocol import ENV, Connection, Finished, Hello, PeerRole, Verdict, Wait
 from tests.polling import wait_until
 from tests.worker.local_agent import answer
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import uuid
 
-from celery_zklock.worker.agent_protocol import Claim, Claimed, Finished, Hello, Release, Released, PeerRole, Verdict, Wait
-from celery_zklock.worker.agent_socket import Connection
+from celery_zklock.worker.agent_protocol import (Claim, Claimed, Connection, Finished, Hello, Release, Released, PeerRole,
+                                                 Verdict, Wait)
 from tests.worker.local_agent import answer
 
 

@@ -19,8 +19,7 @@ from types import SimpleNamespace
 
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import Claim, ClaimAnswer, Claimed, LockState, Released, Verdict
-from celery_zklock.worker.agent_socket import Connection
+from celery_zklock.worker.agent_protocol import Claim, ClaimAnswer, Claimed, Connection, LockState, Released, Verdict
 from celery_zklock.worker.agent_requests import Requests, WaitRequest
 from tests.polling import wait_until
 from tests.worker.cohort_host import first_granted

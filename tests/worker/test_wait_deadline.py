@@ -20,8 +20,7 @@ import pytest
 
 from celery_zklock import FairLock
 from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.agent_protocol import Finished, Hello, PeerRole, Verdict, Wait
-from celery_zklock.worker.agent_socket import Connection
+from celery_zklock.worker.agent_protocol import Connection, Finished, Hello, PeerRole, Verdict, Wait
 from celery_zklock.worker.cohort import Cohort
 from tests.lockutil import children
 from tests.polling import wait_until

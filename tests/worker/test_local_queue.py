@@ -19,11 +19,10 @@ import pytest
 
 from celery_zklock.config import ZkSettings
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_protocol import Finished, Hello, PeerRole, Wait
-from celery_zklock.worker.agent_socket import Connection
+from celery_zklock.worker.agent_protocol import Connection, Finished, Hello, PeerRole, Wait
 from celery_zklock.worker.agent_requests import WaitRequest
 from celery_zklock.worker.agent import STUCK_AFTER
-from celery_zklock.worker.wait_queue import WaitQueue
+from celery_zklock.worker.cohort import WaitQueue
 
 
 class W:
