@@ -396,7 +396,8 @@ MUTANTS = [
            "worker/wait_outside_pool.py",
            "            lock_waiting.ended(req.task)\n\n    def _taken_back(",
            "            lock_waiting.ended(req.task)\n        self.leases.let_go(req)\n\n    def _taken_back(",
-           killer="tests/worker/test_held_aside.py::test_repeated_broker_outages_while_tasks_run_lose_nothing[redis]"),
+           killer="tests/worker/test_held_aside.py::"
+                  "test_redis_a_granted_request_waiting_for_a_busy_pool_keeps_its_lease"),
     # Broker reconnections and RabbitMQ (issue 59 item 6, scenarios held-aside-reconnect and
     # held-aside-rabbitmq-cut):
     Mutant("reconnect-keeps-held", "60. at a broker reconnection (stop with the blueprint in RUN) the requests held "
