@@ -152,6 +152,8 @@ class Worker:
         self.exiting_pools = False  # the worker is shutting down: pool processes exit once idle
         self.long_share = 0.1  # bodies that run long enough to age the lease (the scenario may set it)
         self.long_holds = (0.06, 0.1, 0.3, 1.0)  # their lengths (s)
+        self.busy_bodies = 0  # a "pool-busy" fault: this many next bodies run for busy_hold (s)
+        self.busy_hold = 0.0
         self.stopped_at: float | None = None
         self.world.at(HEARTBEAT, f"{name}.heartbeat", self._heartbeat, proc=self.agent_proc)
 
@@ -491,6 +493,9 @@ class PoolProcess:
         # Mostly short bodies (a hot key's handoffs), now and then a long one (its lease ages).
         long = self.rng.random() < self.worker.long_share
         hold = self.rng.choice(self.worker.long_holds) if long else self.rng.choice((0.0, 0.001, 0.003, 0.01, 0.03))
+        if self.worker.busy_bodies > 0:  # a "pool-busy" fault: every process of the worker busy for a while
+            self.worker.busy_bodies -= 1
+            hold = self.worker.busy_hold
         no = self.claim_no
         self.world.at(self.world.now + hold, f"{self.proc.name}.body", self._body_done, no, proc=self.proc)
 

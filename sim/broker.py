@@ -110,6 +110,7 @@ class Broker:
         self.messages: dict[str, Message] = {}  # task id -> its message
         self.bodies: dict[str, list[BodyRun]] = {}  # task id -> its body's runs
         self.results: dict[str, tuple[str, float]] = {}  # the result backend: task id -> (state, stored at)
+        self.keeps_results = True  # False: the task keeps no result (ignore_result), nothing is stored
         self.channels: list[Channel] = []  # live ones
         self.restores = 0
         self.published = 0

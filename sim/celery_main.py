@@ -742,9 +742,11 @@ class CeleryMain:
         return True
 
     def _stored(self, pool, job: dict) -> None:
-        """The pool process stores the body's final state, just after its lock's release."""
+        """The pool process stores the body's final state, just after its lock's release (none
+        when the task keeps no result: a copy flagged ``redelivered`` then finds nothing and
+        runs, as ``redelivery.ran_before`` lets it with ``ignore_result``)."""
         body = job.get("body")
-        if body is not None and body.stored_at is None:
+        if body is not None and body.stored_at is None and self.broker.keeps_results:
             body.stored_at = self.world.now
             self.broker.store(job["id"], "SUCCESS")
 

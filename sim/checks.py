@@ -361,7 +361,8 @@ class Checks:
           checked) and its acknowledgement, while its worker stalled or was killed there;
         * a copy flagged ``redelivered`` whose earlier run had released its lock but not yet
           stored its result (``redelivery.ran_before``'s window, the task not tracking
-          STARTED), or whose earlier run's process was killed mid-body;
+          STARTED; with no result kept, only the copy of a delivery whose ack was lost with its
+          connection), or whose earlier run's process was killed mid-body;
         * the first delivery, handed to the pool as its connection was lost (its ack lost, or
           never sent), after a copy of it that ran first (acks-early: at least once).
 
@@ -385,8 +386,10 @@ class Checks:
                     self.fail(f"task {msg.task_id}'s body runs again on {pool.proc.name} from a redelivered copy, "
                               f"after its run on {e.pool} stored its result at {e.stored_at:.3f}: {earlier}; "
                               f"deliveries {msg.deliveries}")
-                if e.released_at is not None or self._died(e.pool):
-                    continue  # granted between the release and the store: the stated window
+                if self._died(e.pool) or (e.released_at is not None
+                                          and (broker.keeps_results or e.delivery.handed_when_cut)):
+                    continue  # granted between the release and the store: the stated window (with no
+                    # result kept, a copy runs after any release: only one whose ack was lost with its connection)
             elif delivery.handed_when_cut and e.delivery.redelivered:
                 continue  # the copy ran first; this one was in the pool as its connection dropped
             self.fail(f"task {msg.task_id}'s body runs twice: {e} and now on {pool.proc.name}; "

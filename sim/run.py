@@ -117,6 +117,15 @@ SCENARIOS = {
                                          ("broker-cut", 3.4, 0.2, 0), ("broker-cut", 4.6, 0.1, 2),
                                          ("broker-cut-waiting", 1.5, 0.1, 1), ("broker-cut-waiting", 3.0, 0.3, 2),
                                          ("worker-stopped", 5.3, 1.0, 1), ("worker-killed", 5.6, 0.0, 2)]},
+    # Every pool process of a worker busy for 2.5 sessions (5 s; w1 at 1 s, w2 at 3.5 s), while
+    # its agent grants requests on the key they do not hold (three keys, two processes each):
+    # a granted request waits in the pool's queue (Celery's semaphore) past its lease, which
+    # must last until a pool process takes it (its ack), or a sweep gives its message back and
+    # it runs twice.  The tasks keep no result (ignore_result): nothing but the lease stops a
+    # second delivery from running (redelivery.ran_before says no at once).
+    "held-aside-busy-pool": {"workers": 2, "pools": 2, "keys": 3, "rate": 40.0, "peers": 0, "session": 2.0,
+                             "long": 0.05, "long_holds": (0.06, 0.1, 0.3), "broker": "redis", "results": False,
+                             "plan": [("pool-busy", 1.0, 2.5, 0), ("pool-busy", 3.5, 2.5, 1)]},
     # Read/write locks (issue 62), at the engine's level (sim/actors.RwContender), with no
     # worker: four readers (ours, kazoo's, either, either) back every few ms and three writers
     # (ours, either, either) on two keys, sessions of 1 to 4 s.  A plan entry "rw-*" picks its
@@ -270,6 +279,7 @@ class Run:
                 self.broker = RabbitBroker(world)
             else:
                 self.broker = RedisBroker(world, visibility_timeout)
+            self.broker.keeps_results = shape.get("results", True)
             main_class = celery_main.CeleryMain
         ERRORS.records.clear()
         world.checks.append(self._no_errors)
@@ -459,6 +469,11 @@ class Run:
             # process (Celery's on_close drops it: the agent must let go of its grant).
             world.log(f"fault: {worker.name}'s broker connection to drop when a granted request waits for a process")
             worker.main.cut_when_waiting = length
+        elif kind == "pool-busy":
+            # Every pool process of the worker runs its next body for ``length``: meanwhile its
+            # agent's grants on other keys wait for a process in the pool's queue.
+            world.log(f"fault: {worker.name}'s next {worker.pool_count} bodies run for {length:.2f} s")
+            worker.busy_bodies, worker.busy_hold = worker.pool_count, length
         elif kind == "worker-stopped":
             # A warm shutdown of the worker, with its broker connection lost as it begins when
             # the plan's length is not 0 (celery_main.CeleryMain.stop_warm).

@@ -93,6 +93,16 @@ def test_broker_reconnection_bugs_are_found_in_their_scenario(name, scenario, sa
     assert f"(scenario {scenario})" in done.stdout and says in done.stdout, done.stdout[:3000]
 
 
+def test_a_lease_that_ends_at_the_hand_over_is_found_in_its_scenario(tmp_path):
+    """A granted request waiting for a busy pool keeps its Redis lease until a pool process
+    takes it: with the lease ended at the hand-over (lease-ends-at-hand-over), the scenario
+    held-aside-busy-pool, whose tasks keep no result, sees the swept-back message run twice
+    (the random seeds' pools take a handed request within the lease)."""
+    done = _mutant_in_scenario("lease-ends-at-hand-over", "held-aside-busy-pool", tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "(scenario held-aside-busy-pool)" in done.stdout and "body runs twice" in done.stdout, done.stdout[:3000]
+
+
 def _mutant_in_scenario(name: str, scenario: str, tmp_path):
     """15 seeds of ``scenario`` alone on a copy of the package with the mutant ``name`` planted."""
     import shutil

@@ -153,6 +153,19 @@ def hold_two(key, ms=50, tag=None, until=None):
     _record("two", key, tag, start, time.time())
 
 
+@app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, ignore_result=True)
+def hold_unrecorded(key, tag=None, until=None):
+    """``hold`` keeping no result (``ignore_result``): nothing tells a second delivery of its
+    message that the first ran, so a message the broker gives back runs twice.  With
+    ``until`` (a Redis key) it holds until the test sets that key, as ``hold_two`` does."""
+    start = time.time()
+    _r.rpush("arrivals", json.dumps({"tag": tag, "start": start}))
+    deadline = start + 120
+    while until is not None and not _r.exists(until) and time.time() < deadline:
+        time.sleep(0.01)
+    _record("unrecorded", key, tag, start, time.time())
+
+
 @app.task(base=ZkLockedTask, lock_key=["m:{a}", "m:{b}"])
 def hold_multi(a, b, ms=5, tag=None):
     start = time.time()

@@ -1,5 +1,6 @@
 """Requests held aside in the worker's main process, against real workers, ZooKeeper and Redis:
-an agent restart under a large backlog, and what the broker is told at a stop.
+an agent restart under a large backlog, what the broker is told at a stop, and the Redis
+leases that keep a held message from being delivered twice.
 
 Why a module apart from test_wait_outside_pool: these tests hold hundreds of requests aside
 on one key (held by this test process), which takes a worker of its own per test."""
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 import uuid
 from contextlib import contextmanager
@@ -18,7 +20,7 @@ import pytest
 
 from celery_zklock.engine import FairLock
 from support.workers import Worker
-from tests.lockedapp import held_aside, history
+from tests.lockedapp import held_aside, history, started
 from tests.polling import holds_for, wait_until
 
 
@@ -141,9 +143,9 @@ def _whole_log(w) -> str:
         return f.read()
 
 
-def _runs(mod) -> dict:
+def _runs(mod, kind: str = "hold") -> dict:
     runs: dict = {}
-    for r in history(mod, "hold"):
+    for r in history(mod, kind):
         runs[r["tag"]] = runs.get(r["tag"], 0) + 1
     return runs
 
@@ -206,6 +208,52 @@ def test_redis_a_killed_workers_held_requests_run_elsewhere_within_seconds(mod, 
     finally:
         a.stop(timeout=5)
         b.stop(timeout=30)
+
+
+def test_redis_a_granted_request_waiting_for_a_busy_pool_keeps_its_lease(mod, env):
+    """One worker (-c 1), Redis's visibility timeout 2 s (kombu's sweep every second), a lease
+    of 4 s (the session timeout).  Its only pool process runs a task that holds until the test
+    lets it end; a request on a free key arrives meanwhile, is granted at once, and waits in
+    the pool's queue for 7 s, past the visibility timeout and its lease.  Its message stays
+    leased until the pool process takes it (its acknowledgement): Redis never gives it back,
+    and each task runs once.  The tasks keep no result, so nothing but the lease keeps a
+    second delivery from running (a lease that ended at the hand-over to the pool: swept
+    back, delivered again, run twice)."""
+    queue = f"busy-{uuid.uuid4().hex[:8]}"
+    gate = f"gate-{queue}"
+    window = 4.0 + 2.0 + 1.0  # the lease, the visibility timeout, a sweep
+    w = Worker({**env, "TEST_VISIBILITY": "2"}, "busypool", concurrency=1, extra=["-Q", queue]).start(mod.app)
+    try:
+        mod.hold_unrecorded.apply_async((f"busy-{queue}", "busy", gate), queue=queue)
+        wait_until(lambda: started(mod, "busy"), 20, what="the task that keeps the only pool process busy")
+        waiting = mod.hold_unrecorded.apply_async((f"free-{queue}", "waiting"), queue=queue)
+        wait_until(lambda: waiting.id in _reserved(mod, w) and held_aside(w, mod) == 0, 20, interval=0.1,
+                   what="the request granted and handed to the pool, its process busy")
+        holds_for(lambda: not started(mod, "waiting"), window,
+                  what="the granted request waiting in the pool's queue")
+        mod._r.set(gate, 1)
+        wait_until(lambda: {"busy", "waiting"} <= set(_runs(mod, "unrecorded")), 20, what="both to run")
+        holds_for(lambda: max(_runs(mod, "unrecorded").values()) == 1, 3.0,
+                  what=lambda: f"no second run of either (runs: {_runs(mod, 'unrecorded')}; the waiting one received "
+                               f"{_times_received(w, waiting.id)} time(s))")
+        runs = _runs(mod, "unrecorded")
+        received = _times_received(w, waiting.id)
+        assert runs == {"busy": 1, "waiting": 1}, f"runs {runs}; the waiting one received {received} time(s)"
+        assert received == 1, f"Redis gave back the message of a request waiting in the pool: received {received} times"
+    finally:
+        mod._r.delete(gate)
+        w.stop(timeout=30)
+
+
+def _times_received(worker, task_id: str) -> int:
+    return len(re.findall(rf"\] Task [^\[]*\[{task_id}\] received", _whole_log(worker)))
+
+
+def _reserved(mod, worker) -> set[str]:
+    """Ids of the requests the worker has received and no pool process has taken yet."""
+    node = f"{worker.name}@{socket.gethostname()}"
+    replies = mod.app.control.inspect(destination=[node], timeout=2.0).reserved() or {}
+    return {t["id"] for t in replies.get(node, [])}
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq", "redis"])
