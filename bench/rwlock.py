@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
+from celery_zklock.engine.attempt import OWN_WATCH_WITHIN
 
 from .lock_bench import Contender, _ctx, percentile, run_processes
 

@@ -51,7 +51,7 @@ MUTANTS = [
     Mutant("own-watch", "2. the holder's watch on its own node is not set again after a write fires it "
            "(finding 1: a force-delete after a local handoff goes unseen).  Since the lease's renewals are "
            "checks (issue 39) only someone else's write fires it, which the simulator does not model",
-           "engine/attempt/holding.py",
+           "engine/attempt.py",
            "            elif event.type == EventType.CHANGED and at.state is State.HELD:\n"
            "                self._watch_own_node()",
            "            elif event.type == EventType.CHANGED and at.state is State.HELD:\n"
@@ -88,11 +88,11 @@ MUTANTS = [
            "        if not in_pool:\n            if wait.claimer is None:\n                self.forget(wait)\n"),
     Mutant("ghost-twice", "9. a ghost create adopted twice: the create in flight at a reconnection is sent "
            "again, and both replies are taken",
-           "engine/attempt/machine.py",
+           "engine/attempt.py",
            "        if self.create_in_flight:\n            return  # its reply",
            "        if False:\n            return  # its reply"),
     Mutant("batch-not-resent", "10. a group-commit batch whose rolled-back creates are not sent again",
-           "engine/attempt/machine.py",
+           "engine/attempt.py",
            "            if answer.step in (Multi.ROLLED_BACK, Multi.KEY_EXISTS):\n"
            "                if not self.finished and self.state is State.CREATING:\n",
            "            if answer.step in (Multi.ROLLED_BACK, Multi.KEY_EXISTS):\n"
@@ -130,7 +130,7 @@ MUTANTS = [
            "            if False:\n"),
     Mutant("exists-own-watch", "17. the holder's own-node watch set with exists: a creation watch left on the "
            "server for a deleted node, and the deletion not seen",
-           "engine/attempt/holding.py",
+           "engine/attempt.py",
            "        kazoo_compat.on_ready(self._client.get_async(f\"{self._path}/{node}\", watch=self._own_watcher[2]),",
            "        kazoo_compat.on_ready(self._client.exists_async(f\"{self._path}/{node}\", watch=self._own_watcher[2]),"),
     Mutant("blocking-holders", "18. a timeout's verdict waits for a blocking read of the key's holders",
@@ -157,7 +157,7 @@ MUTANTS = [
            "        left = 0.0\n"),
     Mutant("create-proof-late", "22. a fresh node's first proof dated when it is taken, not when its create was "
            "sent (issue 39's carried first grant): a node that queued past its session still carries",
-           "engine/attempt/machine.py",
+           "engine/attempt.py",
            "        if self.client.connected:\n            self.state = State.HELD\n",
            "        if self.client.connected:\n            self.create_sent = clock.boottime()\n"
            "            self.state = State.HELD\n"),
@@ -225,7 +225,7 @@ MUTANTS = [
                   "test_the_agents_reader_is_registered_again_at_every_start_of_the_event_loop"),
     Mutant("grace-by-epoch", "33. a suspension's grace judged by the connection's epoch: a reconnection whose "
            "re-verification is cut off again leaves no grace running, and the partition goes unreported",
-           "engine/attempt/holding.py",
+           "engine/attempt.py",
            "            if self._attempt.state is State.HELD_SUSPENDED and self._suspension == suspension:\n",
            "            if self._attempt.state is State.HELD_SUSPENDED and self._monitor.epoch == _epoch:\n",
            killer="tests/engine/test_lock_faults.py::"
@@ -250,7 +250,7 @@ MUTANTS = [
            killer="tests/engine/test_lock_basic.py::test_a_cancel_that_comes_as_the_acquire_starts_is_not_lost"),
     Mutant("ghost-look-unpending", "37. the look for a ghost (a create whose reply was lost) clears the attempt's "
            "pending work before it is answered: a cancel meanwhile seals the cleanup and the ghost stays",
-           "engine/attempt/machine.py",
+           "engine/attempt.py",
            "        self.pending = Pending.GHOST\n        self.ghosts.look(self._next_look())\n",
            "        self.pending = None\n        self.ghosts.look(self._next_look())\n",
            killer="tests/engine/test_lock_faults.py::test_a_cancel_while_a_ghost_is_looked_for_still_deletes_the_ghost"),
@@ -363,7 +363,7 @@ MUTANTS = [
     Mutant("sequence-zero-holds", "54. a node of sequence 0 taken to hold without reading the queue, wherever it "
            "was made: only a node made in one multi with its container is alone there; past the second wrap "
            "(-1 to 0) a node of sequence 0 queues behind the nodes of -1, -2 ..., and would hold beside them",
-           "engine/attempt/machine.py",
+           "engine/attempt.py",
            "            if listed is Queue.FRESH and znodes.sequence_of(name) == 0:\n",
            "            if znodes.sequence_of(name) == 0:\n"),
     # The worker's main process for real against a Redis broker model (issue 59 item 6):

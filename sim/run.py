@@ -213,11 +213,10 @@ class _PerProcess:
 def fresh_process_state(world: World) -> None:
     """What the package keeps per process, made new for each seed (a replay must not depend
     on the seeds run before it), and the ids it draws, made reproducible."""
-    from celery_zklock.engine import clock, znodes
-    from celery_zklock.engine.attempt import state
+    from celery_zklock.engine import attempt, clock, znodes
 
     clock.use(SimClocks(world))
-    state.RECENT._paths = _PerProcess(world)
+    attempt.RECENT._paths = _PerProcess(world)
     znodes._NO_CONTAINERS.clear()
     znodes._CONTAINERS_WORK.clear()
     rng = world.rng("uuid")

@@ -299,10 +299,7 @@ def _takes_engine_lock(fn, seen: set | None = None) -> bool:
     as ``on_ready``'s ``once`` included)."""
     from functools import partial
 
-    from celery_zklock.engine.attempt.ghosts import Ghosts
-    from celery_zklock.engine.attempt.holding import HoldWatch
-    from celery_zklock.engine.attempt.machine import Attempt
-    from celery_zklock.engine.attempt.parents import KeyParent
+    from celery_zklock.engine.attempt import Attempt, Ghosts, HoldWatch, KeyParent
 
     def engine(value) -> bool:
         return isinstance(value, (Attempt, KeyParent, Ghosts, HoldWatch))

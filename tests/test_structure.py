@@ -192,15 +192,22 @@ def test_readme_task_options_table_matches_the_declarations():
 #: split a module"), never to get under this number.
 MAX_MODULE_LINES = 800
 
+#: Modules longer by decision, each with its own ceiling (still an accident catcher).
+#: engine/attempt.py: the attempt's protocol reads top to bottom in one place, with its fault
+#: branches as collaborators after it (issue 63).
+LONGER = {"engine/attempt.py": 1200}
+
 
 def _too_big(source: str, name: str) -> list[str]:
     lines = source.count("\n")
-    return [f"{name}: {lines} lines"] if lines > MAX_MODULE_LINES else []
+    return [f"{name}: {lines} lines"] if lines > LONGER.get(name, MAX_MODULE_LINES) else []
 
 
 def test_size_check_itself():
     assert _too_big("x = 1\n" * (MAX_MODULE_LINES + 1), "m") == [f"m: {MAX_MODULE_LINES + 1} lines"]
     assert _too_big("class C:\n" + "    x = 1\n" * 500, "m") == []
+    assert _too_big("x = 1\n" * (MAX_MODULE_LINES + 1), "engine/attempt.py") == []
+    assert _too_big("x = 1\n" * 1201, "engine/attempt.py") == ["engine/attempt.py: 1201 lines"]
 
 
 def test_no_module_over_800_lines():

@@ -10,7 +10,7 @@ Protocol: each contender creates an EPHEMERAL_SEQUENTIAL child ``_c_<uuid>-lock-
 the ``max_holders`` lowest sequences hold (:func:`~celery_zklock.engine.driver.gets_the_lock`
 decides).  A reader's child is ``_c_<uuid>-__READ__<seq>`` and a read/write lock's writer's
 ``_c_<uuid>-__WRIT__<seq>`` (Curator's names): a reader holds while no exclusive node queues
-ahead of it (:func:`~celery_zklock.engine.driver.reader_gets_the_lock`).  One acquisition is :class:`~celery_zklock.engine.attempt.machine.Attempt`, read
+ahead of it (:func:`~celery_zklock.engine.driver.reader_gets_the_lock`).  One acquisition is :class:`~celery_zklock.engine.attempt.Attempt`, read
 top to bottom; this module holds what stays the same across a lock's attempts.
 
 The fencing token is derived from our node's ``czxid``
@@ -26,8 +26,7 @@ from typing import Callable
 from kazoo.client import KazooClient
 
 from . import kazoo_compat, znodes
-from .attempt.machine import Attempt
-from .attempt.state import RECENT, State
+from .attempt import RECENT, Attempt, State
 from .driver import Decision, gets_the_lock, reader_gets_the_lock
 from .identity import Identity
 from .session import SessionMonitor, monitor_for, session_margin

@@ -24,7 +24,7 @@ from .session import DELETED, EXPIRED, GONE, ReleaseOutcome
 from .znodes import Contender
 
 if TYPE_CHECKING:
-    from .attempt.machine import Attempt
+    from .attempt import Attempt
 
 __all__ = ["FairLock", "MultiLock", "Contender", "contenders"]
 

@@ -1,6 +1,6 @@
 """The attempt's collaborators' decisions, from tables: a re-verified hold
-(holding.verified), a look for ghosts (ghosts.resolve), the multi that makes a new key
-with our node (parents.multi_answered).  Pure logic: no ZooKeeper."""
+(HoldWatch's verified), a look for ghosts (Ghosts' resolve), the multi that makes a new key
+with our node (KeyParent's multi_answered).  Pure logic: no ZooKeeper."""
 
 from __future__ import annotations
 
@@ -18,10 +18,17 @@ from kazoo.exceptions import (
 )
 from kazoo.protocol.states import ZnodeStat
 
-from celery_zklock.engine.attempt.ghosts import Found, Ghost, Then, resolve
-from celery_zklock.engine.attempt.holding import HoldVerdict, verified
-from celery_zklock.engine.attempt.parents import Multi, multi_answered
-from celery_zklock.engine.attempt.state import Queue
+from celery_zklock.engine.attempt import (
+    Found,
+    Ghost,
+    HoldVerdict,
+    Multi,
+    Queue,
+    Then,
+    multi_answered,
+    resolve,
+    verified,
+)
 
 S, OLD = 0x51, 0x0D  # our session, and an ended one
 
@@ -30,7 +37,7 @@ def stat(owner: int, czxid: int = 100) -> ZnodeStat:
     return ZnodeStat(czxid, czxid, 0, 0, 0, 0, 0, owner, 0, 0, czxid)
 
 
-# ------------------------------------------------------------------ holding.verified
+# ------------------------------------------------------------------ verified (HoldWatch)
 @pytest.mark.parametrize(
     "outcome, session_now, same_suspension, expected",
     [
@@ -56,7 +63,7 @@ def test_a_lost_holds_reason_is_its_verdicts_value():
     assert HoldVerdict.SESSION_EXPIRED.value == "ZooKeeper session expired"
 
 
-# ------------------------------------------------------------------ ghosts.resolve
+# ------------------------------------------------------------------ resolve (Ghosts)
 QUEUE = ["n-01", "a-02", "n-03", "n-04"]
 
 
@@ -89,7 +96,7 @@ def test_what_a_look_for_ghosts_found(stats, session_now, cleanup, current, expe
     assert resolve(QUEUE, stats, S, session_now, cleanup, current) == expected
 
 
-# ------------------------------------------------------------------ parents.multi_answered
+# ------------------------------------------------------------------ multi_answered (KeyParent)
 NODE = "/k/_c_ab-lock-0000000000"
 
 

@@ -139,7 +139,7 @@ def test_a_burst_of_new_keys_is_group_committed(zk_client, path, monkeypatch):
     multis = sent.count("MultiCreate")
     assert 1 < multis < len(keys), sent  # the first alone, the rest batched behind it
     # No createContainer, no children read.  A holder's watch on its own node (a GetData,
-    # set soon after the hold: engine/attempt/holding.py) may already have gone out on a
+    # set soon after the hold: engine/attempt.py, HoldWatch) may already have gone out on a
     # slow machine: it is not part of joining the queue.
     assert set(sent) - {"GetData"} == {"MultiCreate"}
     for a in attempts:

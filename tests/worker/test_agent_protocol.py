@@ -11,7 +11,7 @@ from celery_zklock.decision import claimed_lock
 from celery_zklock.config import ZkSettings
 from celery_zklock.decision import Outcome
 
-from celery_zklock.engine.attempt.state import Pending
+from celery_zklock.engine.attempt import Pending
 from celery_zklock.engine.session import PROOFS, ReleaseOutcome
 from celery_zklock.engine.tick_fence import Fenced
 from celery_zklock.worker import agent_protocol

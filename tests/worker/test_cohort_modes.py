@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from celery_zklock.engine.attempt.state import State
+from celery_zklock.engine.attempt import State
 from celery_zklock.worker import cohort as cohort_module
 
 

@@ -15,7 +15,7 @@ from tests.lockutil import watching
 from tests.polling import holds_for, wait_until
 from tests.worker.cohort_host import first_granted
 
-from celery_zklock.engine.attempt.holding import OWN_WATCH_WITHIN
+from celery_zklock.engine.attempt import OWN_WATCH_WITHIN
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
 from celery_zklock.testing_probes import four_letter_word
