@@ -383,6 +383,12 @@ class Attempt:
         if self.lk.on_lost is not None:
             self.client.handler.spawn(self.lk.on_lost)
 
+    def unproven_at_release(self, reason: str) -> None:
+        """A waited release whose delete did not prove the hold to its end (the blocking API's
+        ``release(wait=True)``) says why, unless a loss seen while held already said so."""
+        if self.lost_reason is None:
+            self.lost_reason = reason
+
     # ------------------------------------------------------------------ 6. release
     def release(self) -> tuple[bool, Any]:
         """Let go.  Returns ``(was_held, outcome)``: outcome is None without a node,

@@ -334,8 +334,7 @@ class FairLock:
             except self.client.handler.timeout_exception:
                 outcome = DEFERRED
         if outcome != DELETED:
-            if attempt.lost_reason is None:
-                attempt.lost_reason = _LOST_AT_RELEASE.get(outcome, _LOST_AT_RELEASE[None])
+            attempt.unproven_at_release(_LOST_AT_RELEASE.get(outcome, _LOST_AT_RELEASE[None]))
             return False
         return True
 
