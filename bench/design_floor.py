@@ -17,6 +17,7 @@ import shutil
 import sys
 import uuid
 
+#: Keys of the hot workload: the flash sale's five SKUs, each task holding 1 ms.
 HOT_KEYS, HOT_MS = 5, 1.0
 
 

@@ -168,7 +168,6 @@ def ceilings(plain: dict, floor: dict) -> dict:
             "ceiling_with_messages": round(p / (p + zk_kazoo + msgs), 3)}
 
 
-#: Keys of the hot workload: the flash sale's five SKUs, each task holding 1 ms.
 def main(argv: list[str]) -> int:
     if argv[:1] == ["kazoo"]:
         print(json.dumps(kazoo_loop(argv[1], int(argv[2]))))
