@@ -94,7 +94,11 @@ def test_quick_bench_writes_every_scenario_and_contender(tmp_path):
             for field in ("throughput_per_s", "throughput_vs_plain", "cpu_worker_main_ms_per_task",
                           "cpu_worker_pool_ms_per_task", "switches_worker_pool_per_task"):
                 assert is_number(design[workload][contender][field]), (workload, contender, field)
-        assert design[workload][skeleton]["cpu_worker_agent_ms_per_task"] > 0  # its agent is counted as the agent
+        # Its agent is counted as the agent: on distinct keys it joins and leaves ZooKeeper per
+        # task, tens of ms in a quick run; on hot keys it only queues, which a quick run's few
+        # tasks may finish within one clock tick of CPU (read as 0).
+        agent_ms = design[workload][skeleton]["cpu_worker_agent_ms_per_task"]
+        assert agent_ms > 0 if workload == "distinct" else is_number(agent_ms) and agent_ms >= 0, (workload, skeleton)
     # The skeleton's chain does what the report says: each distinct key joined and left in
     # ZooKeeper (a multi and a delete), the hot keys only queued in its agent.
     assert design["distinct"]["skeleton"]["zk_requests_per_task"] >= 1.5
