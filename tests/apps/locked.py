@@ -147,10 +147,15 @@ def hold_two(key, ms=50, tag=None, until=None):
     if until is None:
         time.sleep(ms / 1000)
     else:
-        deadline = start + 120
-        while not _r.exists(until) and time.time() < deadline:
-            time.sleep(0.01)
+        _hold_until(until, start)
     _record("two", key, tag, start, time.time())
+
+
+def _hold_until(until, start: float) -> None:
+    """Hold until the test sets the Redis key ``until`` (a check that must run while the task
+    holds then does not race a loaded machine's clock), 120 s at most."""
+    while until is not None and not _r.exists(until) and time.time() < start + 120:
+        time.sleep(0.01)
 
 
 @app.task(base=ZkLockedTask, lock_key="k:{key}", lock_timeout=60, ignore_result=True)
@@ -160,9 +165,7 @@ def hold_unrecorded(key, tag=None, until=None):
     ``until`` (a Redis key) it holds until the test sets that key, as ``hold_two`` does."""
     start = time.time()
     _r.rpush("arrivals", json.dumps({"tag": tag, "start": start}))
-    deadline = start + 120
-    while until is not None and not _r.exists(until) and time.time() < deadline:
-        time.sleep(0.01)
+    _hold_until(until, start)
     _record("unrecorded", key, tag, start, time.time())
 
 
