@@ -234,7 +234,7 @@ class Agent:
         """Ping everyone while the event thread makes progress (busy is fine, stuck is not),
         and let it push lock states to claimers and retry stalled keys."""
         while not self.stopped.wait(HEARTBEAT):
-            if os.getppid() != self.parent and self.main is None and not self.claims.claimed and not self.kept:
+            if os.getppid() != self.parent and self.main is None and not self.claims.holding() and not self.kept:
                 self.stopped.set()  # the worker died, and no process of it holds a lock
                 return
             if self.events.qsize() and clock.monotonic() - self.progress > STUCK_AFTER:
@@ -246,8 +246,7 @@ class Agent:
             self.post(self.tick)
 
     def tick(self) -> None:
-        for wait in list(self.claims.claimed):
-            self.claims.push_state(wait)
+        self.claims.push_states()
         self.requests.tidy_all()
 
     # ------------------------------------------------------------------ messages
@@ -308,7 +307,7 @@ class Agent:
             self.peers.discard(peer)
         if peer is self.main:
             self.main = None
-        for wait in [w for w in self.requests.waits.values() if not w.done]:
+        for wait in self.requests.undone():
             if wait.claimer is peer:
                 self.guards.finished(wait)
                 self.requests.abandon(wait)
@@ -338,7 +337,7 @@ class Agent:
         self._stop_if_orphaned()
 
     def _stop_if_orphaned(self) -> None:
-        if self.main_seen and self.main is None and not self.claims.claimed and not self.kept:
+        if self.main_seen and self.main is None and not self.claims.holding() and not self.kept:
             self.stopped.set()
 
 

@@ -372,7 +372,7 @@ class Requests:
         nodes they held back for it (:meth:`Cohort.pump`); on the next turn, not inside
         this cohort's own pump."""
         for other in self.on_path.get(cohort.path, ()):
-            if other is not cohort and other.queue:
+            if other is not cohort and other.waiting():
                 self.post(other.pump)
 
     def earliest_elsewhere(self, cohort: Cohort) -> float | None:
@@ -380,8 +380,8 @@ class Requests:
         cohort (its readers', its writers') came; None when none waits.  No node of ours may
         pass it (:meth:`Cohort.pump`, a local handoff): across modes, FIFO among this worker's
         requests is ZooKeeper's queue order.  At most a few cohorts share a path."""
-        return min((other.queue.first().started for other in self.on_path.get(cohort.path, ())
-                    if other is not cohort and other.queue), default=None)
+        return min((other.first_came() for other in self.on_path.get(cohort.path, ())
+                    if other is not cohort and other.waiting()), default=None)
 
     # ------------------------------------------------------------------ cancelled
     def delivery(self, request_id: str, seq: int | None) -> WaitRequest | None:
@@ -463,6 +463,10 @@ class Requests:
         """Stop waiting for, or let go of, a request nobody runs."""
         self.forget(wait)
         self.let_go(wait)
+
+    def undone(self) -> list[WaitRequest]:
+        """The requests not yet done (a copy: the caller may end them as it goes)."""
+        return [w for w in self.waits.values() if not w.done]
 
     def forget(self, wait: WaitRequest) -> None:
         wait.done = True
@@ -570,7 +574,16 @@ class Claims:
         logger.warning("zklock agent: request %s: its pool process stopped waiting for the claim's answer "
                        "(this agent answered late: busy?) and locks in-process; its lock here is let go", request_id)
 
+    def holding(self) -> bool:
+        """Does any pool process hold a claimed lock here (the agent must stay)?"""
+        return bool(self.claimed)
+
     # ------------------------------------------------------------------ lock state
+    def push_states(self) -> None:
+        """Every heartbeat: tell each claimer what changed in its locks' state."""
+        for wait in list(self.claimed):
+            self.push_state(wait)
+
     def push_state(self, wait: WaitRequest) -> None:
         if (wait.claimer is None or wait.done or wait.verdict is None
                 or wait.verdict.verdict is not Verdict.GRANTED):

@@ -315,6 +315,14 @@ class Cohort:
         not wait for one (``FairLock`` gives up at its deadline when cut off, too)."""
         return sum(1 for s in self.slots if s.holder is None and not s.answered and s.attempt.pending is None)
 
+    def waiting(self) -> bool:
+        """Does any request wait in this cohort's local queue?"""
+        return bool(self.queue)
+
+    def first_came(self) -> float:
+        """When the first in line came (with a request waiting)."""
+        return self.queue.first().started
+
     def _next_waiter(self):
         """The first in line.  One whose deadline passed is still here only because a fresh
         node's first answer decides for it ("try once"): a grant is its answer."""
