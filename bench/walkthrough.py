@@ -67,6 +67,14 @@ if _DIR:
 '''
 
 
+#: The ZooKeeper client framework under the lock: what kazoo's count of its lock (``lock.py``)
+#: and Curator's (three classes) leave out, as their clients (kazoo's ``client.py`` and
+#: handlers, Curator's ``CuratorFramework`` and ``ConnectionStateManager``).  Counted apart,
+#: so our count can be set beside theirs; the totals include it.
+FRAMEWORK = frozenset({"engine/session.py", "engine/client.py", "engine/group_commit.py",
+                       "engine/kazoo_compat.py", "engine/clock.py"})
+
+
 def _role(argv: list[str]) -> str:
     text = " ".join(argv)
     if "celery_zklock.worker.agent" in text or "celery_zklock/worker/agent" in text:
@@ -152,6 +160,9 @@ def _report(folder: str, idle: tuple[float, float], run: tuple[float, float], li
         print(f"{role:>9}: {len({k.split(':', 1)[0] for k in keys}):3d} files, {len(keys):3d} functions")
     print(f"{'all':>9}: {len(files):3d} files, {len(everything):3d} functions "
           f"(one locked task and the next one's grant, waiting in the worker)")
+    framework = files & FRAMEWORK
+    print(f"{'':>9}  {len(files) - len(framework):3d} files without the ZooKeeper client framework "
+          f"({len(framework)}: {', '.join(sorted(framework))})")
     if listing:
         for role, keys in sorted(per_role.items()):
             print(f"\n[{role}]")
