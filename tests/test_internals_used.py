@@ -304,10 +304,6 @@ OUR_PREFIXES = ("_zklock", "_zk_", "zklock_")
 #: Underscore names of our own, used on another object of ours: (module, name) -> what it is.
 OURS = {
     ("task", "_lock"): "HeldLock's and NestedLock's lock (held.py)",
-    ("worker.agent_client", "_guard"): "AgentClient's own lock",
-    ("worker.agent_client", "_locks"): "AgentClient's AgentLocks by request",
-    ("worker.agent_client", "_early"): "AgentClient's verdicts that came before their claim",
-    ("worker.agent_client", "_update"): "AgentLock._update, called by its AgentClient",
     ("worker.agent_client", "_drain"): "AgentClient._drain",
 }
 

@@ -129,7 +129,7 @@ class Agent:
         self.guards = GuardJobs(self)
         self.claims = Claims(self.post, self.client, self.guards)
         self.requests = Requests(self, self.claims, self.guards)
-        self.claims.requests = self.requests
+        self.claims.attach(self.requests)
 
     # ------------------------------------------------------------------ threads
     def post(self, fn, *args) -> None:

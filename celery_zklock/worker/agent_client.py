@@ -148,6 +148,31 @@ class AgentClient:
                 if ready:
                     self._take(self.conn.receive(block=False))
 
+    def register(self, lock: AgentLock) -> LockState | None:
+        """Route the agent's states of ``lock`` to it from now on; the state pushed before it
+        registered (after its claim's answer), if one came."""
+        with self._guard:
+            self._locks[lock.id] = lock
+            early = self._early.pop(lock.id, None)
+        self.reading_needed()
+        return early
+
+    def forget(self, lock_id: str) -> None:
+        """A lock given back: no state of it is routed any more."""
+        self._locks.pop(lock_id, None)
+
+    def send(self, message: Claim | Release) -> bool:
+        """A message whose answer nobody waits for here (a carried grant's claim, a release
+        whose proof nobody waits for)."""
+        return self.conn.send(message)
+
+    def unclaim(self, request_id: str) -> None:
+        """This process stopped waiting for a claim's answer: the agent is to let go of
+        whatever it decides for it, and a state it pushed early is void."""
+        self.conn.send(Unclaim(request_id))
+        with self._guard:
+            self._early.pop(request_id, None)
+
     def reading_needed(self) -> None:
         """A lock was registered: the link's thread reads every :data:`POLL` from now on
         (woken only if it dozes)."""
@@ -195,7 +220,7 @@ class AgentClient:
                             self._early.clear()
                         self._early[msg.id] = msg
                 if lock is not None:
-                    lock._update(msg.held, msg.lost, msg.reason)
+                    lock.update(msg.held, msg.lost, msg.reason)
                 continue
             with self._guard:
                 replies = self._replies.get((type(msg), getattr(msg, "id", None)))
@@ -204,9 +229,8 @@ class AgentClient:
 
     def _ended(self) -> None:
         """The agent is gone: every lock held through it is lost, every wait ends."""
-        self.conn.closed = True
-        for lock in list(self._locks.values()):
-            lock._update(False, True, "the worker's lock agent is gone")
+        for lock in list(self._locks.values()):  # (receive() marked the connection closed)
+            lock.update(False, True, "the worker's lock agent is gone")
         with self._guard:
             for replies in self._replies.values():
                 replies.put(None)
@@ -257,16 +281,13 @@ class AgentLock:
         self.lost_reason: str | None = None
         self._held = True
         self._settled = threading.Event()  # set whenever the agent says held, or lost
-        with link._guard:
-            link._locks[request_id] = self
-            early = link._early.pop(request_id, None)
-        link.reading_needed()
+        early = link.register(self)
         if early is not None:  # pushed after the claim's answer, so newer than ``state``
-            self._update(early.held, early.lost, early.reason)
+            self.update(early.held, early.lost, early.reason)
         elif state is None:
-            self._update(True, False, None)
+            self.update(True, False, None)
         else:
-            self._update(state.held, state.lost, state.reason)
+            self.update(state.held, state.lost, state.reason)
 
     @property
     def locks(self) -> list["AgentLock"]:
@@ -275,7 +296,8 @@ class AgentLock:
     def is_held(self) -> bool:
         return self._held and self.link.alive and self.link.silent_for() < self.grace
 
-    def _update(self, held: bool, lost: bool, reason: str | None) -> None:
+    def update(self, held: bool, lost: bool, reason: str | None) -> None:
+        """What the agent says of this lock now (its claim's answer, a pushed state, its end)."""
         self._held = held and not lost
         if lost and self.lost_reason is None:
             self.lost_reason = reason or "lock lost"
@@ -297,12 +319,12 @@ class AgentLock:
     def abandon(self) -> None:
         """Give back a lock whose body never ran: no proof is owed, so none is waited for
         (waiting could stall the pool process another session timeout)."""
-        self.link._locks.pop(self.id, None)
-        self.link.conn.send(Release(self.id))
+        self.link.forget(self.id)
+        self.link.send(Release(self.id))
 
     def release(self) -> bool:
         """Give the lock back; True only if the agent proved it held to the end."""
-        self.link._locks.pop(self.id, None)
+        self.link.forget(self.id)
         if self.lost_reason is not None:
             # Already lost (the agent said so): there is no proof left to wait for, and
             # while ZooKeeper is unreachable the agent's delete would keep the task's
@@ -404,7 +426,7 @@ def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tupl
     current = link()
     if current is None:
         return None
-    if carried is not None and _heard_lately(current, carried) and starts_on_carried(current.conn.send, request_id, carried):
+    if carried is not None and _heard_lately(current, carried) and starts_on_carried(current.send, request_id, carried):
         return current, carried.as_claimed(request_id)
     reply = current.call(Claim(request_id), Claimed, timeout, until=lambda r: r.verdict is not ClaimAnswer.PENDING)
     if reply is None and current.alive:
@@ -412,9 +434,7 @@ def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tupl
         # agent must let go of whatever it decides for the claim (a late grant would hold
         # the key, with this process queued behind it).  Sent before locking: the agent
         # reads it after the claim, on the same connection.
-        current.conn.send(Unclaim(request_id))
-        with current._guard:
-            current._early.pop(request_id, None)
+        current.unclaim(request_id)
     if reply is None or reply.verdict is ClaimAnswer.UNKNOWN:
         return None
     return current, reply

@@ -485,11 +485,15 @@ class Claims:
     later changes are pushed (:meth:`push_state`), and a release is answered only once
     ZooKeeper (or the local handoff's write) proves the lock was held to the end."""
 
-    requests: Requests  # set by the Agent once both exist (each tells the other)
+    requests: Requests  # attached by the Agent once both exist (each tells the other)
 
     def __init__(self, post, client, guards: GuardsView) -> None:
         self.post, self.client, self.guards = post, client, guards
         self.claimed: set[WaitRequest] = set()
+
+    def attach(self, requests: Requests) -> None:
+        """The requests whose grants are claimed here (made after this, as they tell it)."""
+        self.requests = requests
 
     # ------------------------------------------------------------------ claim
     def claim(self, peer: Connection, request_id: str, carried: bool = False) -> None:

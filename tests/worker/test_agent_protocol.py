@@ -2,7 +2,6 @@
 travel as enums whose values are the stable encoding, and a line that is no message is refused."""
 
 import json
-import threading
 import types
 
 import pytest
@@ -161,13 +160,12 @@ def test_a_claims_answer_off_the_wire_is_never_a_carried_one():
 
 
 class _Link:
-    """What an AgentLock reads of its link: alive, heard just now."""
+    """What an AgentLock asks of its link: alive, heard just now, no state pushed early."""
 
-    def __init__(self):
-        self._guard, self._locks, self._early, self.alive = threading.Lock(), {}, {}, True
+    alive = True
 
-    def reading_needed(self):
-        pass
+    def register(self, lock):
+        return None
 
     def silent_for(self):
         return 0.0
