@@ -127,6 +127,12 @@ def tokens_of(lock: Any) -> dict[str, int]:
     return dict(tokens) if tokens is not None else {lock.path: lock.token}
 
 
+def holding_of(held: HeldLock) -> Holding:
+    """The lock under a run's hold (private on :class:`HeldLock`, which users see): a call
+    nested in that run holds through it too."""
+    return held._lock
+
+
 def lost_reason_of(lock: Holding) -> str | None:
     return next((lk.lost_reason for lk in lock.locks if lk.lost_reason), None)
 

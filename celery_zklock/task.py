@@ -27,7 +27,7 @@ from . import by_config, config, decision, enqueue, signals
 from .config import ZkSettings, cached_settings, load_settings
 from .decision import GuardOwner, Reentry
 from .errors import LockLost, LockReentered, LockUpgradeRefused
-from .held import CURRENT, HeldLock, LockPart, NestedLock, RunState, current_lock, lost_reason_of, tokens_of
+from .held import CURRENT, HeldLock, LockPart, NestedLock, RunState, current_lock, holding_of, lost_reason_of, tokens_of
 from .keys import KeySpec, compile_key, key_path
 from .logs import task_logger
 from .options import LOCK_OPTIONS, OPTION_DEFAULTS, check_option_names, check_option_values
@@ -162,7 +162,7 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
             holder = f"{outer.task}[{outer.task_id}] (token {outer.token})"
             decision.lock_event(self, "task-lock-reentered", key=label, holder=holder, refused=True)
             raise LockReentered(label, holder)
-        held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, outer._lock,
+        held = HeldLock(keys, paths, {p: outer.tokens[p] for p in held_paths}, holding_of(outer),
                         acquired_at=outer.acquired_at, task=outer.task, task_id=outer.task_id,
                         read_paths=frozenset(p for p in paths if p in outer.read_paths))
         logger.debug("re-entered lock %s under %s[%s] (token %s)", label, outer.task, outer.task_id, held.token)
@@ -220,7 +220,7 @@ class ZkLockedTask(Task):  # type: ignore[misc]  # celery ships no annotations: 
         tokens = tokens_of(lock)
         if nested is not None:  # keys the outer holds keep its tokens; the lock is both
             tokens = {**{p: nested.outer.tokens[p] for p in paths if p in nested.outer.tokens}, **tokens}
-            lock = NestedLock(nested.outer._lock, lock)
+            lock = NestedLock(holding_of(nested.outer), lock)
         held = HeldLock(call.keys, paths, tokens, lock, wait=waited, acquired_at=time.time(), task=self.name,
                         task_id=req.id, read_paths=call.read_paths)
         acquired_at = time.monotonic()

@@ -303,8 +303,7 @@ OUR_PREFIXES = ("_zklock", "_zk_", "zklock_")
 
 #: Underscore names of our own, used on another object of ours: (module, name) -> what it is.
 OURS = {
-    ("task", "_lock"): "HeldLock's and NestedLock's lock (held.py)",
-    ("worker.agent_client", "_drain"): "AgentClient._drain",
+    ("held", "_lock"): "HeldLock's lock, read by held.holding_of beside it (users see HeldLock)",
 }
 
 #: Underscore names of other libraries than the four (internals_used's docstring lists them).

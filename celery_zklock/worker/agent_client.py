@@ -173,6 +173,14 @@ class AgentClient:
         with self._guard:
             self._early.pop(request_id, None)
 
+    def heard_within(self, silence: float) -> bool:
+        """Has the agent been heard within ``silence`` (what a lock held through it tolerates),
+        reading what came first?  Why: with no lock held the link is drained only now and then
+        (:data:`IDLE_DRAIN`), so a lock started on a carried grant after an idle spell would
+        begin as "not held", or on an agent that has in fact gone silent."""
+        self._drain()
+        return self.alive and self.silent_for() < silence
+
     def reading_needed(self) -> None:
         """A lock was registered: the link's thread reads every :data:`POLL` from now on
         (woken only if it dozes)."""
@@ -399,15 +407,6 @@ def starts_on_carried(send, request_id: str, carry: Carry) -> bool:
     return fresh(proof, lease_clock(), session)
 
 
-def _heard_lately(current: AgentClient, carry: Carry) -> bool:
-    """Has the agent been heard within the silence a lock held through it tolerates?  Why:
-    with no lock held the link is drained only now and then (:data:`IDLE_DRAIN`); a claim's
-    answer used to refresh it, and a lock started on a carried grant would otherwise begin
-    as "not held" after an idle spell, or on an agent that has in fact gone silent."""
-    current._drain()
-    return current.alive and current.silent_for() < session_margin(carry.session_timeout)
-
-
 def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tuple[AgentClient, Claimed] | None:
     """Ask the agent for the verdict on ``request_id``: its answer, never ``pending`` nor
     ``unknown``; None when there is no agent to ask, or it has no verdict for this request.
@@ -426,7 +425,8 @@ def claim(request_id: str, timeout: float, carried: Carry | None = None) -> tupl
     current = link()
     if current is None:
         return None
-    if carried is not None and _heard_lately(current, carried) and starts_on_carried(current.send, request_id, carried):
+    if (carried is not None and current.heard_within(session_margin(carried.session_timeout))
+            and starts_on_carried(current.send, request_id, carried)):
         return current, carried.as_claimed(request_id)
     reply = current.call(Claim(request_id), Claimed, timeout, until=lambda r: r.verdict is not ClaimAnswer.PENDING)
     if reply is None and current.alive:
