@@ -28,7 +28,6 @@ from celery_zklock.config import SETTINGS
 
 from .infra import Services, Workers, log, rss_kib
 
-
 #: Tasks in ``make bench``'s burst: 20,000 keeps the full run near 20 minutes on 2 cores;
 #: ``make bench BURST=100000`` runs the issue's figure (``bench/results/burst_100k.md``:
 #: throughput, children and ZooKeeper's memory did not get worse with the larger backlog).

@@ -22,7 +22,7 @@ import time
 import uuid
 
 from .world import World
-from .zk import SimClient, SimClocks
+from .zk import SimClocks
 from .zk_server import Server
 
 #: The seeds ``make sim`` runs in CI (1..CI_SEEDS, about 90 s on one core): every mutant

@@ -10,8 +10,8 @@ from celery import group
 from kazoo.client import KazooClient
 
 from celery_zklock.cli import lock_report
-from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.config import load_settings
+from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.errors import LockLost
 from tests.docker import tasks
 from tests.docker.conftest import SESSION_TIMEOUT

@@ -21,7 +21,14 @@ from celery_zklock.testing import ZooKeeperServer
 from tests.lockutil import children, watching
 from tests.polling import holds_for, wait_until
 from tests.tcpproxy import (
-    OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_GET_CHILDREN2, OP_MULTI, TcpProxy,
+    OP_CREATE,
+    OP_CREATE2,
+    OP_DELETE,
+    OP_EXISTS,
+    OP_GET_CHILDREN,
+    OP_GET_CHILDREN2,
+    OP_MULTI,
+    TcpProxy,
 )
 
 SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s

@@ -18,8 +18,6 @@ from tests.faults import app as A
 from tests.faults.harness import SESSION, record, task_pid, wait_until
 
 
-
-
 def _new_agent(worker, old: int) -> int:
     return wait_until(lambda: (p := worker.agent_pid()) not in (None, old) and p, SESSION * 5,
                       what="the worker to restart its lock agent")

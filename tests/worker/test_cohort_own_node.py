@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import time
 
+from celery_zklock.engine.attempt import OWN_WATCH_WITHIN
+from celery_zklock.engine.session import LEASED
+from celery_zklock.testing_probes import four_letter_word
+from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
 from tests.lockutil import watching
 from tests.polling import holds_for, wait_until
 from tests.worker.cohort_host import first_granted
-
-from celery_zklock.engine.attempt import OWN_WATCH_WITHIN
-from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
-from celery_zklock.testing_probes import four_letter_word
 
 
 def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_client):

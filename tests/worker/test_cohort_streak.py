@@ -17,18 +17,15 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl
-
-
-from tests.polling import wait_until
-from tests.tcpproxy import TcpProxy
-from tests.worker.cohort_host import Host, first_granted, waiter
-from tests.zkclients import proxied_client
 
 from celery_zklock.engine import znodes
 from celery_zklock.worker.cohort import Cohort
 from celery_zklock.worker.cohort_rules import FRESH_MAX
+from tests.polling import wait_until
+from tests.tcpproxy import TcpProxy
+from tests.worker.cohort_host import Host, first_granted, waiter
+from tests.zkclients import proxied_client
 
 
 def _holding(cohort: Cohort) -> bool:
