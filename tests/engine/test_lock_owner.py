@@ -51,7 +51,7 @@ def _in_a_thread_with_ident(ident: int, fn, tries: int = 500):
     for _ in range(tries):
         box: dict = {}
 
-        def run() -> None:
+        def run(box: dict = box) -> None:  # bound now: each try has its own box
             if threading.get_ident() == ident:
                 try:
                     box["value"] = fn()

@@ -88,7 +88,7 @@ def test_a_streaks_proofs_wake_no_watcher_and_leave_the_node_as_it_was(zk_client
         proofs.append(slot.confirmed)
         time.sleep(RENEW_AFTER * 1.5)  # the proof is old enough to be renewed at the handoff
         assert cohort.release(waits[i - 1]) is LEASED
-        host.run(lambda: len(host.grants) == i + 1 and not slot.proving)
+        host.run(lambda i=i: len(host.grants) == i + 1 and not slot.proving)
     host.run(lambda: slot.confirmed > proofs[-1])  # the last handoff renewed the lease too
     assert len(set(proofs)) == 3, proofs  # every handoff but the first found a proof to renew
     data, stat = zk_client.get(slot.node_path)

@@ -37,7 +37,7 @@ def _streak(cohort: Cohort, host: Host, waits: list) -> list[str]:
     held = len(host.grants)
     while held < len(waits) and _holding(cohort):
         cohort.release(waits[held - 1])
-        host.run(lambda: len(host.grants) > held or not _holding(cohort))
+        host.run(lambda held=held: len(host.grants) > held or not _holding(cohort))
         held = len(host.grants)
     return [node for _id, node, _token in host.grants]
 
