@@ -326,7 +326,7 @@ class SimHub:
             sock = _by_fd.get(fd)
             if sock is not None and sock.readable() and self.readers.get(fd) == (cb, args):
                 cb(*args)
-        for fd, (cb, args) in list(self.writers.items()):
+        for cb, args in list(self.writers.values()):
             cb(*args)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 from kazoo.client import KazooClient
@@ -853,7 +854,8 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
             errors.append(exc)
 
     def phase(rounds_per_client):
-        threads = [threading.Thread(target=worker, args=(c, n)) for c, n in zip(clients, rounds_per_client)]
+        threads = [threading.Thread(target=worker, args=(c, n))
+                   for c, n in zip(clients, rounds_per_client, strict=True)]
         for t in threads:
             t.start()
         for t in threads:
@@ -874,7 +876,7 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
         assert max(first_parents) < min(second_parents), "the parent was not re-created"
         tokens = [tok for _, tok, _, _ in holds]
         assert all(tok == fencing_token(czxid) for _, tok, czxid, _ in holds), holds  # token from the node's czxid
-        assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
+        assert all(a < b for a, b in pairwise(tokens)), tokens
     finally:
         _stop(*clients)
 
