@@ -11,10 +11,11 @@ PARALLEL ?= -n 3 --dist loadfile
 setup:
 	@bash scripts/bootstrap.sh
 
-# mypy (strict on the public API) and ruff (pyflakes, bugbear, import order) on the package,
-# as pyproject.toml configures them; both run, and either failing fails the target.
+# mypy (strict on the public API) on the package and ruff (pyflakes, bugbear, import order)
+# on the package, tests/, sim/ and bench/, as pyproject.toml configures them; both run, and
+# either failing fails the target.
 lint: setup
-	@$(PY) -m mypy; m=$$?; $(PY) -m ruff check celery_zklock; r=$$?; \
+	@$(PY) -m mypy; m=$$?; $(PY) -m ruff check celery_zklock tests sim bench; r=$$?; \
 	  [ $$m = 0 ] && [ $$r = 0 ]
 
 # scripts/docker-setup.sh: the engine, images for tests/docker/ (or one line saying why they

@@ -23,11 +23,11 @@ import sys
 import threading
 import time
 import uuid
+from itertools import pairwise
 
 from celery_zklock.config import SETTINGS
 
 from .infra import Services, Workers, log, rss_kib
-
 
 #: Tasks in ``make bench``'s burst: 20,000 keeps the full run near 20 minutes on 2 cores;
 #: ``make bench BURST=100000`` runs the issue's figure (``bench/results/burst_100k.md``:
@@ -126,7 +126,7 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
     finally:
         pool.stop()
     rows.sort(key=lambda r: r["start"])
-    overlaps = sum(1 for a, b in zip(rows, rows[1:]) if b["start"] < a["end"])
+    overlaps = sum(1 for a, b in pairwise(rows) if b["start"] < a["end"])
     tokens = [r["token"] or 0 for r in rows]
     share = _worker_share(rows)
     if share.get("longest_streak") and share["longest_streak"] > STREAK_BOUND:
@@ -135,7 +135,7 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
         begin = rows[share["longest_streak_at_grant"]]["start"]
         end = rows[share["longest_streak_at_grant"] + share["longest_streak"] - 1]["end"]
         share["children_during_longest_streak"] = [
-            n for n, at in zip(sampler.children, sampler.children_at) if begin - 0.02 <= at <= end + 0.02]
+            n for n, at in zip(sampler.children, sampler.children_at, strict=True) if begin - 0.02 <= at <= end + 0.02]
     once = len({r["id"] for r in rows}) == len(rows) == tasks and set(ids) == {r["id"] for r in rows}
     return {
         "mode": mode,
@@ -143,7 +143,7 @@ def _one(services: Services, mode: str, tasks: int, workers: int, concurrency: i
         "tasks": tasks,
         "ran_exactly_once": once,
         "overlaps": overlaps,
-        "tokens_strictly_increasing": all(a < b for a, b in zip(tokens, tokens[1:])),
+        "tokens_strictly_increasing": all(a < b for a, b in pairwise(tokens)),
         "tasks_per_s": round(tasks / (ended - t0), 1),
         "publish_s": round(published, 2),
         "total_s": round(ended - t0, 2),

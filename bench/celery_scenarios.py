@@ -20,6 +20,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import pairwise
 
 from . import floor
 from .infra import log
@@ -220,7 +221,7 @@ def hot_key_stats(label: str, passes: list[list[dict]], sent: list[list[str | No
     waits: list[float] = []
     n_overlaps = token_inv = clock_inv = publish_inv = ran = 0
     has_tokens = True
-    for rows, ids in zip(passes, sent):
+    for rows, ids in zip(passes, sent, strict=True):  # one list of ids per pass
         ran += len(rows)
         if not rows:
             continue
@@ -228,7 +229,7 @@ def hot_key_stats(label: str, passes: list[list[dict]], sent: list[list[str | No
         ideal += sum(r["end"] - r["start"] for r in rows)
         makespan += rows[-1]["end"] - rows[0]["start"]
         n_overlaps += overlaps([(r["start"], r["end"]) for r in rows])
-        handoffs += [b["start"] - a["end"] for a, b in zip(rows, rows[1:]) if b["start"] >= a["end"]]
+        handoffs += [b["start"] - a["end"] for a, b in pairwise(rows) if b["start"] >= a["end"]]
         waits += [r["start"] - r["joined"] for r in rows]
         if any(r.get("token") is None for r in rows):
             has_tokens = False

@@ -26,6 +26,7 @@ Scenario 2 shows the same queue order through real workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from . import lock_bench
 from .lock_bench import Contender
@@ -87,7 +88,7 @@ def _gaps(passes) -> list[float]:
     gaps = []
     for per_proc in passes:
         acquired = sorted(acq for hs in per_proc for _, acq, _ in hs)
-        gaps += [b - a for a, b in zip(acquired, acquired[1:])]
+        gaps += [b - a for a, b in pairwise(acquired)]
     return gaps
 
 

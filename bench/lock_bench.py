@@ -46,6 +46,7 @@ import time
 import traceback
 import uuid
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Callable
 
@@ -537,8 +538,8 @@ def fairness_stats(passes: list[list[list[tuple[float, float, float]]]]) -> dict
         steady = [(a, proc, r, rel) for proc, hs in enumerate(per_proc) for r, a, rel in hs[1:]]
         holds_total += len(holds)
         pairs += max(0, len(holds) - 1)
-        repeats += sum(1 for prev, cur in zip(holds, holds[1:]) if prev[1] == cur[1] and overtook(cur, steady))
-        overlaps += sum(1 for prev, cur in zip(holds, holds[1:]) if cur[0] < prev[3])
+        repeats += sum(1 for prev, cur in pairwise(holds) if prev[1] == cur[1] and overtook(cur, steady))
+        overlaps += sum(1 for prev, cur in pairwise(holds) if cur[0] < prev[3])
         waits += [t_acq - t_req for t_acq, _, t_req, _ in holds]
     return {
         "fairness_holds": holds_total,
@@ -716,7 +717,7 @@ def format_table(results: dict) -> str:
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
 
     def fmt(r: list[str]) -> str:
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
 
     lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in body]
     lines.append("(x) = this row / kazoo Lock, for latency metrics; below 1.00x is faster than kazoo.")

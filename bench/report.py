@@ -594,7 +594,7 @@ def plots(results: dict, out: Path) -> list[str]:
         values = [r["waited_s"] for r in rows]
         bars = ax.barh([r["label"] for r in rows], values, color=["#d62728" if r["still_blocked"] else "#2ca02c"
                                                                   for r in rows])
-        for bar, r in zip(bars, rows):
+        for bar, r in zip(bars, rows, strict=True):  # a bar per row
             text = f"still blocked after {r['waited_s']:.0f} s" if r["still_blocked"] else f"{r['recovery_s']:.3f} s"
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
         ax.set_xscale("log")

@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from itertools import pairwise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -467,7 +468,7 @@ class Soak:
         overlaps = []
         for key, rows in per_key.items():
             rows.sort(key=lambda r: r["start"])
-            for prev, cur in zip(rows, rows[1:]):
+            for prev, cur in pairwise(rows):
                 if cur["start"] < prev["end"] - 0.001:
                     overlaps.append((key, prev, cur))
         not_held = [r for r in runs if not r.get("held", True)]

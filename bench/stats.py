@@ -7,6 +7,8 @@ order checks must mean the same thing wherever they are reported.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from .lock_bench import percentile
 
 
@@ -32,7 +34,7 @@ def overlaps(intervals: list[tuple[float, float]]) -> int:
     For a mutex every such case is a violation of exclusion.
     """
     ordered = sorted(intervals)
-    return sum(1 for prev, cur in zip(ordered, ordered[1:]) if cur[0] < prev[1])
+    return sum(1 for prev, cur in pairwise(ordered) if cur[0] < prev[1])
 
 
 def inverted(order_keys: list) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import time
 
-from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.config import ZkSettings, check_setting
+from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.engine.lock import FairLock
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer
 

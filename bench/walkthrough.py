@@ -144,7 +144,7 @@ def _report(folder: str, idle: tuple[float, float], run: tuple[float, float], li
     for path in glob.glob(os.path.join(folder, "*.json")):
         with open(path) as f:
             dumps[int(os.path.basename(path).split(".")[0])] = json.load(f)
-    for pid, data in dumps.items():
+    for data in dumps.values():
         role = _role(data["argv"])
         if role == "worker" and data["ppid"] in dumps and _role(dumps[data["ppid"]]["argv"]) == "worker":
             role = "pool"  # forked by the worker's main process

@@ -20,15 +20,32 @@ from celery_zklock.engine.internals import LockInternals, State
 from celery_zklock.engine.kazoo_compat import on_ready
 from celery_zklock.engine.znodes import NodeKind
 from celery_zklock.worker.agent import Agent
-from celery_zklock.worker.agent_protocol import (HEARTBEAT, Bypass, Cancel, Claim, ClaimAnswer, Claimed, Decided,
-                                                 Finished, Hello, LockState, Next, Ping, Release, Released, PeerRole,
-                                                 StopWaiting, Unclaim, Verdict, Wait)
 from celery_zklock.worker.agent_client import starts_on_carried
+from celery_zklock.worker.agent_protocol import (
+    HEARTBEAT,
+    Bypass,
+    Cancel,
+    Claim,
+    ClaimAnswer,
+    Claimed,
+    Decided,
+    Finished,
+    Hello,
+    LockState,
+    Next,
+    PeerRole,
+    Ping,
+    Release,
+    Released,
+    StopWaiting,
+    Unclaim,
+    Verdict,
+    Wait,
+)
 from celery_zklock.worker.next_in_line import Early, hand_over_early
 
 from .world import Proc, Thread, World
 from .zk import SimClient
-from .zk_server import Server
 
 #: How long a pool process waits for a claim's first answer before it unclaims and locks
 #: in-process (agent_client.claim's timeout in task.py).

@@ -56,18 +56,16 @@ unreachable at a warm shutdown (a pool process's publish back works then), heart
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import deque
 from types import SimpleNamespace
-
-from celery_zklock.worker import agent_connection, agent_supervisor, held_lease, wait_outside_pool
-from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, Carry, LineReader, encode, from_wire
-
-import logging
 
 from celery.bootsteps import CLOSE, RUN
 from celery.worker import state as worker_state
 
 from celery_zklock import redelivery
+from celery_zklock.worker import agent_connection, agent_supervisor, held_lease, wait_outside_pool
+from celery_zklock.worker.agent_protocol import BYPASSED, CARRIED, Carry, LineReader, encode, from_wire
 
 from .broker import EPOCH, ConnectionLost, noticed
 from .world import Proc
@@ -328,7 +326,7 @@ class SimHub:
             sock = _by_fd.get(fd)
             if sock is not None and sock.readable() and self.readers.get(fd) == (cb, args):
                 cb(*args)
-        for fd, (cb, args) in list(self.writers.items()):
+        for cb, args in list(self.writers.values()):
             cb(*args)
 
 

@@ -15,6 +15,7 @@ the exit status is 1.  See docs/simulation.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -22,7 +23,7 @@ import time
 import uuid
 
 from .world import World
-from .zk import SimClient, SimClocks
+from .zk import SimClocks
 from .zk_server import Server
 
 #: The seeds ``make sim`` runs in CI (1..CI_SEEDS, about 90 s on one core): every mutant
@@ -696,7 +697,7 @@ def main(argv=None) -> int:
             if args.shrink:
                 from .shrink import shrink
 
-                shape, shrunk = shrink(seed, violation, lambda s, shape=None: run_seed(s, shape=shape, scenario=scenario))
+                shape, shrunk = shrink(seed, violation, functools.partial(run_seed, scenario=scenario))
                 kept = [f for i, f in enumerate(run.faults) if i not in shape.get("drop", ())]
                 print(f"shrunk: faults {kept}, {shape.get('load', run.load):g} s of load: {shrunk}")
                 print(f"replay the shrunk run: {_replay(seed, scenario, shape)}")

@@ -30,12 +30,12 @@ from kazoo.handlers.utils import AsyncResult
 from kazoo.protocol.serialization import CheckVersion, Create, Create2, Delete, SetData, Transaction
 from kazoo.protocol.states import EventType, KazooState, KeeperState, WatchedEvent, ZnodeStat
 
-from celery_zklock.engine import kazoo_compat, session as zk_session
+from celery_zklock.engine import kazoo_compat
+from celery_zklock.engine import session as zk_session
 from celery_zklock.engine.session import Timers
 
 from .world import Proc, Thread, World
 from .zk_server import TICK, Server, ServerSession, parent_of
-
 
 #: CPython's default switch interval (``sys.getswitchinterval()``): how long a thread may
 #: wait for the GIL while another thread of its process runs.

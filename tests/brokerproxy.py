@@ -16,7 +16,6 @@ from __future__ import annotations
 import socket
 import threading
 
-
 LOSE, HOLD = "lose", "hold"  # what becomes of a command's reply (BrokerProxy.lose_reply, hold_reply)
 
 

@@ -11,8 +11,8 @@ import pytest
 from celery import Celery
 
 from celery_zklock import ConfigurationError, FairLock, ZkLockedTask, lock_configured_tasks
-from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.config import ZkSettings
+from celery_zklock.engine.client import connect, disconnect
 from celery_zklock.keys import key_path
 from support.workers import Worker
 from tests.lockutil import locked_app, overlapping, worker_refuses

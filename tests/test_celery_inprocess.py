@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 
+from celery_zklock import FairLock, LockTimeout, LockUnavailable, ZkLockedTask, current_lock, lock_path
 from tests.lockutil import children
 from tests.polling import wait_until
-
-from celery_zklock import FairLock, LockTimeout, LockUnavailable, ZkLockedTask, current_lock, lock_path
 
 
 @pytest.fixture

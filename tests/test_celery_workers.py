@@ -56,7 +56,7 @@ def test_fifo_order_of_arrival_at_the_lock(mod, workers, zk_client, env):
     rs = []
     for i in range(4):
         r = mod.hold_tracked.delay("fifo", 10, i)
-        wait_until(lambda: r.state == "LOCK_WAITING", 10, interval=0.01, what=f"waiter {i} at the lock")
+        wait_until(lambda r=r: r.state == "LOCK_WAITING", 10, interval=0.01, what=f"waiter {i} at the lock")
         rs.append(r)
     for r in [blocker, *rs]:
         r.get(timeout=30)

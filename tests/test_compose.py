@@ -161,7 +161,7 @@ def test_long_running_services_have_healthchecks(services):
 def test_ports_are_loopback_only_and_unique(services):
     published = []
     for name, s in services.items():
-        for ip, host_port, container_port in parse_ports(s):
+        for ip, host_port, _container_port in parse_ports(s):
             assert ip == "127.0.0.1", f"{name} publishes {host_port} on {ip or 'all interfaces'}"
             published.append(host_port)
     assert len(published) == len(set(published)), f"host ports clash: {published}"

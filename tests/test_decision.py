@@ -9,7 +9,7 @@ import pytest
 from celery.exceptions import Ignore, Retry
 
 from celery_zklock import decision
-from celery_zklock.decision import LockDecision, GuardOwner, Outcome, Reentry, guard_end, in_process, reentry
+from celery_zklock.decision import GuardOwner, LockDecision, Outcome, Reentry, guard_end, in_process, reentry
 from celery_zklock.errors import LockTimeout, LockUnavailable
 from celery_zklock.worker.agent_protocol import Verdict
 

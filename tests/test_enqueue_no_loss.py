@@ -21,7 +21,9 @@ from kazoo.security import make_acl
 from celery_zklock import LockUnavailable, config, enqueue
 from celery_zklock.engine import guards
 from support.workers import Worker
-from tests.enqueueutil import guard_of as _guard, new_key as _key, runs as _runs
+from tests.enqueueutil import guard_of as _guard
+from tests.enqueueutil import new_key as _key
+from tests.enqueueutil import runs as _runs
 from tests.lockutil import worker_env
 from tests.polling import holds_for, wait_until
 from tests.tcpproxy import TcpProxy

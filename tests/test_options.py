@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import decimal
+import enum
 import typing
 import uuid
-
-import enum
 
 import pytest
 from celery import Celery

@@ -17,9 +17,9 @@ from kazoo.recipe.lock import Lock
 from kazoo.security import Permissions
 
 from celery_zklock import FairLock, LockUnavailable
+from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_settings
 from celery_zklock.engine.client import close_clients, connect, disconnect, get_client
 from celery_zklock.engine.kazoo_compat import closed_for_good
-from celery_zklock.config import SETTINGS, ZkSettings, check_setting, load_settings
 from celery_zklock.errors import ConfigurationError
 from celery_zklock.testing import TlsMaterial, ZooKeeperServer
 from support.workers import Worker

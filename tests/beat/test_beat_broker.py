@@ -190,7 +190,7 @@ def test_an_entry_only_a_standby_has_is_said_and_status_tells_leading_and_places
             b = _beat(procs, f"ebeat{i + 1}-{procs.tag}", "tests.apps.beat_host", BEAT_EXTRA_ENTRY=extra)
             beats.append(b)
             if i == 0:
-                wait_until(lambda: "is now the active scheduler" in b.log_tail(20000), 30, what="the first to lead")
+                wait_until(lambda b=b: "is now the active scheduler" in b.log_tail(20000), 30, what="the first to lead")
                 time.sleep(3.0)  # it leads for a while: its join and its lead differ
         joined = time.monotonic()
         said = wait_until(lambda: "'nightly-report' is in the schedule of" in beats[0].log_tail(100000), 15,

@@ -8,7 +8,16 @@ import pytest
 from celery.schedules import crontab, schedule
 
 from celery_zklock.beat.rules import (
-    Handover, TickRecord, TickState, TickVerdict, already_sent, handover, missed_due_times, on_own_clock, skew_to_say, verdict,
+    Handover,
+    TickRecord,
+    TickState,
+    TickVerdict,
+    already_sent,
+    handover,
+    missed_due_times,
+    on_own_clock,
+    skew_to_say,
+    verdict,
 )
 
 T0 = datetime(2026, 11, 26, 12, 0, 0, tzinfo=timezone.utc)

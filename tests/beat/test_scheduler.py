@@ -14,8 +14,8 @@ import pytest
 
 from celery_zklock.beat import ZkScheduler, group_path
 from celery_zklock.beat.ledger import Ledger
-from celery_zklock.beat.status import beat_report
 from celery_zklock.beat.rules import TickRecord, TickState, Written
+from celery_zklock.beat.status import beat_report
 from celery_zklock.errors import LockUnavailable
 from tests.beat.running import TASK, Running, make_app
 from tests.polling import holds_for, wait_until
@@ -74,8 +74,8 @@ def test_a_leader_whose_election_node_is_deleted_stops_sending(zk_server, zk_cli
 def test_the_tick_write_proves_leadership_and_detects_a_second_writer(zk_server, zk_client, root):
     """The ledger's multi: applied only while the writer's election node exists and only at the
     version it read, so a deposed leader's write and a racing one both fail."""
-    from celery_zklock.engine.client import connect
     from celery_zklock.config import load_settings
+    from celery_zklock.engine.client import connect
 
     settings = load_settings(make_app(zk_server.hosts, root).conf)
     c1, c2 = connect(settings), connect(settings)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 from datetime import timezone
+from itertools import pairwise
 
 import pytest
 from celery import group
 from kazoo.client import KazooClient
 
 from celery_zklock.cli import lock_report
-from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.config import load_settings
+from celery_zklock.engine.znodes import fencing_token
 from celery_zklock.errors import LockLost
 from tests.docker import tasks
 from tests.docker.conftest import SESSION_TIMEOUT
@@ -28,7 +29,7 @@ def test_hot_key_never_overlaps_across_containers(celery_setup):
     queue = celery_setup.worker.worker_queue
     runs = group(tasks.hold.s("sku-1", 0.1) for _ in range(20)).apply_async(queue=queue).get(timeout=RESULT_TIMEOUT)
     runs.sort(key=lambda r: r["start"])
-    overlaps = [(a, b) for a, b in zip(runs, runs[1:]) if b["start"] < a["end"]]
+    overlaps = [(a, b) for a, b in pairwise(runs) if b["start"] < a["end"]]
     assert overlaps == []
     tokens = [r["token"] for r in runs]
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)

@@ -2,6 +2,8 @@
 leader killed under a hot key."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from celery import group
 
@@ -41,7 +43,7 @@ def test_leader_killed_under_a_hot_key(celery_setup, celery_zookeeper):
             assert result.state == "FAILURE" and isinstance(result.result, LockLost), (result.state, result.result)
             lost.append(result)
     runs.sort(key=lambda r: r["start"])
-    assert [(a, b) for a, b in zip(runs, runs[1:]) if b["start"] < a["end"]] == []
+    assert [(a, b) for a, b in pairwise(runs) if b["start"] < a["end"]] == []
     tokens = [r["token"] for r in runs]
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     print(f"ensemble leader killed: {len(runs)} runs succeeded, {len(lost)} lost their lock, none overlapped")

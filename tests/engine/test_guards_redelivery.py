@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-
 from celery_zklock.engine import guards
 from celery_zklock.engine.guards import Guard
 

@@ -24,6 +24,7 @@ from functools import partial
 
 import pytest
 from kazoo.recipe import lock as kazoo_recipe
+
 # The module, not the class: pytest collects any unittest.TestCase a test module names,
 # and kazoo's class would then run against kazoo's own cluster harness.
 from kazoo.tests import test_lock as kazoo_lock_tests

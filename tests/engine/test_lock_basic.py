@@ -399,7 +399,7 @@ def test_a_change_to_the_watched_node_rearms_its_watch_without_a_children_read(z
         for i in range(20):
             zk_client.set(holder.node, b"renewed %d" % i)
             # Its watch fired and is set again (read sent, and its reply in) before the next change.
-            wait_until(lambda: sent[len(before):].count("GetData") > i and watching(other, holder.node), 5,
+            wait_until(lambda i=i: sent[len(before):].count("GetData") > i and watching(other, holder.node), 5,
                        interval=0.005, what=f"the waiter's watch set again after change {i}")
         holds_for(lambda: not {"GetChildren", "GetChildren2"} & set(sent[len(before):]), 0.2,
                   what="no read of the queue for a data change")

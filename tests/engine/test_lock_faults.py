@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 from kazoo.client import KazooClient
@@ -21,7 +22,14 @@ from celery_zklock.testing import ZooKeeperServer
 from tests.lockutil import children, watching
 from tests.polling import holds_for, wait_until
 from tests.tcpproxy import (
-    OP_CREATE, OP_CREATE2, OP_DELETE, OP_EXISTS, OP_GET_CHILDREN, OP_GET_CHILDREN2, OP_MULTI, TcpProxy,
+    OP_CREATE,
+    OP_CREATE2,
+    OP_DELETE,
+    OP_EXISTS,
+    OP_GET_CHILDREN,
+    OP_GET_CHILDREN2,
+    OP_MULTI,
+    TcpProxy,
 )
 
 SESSION = 4.0  # seconds; the servers' tickTime of 200 ms allows 0.4 .. 4 s
@@ -373,6 +381,18 @@ def test_a_silent_partition_of_a_busy_client_is_reported(zk_server, zk_client, p
 RACE_ROUNDS = 12  # the races below show in roughly half of the rounds when present
 
 
+def _not_held_while_cut_off(lock, round_: int, result: dict | None = None) -> None:
+    """The lock stays not held for 0.15 s while its client is cut off.  A failure names the
+    round and the lock's state at that moment (and, given a racing acquire's result, what it
+    had returned): the message is built then, not when the check starts."""
+
+    def what() -> str:
+        returned = "" if result is None else f"acquire returned {result.get('ok')!r}, "
+        return f"round {round_}: not held while the client is disconnected ({returned}_suspended={lock._suspended})"
+
+    holds_for(lambda: not lock.is_held(), 0.15, what=what)
+
+
 @pytest.mark.parametrize("key", ["known", "new"])
 def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_server, zk_client, path, key):
     """The reply that makes us the holder is the last thing through before the connection
@@ -405,10 +425,7 @@ def test_acquire_completing_as_connection_drops_is_not_held_while_suspended(zk_s
                 t = _acquire_in_thread(lock, result, timeout=10)
                 assert cut.fired.wait(5), "the proxy never saw the acquire's holding reply"
                 wait_until(lambda: not c.connected, 2, what="the client cut off")
-                holds_for(lambda: not lock.is_held(), 0.15, what=lambda: (
-                    f"round {round_}: not held while the client is disconnected "
-                    f"(acquire returned {result.get('ok')!r}, _suspended={lock._suspended})"
-                ))
+                _not_held_while_cut_off(lock, round_, result)
                 with pytest.raises(LockLost):
                     lock.ensure()
                 proxy.release_held()
@@ -434,19 +451,16 @@ def test_reverification_racing_a_new_suspension_is_not_held(zk_server, zk_client
                 lost = []
                 lock = FairLock(c, path, on_lost=lost.append)
                 assert lock.acquire(timeout=5)
-                wait_until(lambda: watching(c, lock.node), 5, what="the holder's watch on its node")
+                wait_until(lambda lock=lock: watching(c, lock.node), 5, what="the holder's watch on its node")
                 proxy.hold()
-                wait_until(lambda: not lock.is_held(), 1, what="not held once cut off")
+                wait_until(lambda lock=lock: not lock.is_held(), 1, what="not held once cut off")
                 # The first exists() after reconnecting is the re-verification: let its
                 # reply through, then cut again.
                 cut = proxy.arm_cut((OP_EXISTS,), forward=True, deliver_reply=True, then_hold=True)
                 proxy.release_held()
                 assert cut.fired.wait(5), "the lock never re-verified its node"
                 wait_until(lambda: not c.connected, 2, what="the client cut off")
-                holds_for(lambda: not lock.is_held(), 0.15, what=lambda: (
-                    f"round {round_}: not held while the client is disconnected "
-                    f"(_suspended={lock._suspended})"
-                ))
+                _not_held_while_cut_off(lock, round_)
                 proxy.release_held()
                 wait_until(lock.is_held, 2, what=f"round {round_}: held after reconnecting")
                 assert c.client_id[0] == session and lost == []
@@ -840,7 +854,8 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
             errors.append(exc)
 
     def phase(rounds_per_client):
-        threads = [threading.Thread(target=worker, args=(c, n)) for c, n in zip(clients, rounds_per_client)]
+        threads = [threading.Thread(target=worker, args=(c, n))
+                   for c, n in zip(clients, rounds_per_client, strict=True)]
         for t in threads:
             t.start()
         for t in threads:
@@ -861,7 +876,7 @@ def test_fencing_tokens_increase_across_holders_clients_and_parent_recreation(zk
         assert max(first_parents) < min(second_parents), "the parent was not re-created"
         tokens = [tok for _, tok, _, _ in holds]
         assert all(tok == fencing_token(czxid) for _, tok, czxid, _ in holds), holds  # token from the node's czxid
-        assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
+        assert all(a < b for a, b in pairwise(tokens)), tokens
     finally:
         _stop(*clients)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 from kazoo.client import KazooClient
@@ -128,7 +129,7 @@ def test_kazoo_lock_and_fairlock_mutual_exclusion(zk_server, zk_client, path):
     # Real contention between the two kinds: the queue was deep and holders alternated.
     assert max_queue[0] >= 3, max_queue[0]
     kinds = [k for _, _, k in sorted(intervals)]
-    switches = sum(1 for a, b in zip(kinds, kinds[1:]) if a != b)
+    switches = sum(1 for a, b in pairwise(kinds) if a != b)
     assert switches >= 10, kinds
 
 
@@ -329,4 +330,4 @@ def test_mutual_exclusion_with_curator_under_contention(curator, zk_server, path
     assert len(intervals) == 45
     assert overlapping([(s, e) for s, e, _ in intervals]) is None
     kinds = [k for _, _, k in sorted(intervals)]
-    assert sum(1 for a, b in zip(kinds, kinds[1:]) if a != b) >= 4, kinds
+    assert sum(1 for a, b in pairwise(kinds) if a != b) >= 4, kinds

@@ -51,7 +51,7 @@ def _in_a_thread_with_ident(ident: int, fn, tries: int = 500):
     for _ in range(tries):
         box: dict = {}
 
-        def run() -> None:
+        def run(box: dict = box) -> None:  # bound now: each try has its own box
             if threading.get_ident() == ident:
                 try:
                     box["value"] = fn()
@@ -140,7 +140,7 @@ def test_a_release_from_another_thread_ends_one_level_of_the_hold(zk_client, pat
 def test_a_new_thread_does_not_inherit_a_dead_threads_task_hold():
     """Task-level re-entry (``celery_zklock.held``) is a context variable: a thread that set
     it and ended without resetting it leaves nothing to a new thread with its id."""
-    from celery_zklock.held import HeldLock, CURRENT
+    from celery_zklock.held import CURRENT, HeldLock
 
     held = HeldLock(["k"], ["/k"], {"/k": 1}, object())
     _, ident = _in_a_thread(lambda: CURRENT.set(held) and None)

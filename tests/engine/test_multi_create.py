@@ -15,7 +15,6 @@ from tests.polling import wait_until
 from tests.zkclients import chrooted
 
 
-
 def _wait_reaped(client, path: str) -> None:
     """A container goes once empty (the test server checks every 100 ms); a persistent node stays."""
     wait_until(lambda: client.exists(path) is None, 5, interval=0.05, what=f"{path} reaped: the parent is a container")

@@ -15,7 +15,13 @@ import pytest
 
 from celery_zklock.engine import znodes
 from celery_zklock.engine.znodes import (
-    MAX_GRANTS_PER_NODE, TOKEN_BOUND, TOKEN_WARN_AT, TokenRange, TokenOutOfRange, fencing_token, token_range,
+    MAX_GRANTS_PER_NODE,
+    TOKEN_BOUND,
+    TOKEN_WARN_AT,
+    TokenOutOfRange,
+    TokenRange,
+    fencing_token,
+    token_range,
 )
 from tests.lockutil import children
 

@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient
-from kombu import pools
 from kazoo.exceptions import NoNodeError
+from kombu import pools
 
 from celery_zklock.cli import local_waiters
 from celery_zklock.keys import key_path

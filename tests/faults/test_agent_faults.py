@@ -18,8 +18,6 @@ from tests.faults import app as A
 from tests.faults.harness import SESSION, record, task_pid, wait_until
 
 
-
-
 def _new_agent(worker, old: int) -> int:
     return wait_until(lambda: (p := worker.agent_pid()) not in (None, old) and p, SESSION * 5,
                       what="the worker to restart its lock agent")
@@ -38,7 +36,8 @@ def test_sigkill_of_the_pool_process_holding_a_lock_frees_it_through_the_agent(s
         scenario.wait_contenders(key, 3)  # one holding, two queued in the agent
         killed = time.time()
         os.kill(pid, signal.SIGKILL)
-        nxt = wait_until(lambda: scenario.first(x.id for x in waiters), 30, what="a waiter to take over")
+        nxt = wait_until(lambda waiters=waiters: scenario.first(x.id for x in waiters), 30,
+                         what="a waiter to take over")
         delays.append(round(nxt["t"] - killed, 3))
         victims.append(held)
     report = scenario.verify(allowed={"WorkerLostError"})

@@ -35,7 +35,8 @@ def test_sigkill_of_a_prefork_child_holding_a_lock(scenario):
         scenario.wait_contenders(key, 3)  # one holding, two waiting
         killed = time.time()
         os.kill(pid, signal.SIGKILL)
-        nxt = wait_until(lambda: scenario.first(w.id for w in waiters), 30, what="a waiter to take over")
+        nxt = wait_until(lambda waiters=waiters: scenario.first(w.id for w in waiters), 30,
+                         what="a waiter to take over")
         delays.append(round(nxt["t"] - killed, 3))
         victims.append(held)
     report = scenario.verify(allowed={"WorkerLostError"})

@@ -6,18 +6,43 @@ import types
 
 import pytest
 
-from celery_zklock.decision import claimed_lock
 from celery_zklock.config import ZkSettings
-from celery_zklock.decision import Outcome
-
+from celery_zklock.decision import Outcome, claimed_lock
 from celery_zklock.engine.attempt import Pending
 from celery_zklock.engine.session import PROOFS, ReleaseOutcome
 from celery_zklock.engine.tick_fence import Fenced
 from celery_zklock.worker import agent_protocol
 from celery_zklock.worker.agent_protocol import (
-    Bypass, Cancel, Carry, Claim, ClaimAnswer, Claimed, Decided, Dropped, Fence, FenceAnswer, Finished, Hello,
-    LineReader, LockState, Next, Ping, ProtocolError, Queued, Release, Released, PeerRole, StopWaiting, Unclaim, Unguard, Verdict,
-    Wait, as_wire, decode, encode, from_wire,
+    Bypass,
+    Cancel,
+    Carry,
+    Claim,
+    ClaimAnswer,
+    Claimed,
+    Decided,
+    Dropped,
+    Fence,
+    FenceAnswer,
+    Finished,
+    Hello,
+    LineReader,
+    LockState,
+    Next,
+    PeerRole,
+    Ping,
+    ProtocolError,
+    Queued,
+    Release,
+    Released,
+    StopWaiting,
+    Unclaim,
+    Unguard,
+    Verdict,
+    Wait,
+    as_wire,
+    decode,
+    encode,
+    from_wire,
 )
 
 CARRY = Carry(proof=12.5, session_timeout=10.0, waited=0.25, tokens={"/a": 7 << 8 | 1, "/b": 9 << 8})

@@ -20,8 +20,21 @@ import pytest
 from celery.app.task import Context
 
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import (CARRIED, Carry, Claim, Claimed, Connection, Hello, LockState, Release,
-                                                 Released, PeerRole, Verdict, Wait, as_wire)
+from celery_zklock.worker.agent_protocol import (
+    CARRIED,
+    Carry,
+    Claim,
+    Claimed,
+    Connection,
+    Hello,
+    LockState,
+    PeerRole,
+    Release,
+    Released,
+    Verdict,
+    Wait,
+    as_wire,
+)
 from celery_zklock.worker.agent_requests import CARRY_GRACE
 from celery_zklock.worker.cohort_rules import lease_window
 from celery_zklock.worker.lease_clock import lease_clock

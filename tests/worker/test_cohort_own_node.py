@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import time
 
+from celery_zklock.engine.attempt import OWN_WATCH_WITHIN
+from celery_zklock.engine.session import LEASED
+from celery_zklock.testing_probes import four_letter_word
+from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
 from tests.lockutil import watching
 from tests.polling import holds_for, wait_until
 from tests.worker.cohort_host import first_granted
-
-from celery_zklock.engine.attempt import OWN_WATCH_WITHIN
-from celery_zklock.engine.session import LEASED
-from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER
-from celery_zklock.testing_probes import four_letter_word
 
 
 def test_a_node_deleted_after_a_local_handoff_is_lost_to_its_new_holder(zk_client):
@@ -89,7 +88,7 @@ def test_a_streaks_proofs_wake_no_watcher_and_leave_the_node_as_it_was(zk_client
         proofs.append(slot.confirmed)
         time.sleep(RENEW_AFTER * 1.5)  # the proof is old enough to be renewed at the handoff
         assert cohort.release(waits[i - 1]) is LEASED
-        host.run(lambda: len(host.grants) == i + 1 and not slot.proving)
+        host.run(lambda i=i: len(host.grants) == i + 1 and not slot.proving)
     host.run(lambda: slot.confirmed > proofs[-1])  # the last handoff renewed the lease too
     assert len(set(proofs)) == 3, proofs  # every handoff but the first found a proof to renew
     data, stat = zk_client.get(slot.node_path)

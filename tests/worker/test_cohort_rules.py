@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER, fresh, passes_locally, renews, streak_left
 from celery_zklock.engine.znodes import MAX_GRANTS_PER_NODE, fencing_token
+from celery_zklock.worker.cohort_rules import FRESH_MAX, RENEW_AFTER, fresh, passes_locally, renews, streak_left
 
 N, T = 4, 0.5  # zklock_cohort_handoffs, zklock_cohort_hold
 

@@ -17,18 +17,15 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl
-
-
-from tests.polling import wait_until
-from tests.tcpproxy import TcpProxy
-from tests.worker.cohort_host import Host, first_granted, waiter
-from tests.zkclients import proxied_client
 
 from celery_zklock.engine import znodes
 from celery_zklock.worker.cohort import Cohort
 from celery_zklock.worker.cohort_rules import FRESH_MAX
+from tests.polling import wait_until
+from tests.tcpproxy import TcpProxy
+from tests.worker.cohort_host import Host, first_granted, waiter
+from tests.zkclients import proxied_client
 
 
 def _holding(cohort: Cohort) -> bool:
@@ -40,7 +37,7 @@ def _streak(cohort: Cohort, host: Host, waits: list) -> list[str]:
     held = len(host.grants)
     while held < len(waits) and _holding(cohort):
         cohort.release(waits[held - 1])
-        host.run(lambda: len(host.grants) > held or not _holding(cohort))
+        host.run(lambda held=held: len(host.grants) > held or not _holding(cohort))
         held = len(host.grants)
     return [node for _id, node, _token in host.grants]
 

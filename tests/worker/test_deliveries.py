@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import uuid
 
-from celery_zklock.worker.agent_protocol import (Claim, Claimed, Connection, Finished, Hello, Release, Released, PeerRole,
-                                                 Verdict, Wait)
+from celery_zklock.worker.agent_protocol import (
+    Claim,
+    Claimed,
+    Connection,
+    Finished,
+    Hello,
+    PeerRole,
+    Release,
+    Released,
+    Verdict,
+    Wait,
+)
 from tests.worker.local_agent import answer
-
 
 #: How long an answer the test waits for may take (s): a missing one fails the test.
 WITHIN = 10.0

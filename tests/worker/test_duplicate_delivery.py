@@ -34,7 +34,7 @@ def test_two_deliveries_of_one_task_id_never_run_at_once(mod, env):
             for b in busy:
                 b.get(timeout=30)
 
-            def runs():
+            def runs(key: str = key):
                 return [r for r in history(mod, "hold") if r["key"] == key]
 
             wait_until(lambda: len(runs()) == 2, 20, "both deliveries ran")

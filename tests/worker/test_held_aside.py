@@ -362,7 +362,8 @@ def _stall_until_a_task_begins(mod, proxy, tries: int = 4) -> tuple[float, float
         # A margin past the stall: a task's acknowledgement leaves as its pool process
         # accepts it, a moment before its body records its start.
         try:
-            reached = wait_until(lambda: began_inside(stalled + 0.1), 1.5, what="a task to begin inside the stall")
+            reached = wait_until(lambda stalled=stalled: began_inside(stalled + 0.1), 1.5,
+                                 what="a task to begin inside the stall")
         except AssertionError:
             reached = False
         if reached:
@@ -374,7 +375,7 @@ def _stall_until_a_task_begins(mod, proxy, tries: int = 4) -> tuple[float, float
             return stalled, cut, reached
         proxy.resume()
         resumed = time.time()
-        wait_until(lambda: began_inside(resumed), 10, what="tasks beginning again before the next try")
+        wait_until(lambda resumed=resumed: began_inside(resumed), 10, what="tasks beginning again before the next try")
     raise AssertionError("unreachable")
 
 

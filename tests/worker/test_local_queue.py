@@ -18,10 +18,9 @@ import uuid
 import pytest
 
 from celery_zklock.config import ZkSettings
-from celery_zklock.worker.agent import Agent
+from celery_zklock.worker.agent import STUCK_AFTER, Agent
 from celery_zklock.worker.agent_protocol import Connection, Finished, Hello, PeerRole, Wait
 from celery_zklock.worker.agent_requests import WaitRequest
-from celery_zklock.worker.agent import STUCK_AFTER
 from celery_zklock.worker.cohort import WaitQueue
 
 

@@ -15,7 +15,7 @@ from celery_zklock.config import ZkSettings
 from celery_zklock.engine import kazoo_compat
 from celery_zklock.engine.session import LEASED, WRITTEN
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import ENV, Connection, Hello, Release, PeerRole, Verdict, Wait
+from celery_zklock.worker.agent_protocol import ENV, Connection, Hello, PeerRole, Release, Verdict, Wait
 from tests.worker.cohort_host import LeaseClock, held_with_a_young_proof
 from tests.worker.local_agent import answer, start_agent
 
