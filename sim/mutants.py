@@ -112,9 +112,9 @@ MUTANTS = [
     Mutant("orphan-agent", "14. an agent that exits only once ZooKeeper answers: cut off when its worker "
            "goes, it stays behind",
            "worker/agent.py",
-           "        if self.main_seen and self.main is None and not self.claims.holding() and not self.kept:\n"
+           "        if self.main_seen and self.main is None and not self.claims.any_claimed() and not self.kept:\n"
            "            self.stopped.set()",
-           "        if self.main_seen and self.main is None and not self.claims.holding() and not self.kept \\\n"
+           "        if self.main_seen and self.main is None and not self.claims.any_claimed() and not self.kept \\\n"
            "                and self.client.connected:\n"
            "            self.stopped.set()"),
     # The bugs the simulator itself found (docs/simulation.md, "What it found"):
@@ -501,8 +501,9 @@ def _killed(mutant: Mutant, tmp: str, env: dict, started: float) -> tuple[str | 
     if proc.returncode == 1 and failed:
         return failed[0].split("::")[-1], elapsed, f"{len(failed)} test(s) failed"
     errors = re.findall(r"^ERROR (\S+)", proc.stdout, re.M)
-    if errors:  # a fixture failed (under load, say): the test never judged the mutant
-        return None, elapsed, f"not judged: {len(errors)} test(s) errored in set-up ({errors[0].split('::')[-1]})"
+    if proc.returncode == 1 and errors:  # a fixture failed (under load, say): the mutant was never judged
+        return None, elapsed, (f"not judged (still counted as surviving): {len(errors)} test(s) errored in "
+                               f"set-up or teardown ({errors[0].split('::')[-1]})")
     if proc.returncode not in (0, 1):
         tail = (proc.stdout or proc.stderr).strip().splitlines()[-1:] or ["?"]
         return None, elapsed, f"the tests could not run: {tail[0][:160]}"

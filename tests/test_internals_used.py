@@ -317,10 +317,10 @@ OTHER_LIBRARIES = {
 #: Attributes written on objects that are ours (the patch scan): (module, receiver) -> what it is.
 OWN_RECEIVERS = {
     ("engine.kazoo_compat", "_connect"): "our wrapper of kazoo's _connect",
-    ("engine.lock", "attempt"): "the lock's Attempt", ("engine.owner", "_per_thread"): "our thread-local",
+    ("engine.owner", "_per_thread"): "our thread-local",
     ("engine.rwlock", "self.write"): "the WriteLock", ("task", "run_state"): "held.RunState",
-    ("worker.agent", "self.claims"): "Claims", ("worker.agent", "handler"): "our EventLoopHandler",
-    ("worker.agent", "events"): "the agent's EventQueue", ("worker.agent_client", "self.conn"): "AgentClient's Connection",
+    ("worker.agent", "handler"): "our EventLoopHandler",
+    ("worker.agent", "events"): "the agent's EventQueue",
     ("worker.agent_requests", "wait"): "the agent's WaitRequest", ("worker.agent_requests", "cohort"): "a Cohort",
     ("worker.cohort", "wait"): "the cohort's Waiter", ("worker.cohort", "slot"): "the cohort's Slot",
     ("by_config", "locked"): "the locked task class by_config made",
@@ -434,6 +434,15 @@ def test_every_path_to_their_objects_is_listed():
                 if not any(e.owner == owner and e.name == name and module in e.used_in for e in INTERNALS)
                 and (module, f"{owner}:{name}") not in DOCUMENTED_PATHS]
     assert unlisted == [], "add each to celery_zklock/internals_used.py"
+
+
+def test_our_own_lists_name_only_what_the_code_does():
+    """No stale entry in OURS or OWN_RECEIVERS: a stale one would let a new use through unasked."""
+    uses = {(module, name) for module, path in _modules().items() for _, name in private_uses(path.read_text())}
+    writes = {(module, receiver) for module, path in _modules().items()
+              for _, receiver, _ in patches(path.read_text())}
+    assert [k for k in OURS if k not in uses] == []
+    assert [k for k in OWN_RECEIVERS if k not in writes] == []
 
 
 def test_every_attribute_written_on_another_object_is_listed():

@@ -234,7 +234,7 @@ class Agent:
         """Ping everyone while the event thread makes progress (busy is fine, stuck is not),
         and let it push lock states to claimers and retry stalled keys."""
         while not self.stopped.wait(HEARTBEAT):
-            if os.getppid() != self.parent and self.main is None and not self.claims.holding() and not self.kept:
+            if os.getppid() != self.parent and self.main is None and not self.claims.any_claimed() and not self.kept:
                 self.stopped.set()  # the worker died, and no process of it holds a lock
                 return
             if self.events.qsize() and clock.monotonic() - self.progress > STUCK_AFTER:
@@ -337,7 +337,7 @@ class Agent:
         self._stop_if_orphaned()
 
     def _stop_if_orphaned(self) -> None:
-        if self.main_seen and self.main is None and not self.claims.holding() and not self.kept:
+        if self.main_seen and self.main is None and not self.claims.any_claimed() and not self.kept:
             self.stopped.set()
 
 

@@ -306,7 +306,8 @@ class AgentLock:
 
     def update(self, held: bool, lost: bool, reason: str | None) -> None:
         """What the agent says of this lock now (its claim's answer, a pushed state, its end)."""
-        self._held = held and not lost
+        self._held = held and not lost and self.lost_reason is None  # lost stays lost: an older
+        # answer applied after a newer push (the claim's, at registration) must not revive it
         if lost and self.lost_reason is None:
             self.lost_reason = reason or "lock lost"
             if self.on_lost is not None:

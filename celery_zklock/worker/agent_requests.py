@@ -578,8 +578,9 @@ class Claims:
         logger.warning("zklock agent: request %s: its pool process stopped waiting for the claim's answer "
                        "(this agent answered late: busy?) and locks in-process; its lock here is let go", request_id)
 
-    def holding(self) -> bool:
-        """Does any pool process hold a claimed lock here (the agent must stay)?"""
+    def any_claimed(self) -> bool:
+        """Has any pool process claimed a request here (granted, or next in line waiting for
+        its verdict)?  The agent must stay while one has: the lock is, or will be, its."""
         return bool(self.claimed)
 
     # ------------------------------------------------------------------ lock state

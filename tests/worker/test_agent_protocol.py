@@ -11,7 +11,7 @@ from celery_zklock.decision import Outcome, claimed_lock
 from celery_zklock.engine.attempt import Pending
 from celery_zklock.engine.session import PROOFS, ReleaseOutcome
 from celery_zklock.engine.tick_fence import Fenced
-from celery_zklock.worker import agent_protocol
+from celery_zklock.worker import agent_client, agent_protocol
 from celery_zklock.worker.agent_protocol import (
     Bypass,
     Cancel,
@@ -226,3 +226,12 @@ def test_a_granted_claims_answer_is_held_as_it_says(answer, suspended, carried, 
     assert decision.outcome is Outcome.GRANTED and decision.waited == (answer.waited or 0.0)
     assert (lock.tokens, lock.suspended_reason, lock.carried) == (answer.tokens, suspended, carried)
     assert lock.grace == pytest.approx(grace) and decision.confirm_within == 10.0 and decision.copies is None
+
+
+def test_a_lock_told_lost_stays_lost_when_an_older_state_comes_after():
+    """The claim's answer is applied at registration, after a push the link may already have
+    delivered: an older "held" must not revive a lock the agent said was lost."""
+    lock = agent_client.AgentLock(_Link(), "r1", {"/a": 3}, grace=5.0, release_bound=5.0)
+    lock.update(False, True, "the node is gone")
+    lock.update(True, False, None)
+    assert not lock.is_held() and lock.lost_reason == "the node is gone"
