@@ -128,7 +128,8 @@ if COUNTER_URL:
         try:
             from celery_zklock import signals as zk_signals
         except ImportError as exc:  # the harness must not pass without a way to count
-            raise pytest.UsageError(f"celery_zklock.signals is missing ({exc}): cannot count lock acquisitions")
+            raise pytest.UsageError(
+                f"celery_zklock.signals is missing ({exc}): cannot count lock acquisitions") from exc
         zk_signals.lock_acquired.connect(on_lock_acquired, weak=False, dispatch_uid="compat.lock_acquired")
         zk_signals.lock_released.connect(on_lock_released, weak=False, dispatch_uid="compat.lock_released")
 

@@ -99,14 +99,15 @@ class Report:
         cells = [head] + [(r.example, r.metric, r.value, r.status) for r in self.rows]
         widths = [max(len(c[i]) for c in cells) for i in range(4)]
         sep = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
-        lines = [sep, "| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |", sep.replace("-", "=")]
+        header = "| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |"
+        lines = [sep, header, sep.replace("-", "=")]
         previous = None
         for r in self.rows:
             if previous is not None and r.example != previous:
                 lines.append(sep)
             previous = r.example
             vals = (r.example, r.metric, r.value, r.status)
-            lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |")
+            lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True)) + " |")
         lines.append(sep)
         return "\n".join(lines)
 

@@ -50,7 +50,7 @@ def run(report: Report, procs: Procs, faults: tuple[str, ...] = ("sigkill", "sig
         b = Proc(name, argv, beat_env, os.path.join(procs.logdir, f"{name}.log")).start()
         procs.items.append(b)
         beats.append(b)
-        if not wait_until(lambda: "joined the election" in b.log_tail(20000), 30):
+        if not wait_until(lambda b=b: "joined the election" in b.log_tail(20000), 30):
             raise RuntimeError(f"{name} did not join the election:\n{b.log_tail()}")
     queue = list(beats)  # election order: the head leads
 
@@ -77,9 +77,9 @@ def run(report: Report, procs: Procs, faults: tuple[str, ...] = ("sigkill", "sig
             os.kill(leader.pid, signal.SIGSTOP)
         else:
             proxies[index].hold()
-        took = wait_until(lambda: bool(sent_by(expected.pid, t_fault)), bound + 10)
+        took = wait_until(lambda pid=expected.pid, t=t_fault: bool(sent_by(pid, t)), bound + 10)
         first_new = sent_by(expected.pid, t_fault)[0]["at"] if took else float("nan")
-        wait_until(lambda: len(sent_by(expected.pid, t_fault)) >= 2, 5)
+        wait_until(lambda pid=expected.pid, t=t_fault: len(sent_by(pid, t)) >= 2, 5)
         if fault == "sigstop":
             time.sleep(max(0.0, t_fault + session + granularity + 1.0 - time.time()))  # surely past its session
             os.kill(leader.pid, signal.SIGCONT)
@@ -88,7 +88,7 @@ def run(report: Report, procs: Procs, faults: tuple[str, ...] = ("sigkill", "sig
             proxies[index].release_held()
         queue.pop(0)
         if fault != "sigkill":  # it comes back, steps down and queues again, last
-            if not wait_until(lambda: "stepped down" in leader.log_tail(50000), 15):
+            if not wait_until(lambda leader=leader: "stepped down" in leader.log_tail(50000), 15):
                 raise RuntimeError(f"{leader.name} did not step down after {fault}:\n{leader.log_tail()}")
             queue.append(leader)
             time.sleep(2 * m.PERIOD)  # room for a late send it must not make

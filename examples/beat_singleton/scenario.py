@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections import Counter
+from itertools import pairwise
 
 from examples.runtime import Report, run_standalone, wait_until
 from support.console import say
@@ -53,7 +54,7 @@ def run(report: Report, procs: Procs, window: float = 9.0, workers: int = 2, con
     sent, ran, skipped = counts()
 
     runs = sorted((json.loads(x) for x in r.lrange(m.store.key("runs"), 0, -1)), key=lambda x: x["start"])
-    overlaps = sum(1 for a, b in zip(runs, runs[1:]) if b["start"] < a["end"])
+    overlaps = sum(1 for a, b in pairwise(runs) if b["start"] < a["end"])
     max_concurrent = max((x["concurrent"] for x in runs), default=0)
     per_beat = {}
     for who, n in r.hgetall(m.store.key("sent")).items():
@@ -86,8 +87,8 @@ def run(report: Report, procs: Procs, window: float = 9.0, workers: int = 2, con
     report.check(NAME, "sent == ran + skipped", f"{sent} == {ran} + {skipped}", drained and sent == ran + skipped)
     report.check(NAME, "results (a token / None: skipped)", f"{states.get('SUCCESS', 0)} / {states.get('SUCCESS (None)', 0)}",
                  states.get("SUCCESS", 0) == ran and states.get("SUCCESS (None)", 0) == skipped)
-    report.check(NAME, "tokens strictly increasing", "yes" if all(a < b for a, b in zip(tokens, tokens[1:])) else "no",
-                 all(a < b for a, b in zip(tokens, tokens[1:])))
+    report.check(NAME, "tokens strictly increasing", "yes" if all(a < b for a, b in pairwise(tokens)) else "no",
+                 all(a < b for a, b in pairwise(tokens)))
     say(f"{NAME}: {sent} ticks: {ran} ran one at a time, {skipped} skipped")
     return report
 

@@ -21,7 +21,6 @@ import json
 import os
 import time
 
-
 from celery_zklock import ZkLockedTask, current_lock
 from examples.common import Store, make_app
 

@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict
+from itertools import pairwise
 
 from examples.runtime import Report, ms, percentile, run_standalone, wait_until
 from support.console import check_stop, say
@@ -106,9 +107,9 @@ def run(report: Report, procs: Procs | None, orders: int = 1200, skus: int = 5, 
         by_sku[o["sku"]].append(o)
     for s, rows in by_sku.items():
         rows.sort(key=lambda o: o["start"])
-        overlaps += sum(1 for a, b in zip(rows, rows[1:]) if b["start"] < a["end"])
+        overlaps += sum(1 for a, b in pairwise(rows) if b["start"] < a["end"])
         written = [int(x.decode().rsplit("@", 1)[1]) for x in r.lrange(m.orders_key(s), 0, -1)]
-        token_order_ok &= all(a < b for a, b in zip(written, written[1:]))
+        token_order_ok &= all(a < b for a, b in pairwise(written))
         token_order_ok &= len({o["token"] for o in rows}) == len(rows)
     ran_once = len({o["order"] for o in obs}) == len(obs) == orders
 
