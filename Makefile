@@ -12,10 +12,10 @@ setup:
 	@bash scripts/bootstrap.sh
 
 # mypy (strict on the public API) on the package and ruff (pyflakes, bugbear, import order)
-# on the package, tests/, sim/ and bench/, as pyproject.toml configures them; both run, and
-# either failing fails the target.
+# on the package, tests/, sim/, bench/, examples/, compat/ and support/, as pyproject.toml
+# configures them; both run, and either failing fails the target.
 lint: setup
-	@$(PY) -m mypy; m=$$?; $(PY) -m ruff check celery_zklock tests sim bench; r=$$?; \
+	@$(PY) -m mypy; m=$$?; $(PY) -m ruff check celery_zklock tests sim bench examples compat support; r=$$?; \
 	  [ $$m = 0 ] && [ $$r = 0 ]
 
 # scripts/docker-setup.sh: the engine, images for tests/docker/ (or one line saying why they
