@@ -37,6 +37,15 @@ def held_aside(worker, mod, app=None) -> int:
     return sum(len(v) for reply in replies.values() for v in reply.values())
 
 
+def handed_over(worker, app, task_id: str) -> bool:
+    """Has the worker answered, holding ``task_id`` aside for its lock no longer (its agent
+    decided: it went to Celery)?  False without an answer.  Meaningful once it was held aside
+    (e.g. its lock node is seen): the listing does not tell one not received yet."""
+    node = f"{worker.name}@{os.uname().nodename}"
+    replies = app.control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
+    return node in replies and all(row["task_id"] != task_id for rows in replies[node].values() for row in rows)
+
+
 def started_pid(mod, key, timeout: float = 20) -> int:
     """The pid of the pool process running the task that recorded ``pid:<key>`` as it started."""
     return int(wait_until(lambda: mod._r.get(f"pid:{key}"), timeout, what=f"the task on {key!r} to start"))

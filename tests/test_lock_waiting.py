@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +12,9 @@ from celery import Celery
 
 from celery_zklock import FairLock, ZkLockedTask, lock_waiting, metrics
 from celery_zklock.lock_waiting import Waiter
+from celery_zklock.logs import TASK_LOGGER
 from celery_zklock.states import LOCK_WAITING
+from tests.polling import wait_until
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_a_request_held_aside_says_it_through_its_request(recorded):
     assert stored == [("t2", {"key": ["k:7", "other"], "position": 2}, LOCK_WAITING)]
 
 
-def test_a_multi_key_wait_in_process_is_counted_once(zk_server, zk_client, recorded):
+def test_a_multi_key_wait_in_process_is_counted_once(zk_server, zk_client, recorded, caplog):
     """Each key of a multi-key lock may make it wait (once per key): the gauge counts the
     wait once, so the one "waited" at its end brings it back to where it was."""
     app = Celery("waiting", broker="memory://", backend="cache+memory://")
@@ -86,14 +87,16 @@ def test_a_multi_key_wait_in_process_is_counted_once(zk_server, zk_client, recor
     for blocker in blockers:
         blocker.acquire()
     result: list = []
+
+    def waits_said() -> int:  # the call's "waiting for lock" lines: one each time it waits
+        return sum("waiting for lock" in r.getMessage() for r in caplog.records)
+
+    caplog.set_level(logging.INFO, logger=TASK_LOGGER)
     runner = threading.Thread(target=lambda: result.append(both(1)))
     runner.start()
     try:
-        for blocker in blockers:  # one key at a time: the call waits once for each
-            deadline = time.monotonic() + 10
-            while recorded.count("waiting") < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.3)
+        for n, blocker in enumerate(blockers, 1):  # one key at a time: the call waits once for each
+            wait_until(lambda n=n: waits_said() >= n, 10, what=f"the call to wait behind blocker {n}")
             blocker.release()
     finally:
         for blocker in blockers:

@@ -14,6 +14,8 @@ import pytest
 from celery_zklock import FairLock
 from support.workers import Worker
 from tests.lockedapp import history
+from tests.lockutil import children
+from tests.polling import wait_until
 
 HOLD_MS = 1200
 
@@ -137,14 +139,17 @@ def test_prerun_fires_after_the_lock_wait_eagerly(mod, env, zk_client):
     holder = FairLock(zk_client, path)
     assert holder.acquire(timeout=5)
     released = []
+    sent = time.time()
 
     def let_go():
-        time.sleep(0.8)
-        released.append(time.time())
-        holder.release()
+        try:
+            wait_until(lambda: len(children(zk_client, path)) == 2, 30, what="the task to queue behind the holder")
+            time.sleep(max(0.0, sent + 0.8 - time.time()))  # the hold under test: 0.8 s from the send
+        finally:
+            released.append(time.time())
+            holder.release()
 
     threading.Thread(target=let_go).start()
-    sent = time.time()
     result = mod.timed_hold.apply(args=(key, 10))
     assert result.successful(), result.result
     sig = _signals_after_postrun(mod, result.id)

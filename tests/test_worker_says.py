@@ -12,12 +12,12 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
 from support.workers import ROOT, Worker
+from tests.lockedapp import started
 from tests.lockutil import worker_env
 from tests.polling import wait_until
 
@@ -51,8 +51,8 @@ def test_worker_says_at_start_what_it_locks_and_at_warm_shutdown_what_went_back(
         assert "INFO" in line and f"ZooKeeper {env['TEST_ZK_HOSTS']} reachable, root {env['TEST_ZK_ROOT']}" in line
         assert "session timeout 4s" in line and f"zklock_wait_in='worker' (the lock agent, pid {agent})" in line
         key = f"says-{uuid.uuid4().hex[:6]}"
-        holder = mod.hold.apply_async((key, 4000, 0), queue=queue)
-        time.sleep(0.5)  # the holder first, then the waiters behind it
+        holder = mod.hold.apply_async((key, 4000, key), queue=queue)  # tagged with its key: a tag of its own
+        wait_until(lambda: started(mod, key), 30, "the holder to hold the lock")  # then the waiters behind it
         waiters = [mod.hold.apply_async((key, 10, i), queue=queue) for i in range(1, 4)]
         wait_until(lambda: _held(w) >= 1, 15, "a waiting task held by the worker")
     finally:

@@ -899,7 +899,8 @@ def test_release_after_the_session_expired_unnoticed_reports_the_loss(zk_server,
             releasing = threading.Thread(target=lambda: result.append(lock.release()))
             result: list[bool] = []
             releasing.start()
-            time.sleep(0.3)  # the release begins while still cut off (nothing to observe: its delete waits)
+            # The release begins while still cut off: our node let go of here, its delete waits.
+            wait_until(lambda: lock.node is None, 5, what="the release to begin")
             proxy.release_held()
             releasing.join(SESSION * 3)
             assert result == [False]
@@ -920,7 +921,8 @@ def test_release_of_a_lock_still_ours_reports_success_even_after_a_blip(zk_serve
             result: list[bool] = []
             releasing = threading.Thread(target=lambda: result.append(lock.release()))
             releasing.start()
-            time.sleep(0.5)  # the blip: the release begins while cut off (nothing to observe: its delete waits)
+            # The blip: the release begins while cut off: our node let go of here, its delete waits.
+            wait_until(lambda: not c.connected and lock.node is None, 5, what="the release to begin, cut off")
             proxy.release_held()
             releasing.join(SESSION * 3)
             assert result == [True] and lock.lost_reason is None
@@ -991,7 +993,8 @@ def test_a_node_ahead_we_may_not_read_is_still_waited_for_to_its_end(zk_server, 
         outcome: list = []
         waiter = threading.Thread(target=lambda: outcome.append(lock.acquire(timeout=8)), daemon=True)
         waiter.start()
-        time.sleep(0.5)  # queued behind the unreadable node, its watch refused
+        # Queued behind the unreadable node, its data watch refused: the queue watched instead.
+        wait_until(lambda: zk_client._child_watchers.get(path), 5, what="the waiter to watch the queue")
         assert [c.node for c in contenders(zk_client, path)] == [ahead.rsplit("/", 1)[1], lock.node.rsplit("/", 1)[1]]
         owner.delete(ahead)
         waiter.join(timeout=3)

@@ -136,7 +136,7 @@ class Cluster:
             pass  # the server closes the connection as it exits
         self.broker.proc.wait(20)
         self.broker.proc = None
-        time.sleep(down_for)
+        time.sleep(down_for)  # the outage under test: the broker stays down this long
         self.broker.start()
         # The test process's pooled broker connections died with the server: drop them,
         # or the next control ping (a later scenario's worker start) gets one of them.

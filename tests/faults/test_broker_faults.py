@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from support.redis_server import RedisServer
 from tests.faults import app as A
 from tests.faults.checker import runs_of
 from tests.faults.harness import SESSION, record, wait_until
+from tests.lockedapp import handed_over
 
 
 @pytest.mark.slow
@@ -89,7 +91,8 @@ def test_a_broker_reconnect_lets_go_of_a_grant_celery_dropped_unrun(scenario):
     wait_until(lambda: scenario.events(busy.id, "begin"), 30, what="the busy task to take the only process")
     dropped = scenario.send(A.step, "k", 50, queue=w.queue)
     wait_until(lambda: scenario.contenders("k", need=1) >= 1, 30, what="the agent to take k for the waiting request")
-    time.sleep(0.3)  # granted, handed to Celery, waiting for the process
+    wait_until(lambda: handed_over(w, scenario.app, dropped.id), 30,
+               what="the grant handed to Celery, the request waiting for the process")
     assert not scenario.events(busy.id, "return"), "the busy task ended before the reconnection"
     scenario.cluster.redis_restart()
     later = scenario.send(A.step, "k", 50, queue=w.queue)
@@ -117,13 +120,22 @@ def test_a_broker_outage_does_not_lose_requests_parked_next_in_line(scenario):
     holders = [scenario.send(A.step, key, 2500, queue=w.queue) for key in ("ka", "kb")]
     wait_until(lambda: all(scenario.events(t.id, "begin") for t in holders), 30, what="both holders")
     parked = [scenario.send(A.step, key, 50, queue=w.queue) for key in ("ka", "kb")]
-    time.sleep(0.5)  # next in line: handed to the pool, its message acknowledged
+    wait_until(lambda: {t.id for t in parked} <= _active(scenario, w), 30,
+               what="both next in line: handed to the pool, their messages acknowledged")
     assert not any(scenario.events(t.id, "return") for t in holders), "a holder ended before the outage"
     scenario.cluster.redis_restart(down_for=3.0)
     report = scenario.verify(timeout=60)
     record("outage-parked-next-in-line", **report.figures)
     assert all(t.state == "SUCCESS" for t in parked)
     assert "next in line in the pool wait there" in w.log_tail(10**8), "no request was parked when the broker went"
+
+
+def _active(scenario, w) -> set[str]:
+    """Ids of the requests the worker's pool processes took (accepted: acknowledged, unless
+    acks_late)."""
+    node = f"{w.name}@{socket.gethostname()}"
+    replies = scenario.app.control.inspect(destination=[node], timeout=2.0).active() or {}
+    return {t["id"] for t in replies.get(node, [])}
 
 
 @pytest.mark.slow

@@ -178,7 +178,7 @@ def test_the_links_thread_reads_on_a_clock_not_once_per_lock():
     threading.Thread(target=answer_releases, daemon=True).start()
     cycles = 300
     try:
-        time.sleep(0.1)
+        wait_until(lambda: link._dozing, 5, "the link's thread at rest (dozing: no lock held)")  # counted from there
         before, started = _voluntary_switches(thread), time.monotonic()
         for i in range(cycles):
             lock = agent_client.AgentLock(link, f"r{i}", {"/k": i + 1}, grace=5.0, release_bound=5.0)
@@ -199,7 +199,7 @@ def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypat
     link = agent_client.AgentClient(agent.path)
     agent.ready.wait(5)
     try:
-        time.sleep(0.2)  # the link's thread dozes now
+        wait_until(lambda: link._dozing, 5, "the link's thread to doze (IDLE_DRAIN)")
         lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
         agent.peer.send(LockState("r1", held=False, lost=True, reason="node deleted"))
         assert wait_until(lambda: lock.lost_reason, 5.0, "the link's thread takes the push", 0.005) == "node deleted"

@@ -270,7 +270,8 @@ def test_repeated_broker_outages_while_tasks_run_lose_nothing(mod, env, broker):
     n = 430
     with _through_proxy(env, broker, f"cut2{broker}") as (proxy, conn, w, queue):
         ids = [mod.hold.apply_async((keys[i % 3], 50, i), queue=queue, connection=conn).id for i in range(n)]
-        time.sleep(1.5)  # the flow under way at the first cut: tasks running, granted, next in line, held aside
+        # The flow under way at the first cut: tasks running, granted, next in line, held aside.
+        wait_until(lambda: len(_runs(mod)) >= 20, 30, interval=0.1, what="tasks running")
         cuts = [time.time()]
         proxy.outage(3.0)
         wait_until(lambda: len(re.findall(RESTARTS, _whole_log(w))) >= 1, 30, what="a consumer restart")

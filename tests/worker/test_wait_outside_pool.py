@@ -15,7 +15,7 @@ import pytest
 from celery_zklock import LockLost
 from celery_zklock.testing import four_letter_word
 from support.workers import Worker
-from tests.lockedapp import active_ids, history, in_broker, learn_short_holds, started, started_pid
+from tests.lockedapp import active_ids, handed_over, history, in_broker, learn_short_holds, started, started_pid
 from tests.lockutil import children, overlapping
 from tests.polling import holds_for, wait_until
 from tests.tcpproxy import TcpProxy
@@ -166,8 +166,14 @@ def test_a_grant_claimed_while_zookeeper_is_unreachable_waits_for_it(mod, env, z
         later = mod.hold.delay(f"later-{tag}", 10, "later")  # uncontended: granted at once
         path = f"{env['TEST_ZK_ROOT']}/k:later-{tag}"
         wait_until(lambda: children(zk_client, path), 10, "the agent to take the later task's lock")
+        wait_until(lambda: handed_over(w, mod.app, later.id), 10, "the later task's grant handed to Celery")
         proxy.hold()  # the agent's connection drops; reconnections are parked
-        time.sleep(2.5)  # the cut's length: the busy task ends meanwhile, the later one is claimed while suspended
+        cut = time.monotonic()
+        # The busy task ends meanwhile, and the later one goes to the freed process, where it
+        # claims its grant while the agent is suspended (within the 8 s session).
+        wait_until(lambda: f"lock k:later-{tag} not confirmed at start" in w.log() or later.ready(), 6,
+                   what="the later task to claim its grant while the agent is suspended")
+        time.sleep(max(0.0, cut + 2.5 - time.monotonic()))  # the cut's length: 2.5 s at least
         healed = time.time()
         proxy.release_held()
         assert later.get(timeout=30) is not None
