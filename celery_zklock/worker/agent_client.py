@@ -289,13 +289,15 @@ class AgentLock:
         self.lost_reason: str | None = None
         self._held = True
         self._settled = threading.Event()  # set whenever the agent says held, or lost
-        early = link.register(self)
-        if early is not None:  # pushed after the claim's answer, so newer than ``state``
-            self.update(early.held, early.lost, early.reason)
-        elif state is None:
+        # The claim's answer first, then what the agent pushed since: a push the link delivers
+        # once this lock is registered is newer than both, and must not be overwritten by them.
+        if state is None:
             self.update(True, False, None)
         else:
             self.update(state.held, state.lost, state.reason)
+        early = link.register(self)
+        if early is not None:  # pushed after the claim's answer, so newer than ``state``
+            self.update(early.held, early.lost, early.reason)
 
     @property
     def locks(self) -> list["AgentLock"]:

@@ -235,3 +235,17 @@ def test_a_lock_told_lost_stays_lost_when_an_older_state_comes_after():
     lock.update(False, True, "the node is gone")
     lock.update(True, False, None)
     assert not lock.is_held() and lock.lost_reason == "the node is gone"
+
+
+class _PushingLink(_Link):
+    """A link whose thread delivers a push the moment the lock registers."""
+
+    def register(self, lock):
+        lock.update(False, False, "ZooKeeper connection suspended")
+        return None
+
+
+def test_a_push_delivered_as_the_lock_registers_is_not_overwritten_by_the_claims_answer():
+    answer = Claimed("r1", Verdict.GRANTED, tokens={"/a": 3}, held=True)
+    lock = agent_client.AgentLock(_PushingLink(), "r1", {"/a": 3}, grace=5.0, release_bound=5.0, state=answer)
+    assert not lock.is_held() and lock.suspended_reason == "ZooKeeper connection suspended"
