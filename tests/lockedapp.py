@@ -5,7 +5,6 @@ tests/conftest.py."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 
 from tests.polling import wait_until
@@ -32,18 +31,21 @@ def held_aside(worker, mod, app=None) -> int:
     """Requests the worker holds aside, waiting for their locks in its agent (``celery zklock
     status``'s source: the ``zklock_waiting`` inspect command).  ``app``: one on the worker's
     broker when that is not ``mod.app``'s (the command travels on the broker the worker consumes)."""
-    node = f"{worker.name}@{os.uname().nodename}"
-    replies = (app or mod.app).control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
-    return sum(len(v) for reply in replies.values() for v in reply.values())
+    return sum(len(rows) for rows in (_waiting(worker.name, app or mod.app) or {}).values())
 
 
 def handed_over(worker, app, task_id: str) -> bool:
     """Has the worker answered, holding ``task_id`` aside for its lock no longer (its agent
     decided: it went to Celery)?  False without an answer.  Meaningful once it was held aside
     (e.g. its lock node is seen): the listing does not tell one not received yet."""
-    node = f"{worker.name}@{os.uname().nodename}"
-    replies = app.control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}
-    return node in replies and all(row["task_id"] != task_id for rows in replies[node].values() for row in rows)
+    waiting = _waiting(worker.name, app)
+    return waiting is not None and all(row["task_id"] != task_id for rows in waiting.values() for row in rows)
+
+
+def _waiting(worker_name: str, app) -> dict | None:
+    """The worker's ``zklock_waiting`` answer (rows per lock path); None when it did not answer."""
+    node = _node(worker_name)
+    return (app.control.inspect(destination=[node], timeout=2.0)._request("zklock_waiting") or {}).get(node)
 
 
 def started_pid(mod, key, timeout: float = 20) -> int:
@@ -53,9 +55,21 @@ def started_pid(mod, key, timeout: float = 20) -> int:
 
 def active_ids(mod, worker_name: str) -> set[str]:
     """Ids of the requests the worker has handed to its pool (Celery's ``inspect active``)."""
-    node = f"{worker_name}@{socket.gethostname()}"
-    replies = mod.app.control.inspect(destination=[node], timeout=2.0).active() or {}
-    return {t["id"] for t in replies.get(node, [])}
+    return in_pool(mod.app, worker_name) or set()
+
+
+def in_pool(app, worker_name: str) -> set[str] | None:
+    """Ids of the requests in the worker's pool processes (taken: acknowledged, unless
+    ``acks_late``; Celery drops one once the main process read its result); None when the
+    worker did not answer."""
+    node = _node(worker_name)
+    replies = app.control.inspect(destination=[node], timeout=2.0).active() or {}
+    return {t["id"] for t in replies[node]} if node in replies else None
+
+
+def _node(worker_name: str) -> str:
+    """The worker's node name, as Celery's remote control addresses it."""
+    return f"{worker_name}@{socket.gethostname()}"
 
 
 def learn_short_holds(mod, key: str, n: int = 3) -> None:

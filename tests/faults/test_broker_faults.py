@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from support.redis_server import RedisServer
 from tests.faults import app as A
 from tests.faults.checker import runs_of
 from tests.faults.harness import SESSION, record, wait_until
-from tests.lockedapp import handed_over
+from tests.lockedapp import handed_over, in_pool
 
 
 @pytest.mark.slow
@@ -120,7 +119,7 @@ def test_a_broker_outage_does_not_lose_requests_parked_next_in_line(scenario):
     holders = [scenario.send(A.step, key, 2500, queue=w.queue) for key in ("ka", "kb")]
     wait_until(lambda: all(scenario.events(t.id, "begin") for t in holders), 30, what="both holders")
     parked = [scenario.send(A.step, key, 50, queue=w.queue) for key in ("ka", "kb")]
-    wait_until(lambda: {t.id for t in parked} <= _active(scenario, w), 30,
+    wait_until(lambda: {t.id for t in parked} <= (in_pool(scenario.app, w.name) or set()), 30,
                what="both next in line: handed to the pool, their messages acknowledged")
     assert not any(scenario.events(t.id, "return") for t in holders), "a holder ended before the outage"
     scenario.cluster.redis_restart(down_for=3.0)
@@ -128,14 +127,6 @@ def test_a_broker_outage_does_not_lose_requests_parked_next_in_line(scenario):
     record("outage-parked-next-in-line", **report.figures)
     assert all(t.state == "SUCCESS" for t in parked)
     assert "next in line in the pool wait there" in w.log_tail(10**8), "no request was parked when the broker went"
-
-
-def _active(scenario, w) -> set[str]:
-    """Ids of the requests the worker's pool processes took (accepted: acknowledged, unless
-    acks_late)."""
-    node = f"{w.name}@{socket.gethostname()}"
-    replies = scenario.app.control.inspect(destination=[node], timeout=2.0).active() or {}
-    return {t["id"] for t in replies.get(node, [])}
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from celery_zklock.testing import free_port
 from celery_zklock.worker import agent as agent_module
 from celery_zklock.worker import agent_supervisor
 from support.workers import Worker
+from tests.lockedapp import in_pool
 from tests.polling import wait_until
 from tests.worker.local_agent import accepts
 
@@ -84,14 +85,6 @@ def _one_task(mod) -> None:
     mod.hold.delay(f"lnb-{uuid.uuid4().hex[:6]}", 10, "lnb").get(timeout=30)
 
 
-def _idle(mod, w: Worker) -> bool:
-    """Has the worker answered, with no request left in a pool process?  Celery's ``active``
-    drops a request once the main process has read its pool process's result."""
-    node = f"{w.name}@{socket.gethostname()}"
-    replies = mod.app.control.inspect(destination=[node], timeout=2.0).active() or {}
-    return node in replies and not replies[node]
-
-
 def _kill_group(w: Worker) -> None:
     """SIGKILL whatever is left of the worker's process group (main, agent, pool, exporter)."""
     try:
@@ -117,7 +110,7 @@ def test_a_stop_leaves_nothing_behind(mod, env, how):
             # inside that read: _flush_outqueue waits for the rest of the message); then only
             # the SIGKILL after Proc.stop's grace ends it, and nothing of the worker's can
             # remove anything.
-            wait_until(lambda: _idle(mod, w), 10, "the worker idle: its pool's result read")
+            wait_until(lambda: in_pool(mod.app, w.name) == set(), 10, "the worker idle: its pool's result read")
             w.stop(signal.SIGQUIT)
         assert made.left() == [], f"left behind after a {how} stop: {made.left()}\n{w.log_tail()}"
         wait_until(lambda: not _alive(made.agent_pid), 10, "the agent to exit")
