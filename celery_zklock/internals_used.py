@@ -87,6 +87,7 @@ _MOD, _CLS, _INS = On.MODULE, On.CLASS, On.INSTANCE
 _WQ = ("worker.wait_outside_pool",)
 _PW = ("worker.prefetch_window",)
 _HL = ("worker.held_lease",)
+_DC = ("worker.dead_channel",)
 _PH = ("worker.next_in_line",)
 _KC = ("engine.kazoo_compat",)
 _EC = ("engine.client",)
@@ -125,7 +126,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("celery.bootsteps", "RUN", _REA, _MOD, "the blueprint state a reconnection keeps", _WQ, "celery 5.3",
              "ImportError: wait_outside_pool (and so every worker with locked tasks) cannot load"),
     Internal("celery.worker.consumer.Consumer", "on_connection_error_after_connected", _PAT, _CLS,
-             "turn kombu's restore off on the lost Redis channel before Celery closes the connection", _WQ,
+             "turn kombu's restore off on the lost Redis channel before Celery closes the connection, and keep "
+             "the channel to move its running tasks' messages from at the reconnection", _WQ,
              "celery 5.3",
              "getattr default: no patch, and on Celery 5.7 a Redis outage with messages held aside ends the "
              "worker ('Unrecoverable error': kombu restores on a closed transport)"),
@@ -286,11 +288,15 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("kombu.common", "PREFETCH_COUNT_MAX", _REA, _MOD, "the largest window AMQP can say", _PW, "kombu 5.3",
              "ImportError: prefetch_window (and so wait_outside_pool) cannot load"),
     Internal("kombu.connection.Connection", "_default_channel", _REA, _CLS,
-             "the lost connection's Redis channel, whose restore we turn off", _WQ, "kombu 5.3",
-             "getattr default: no patch (see on_connection_error_after_connected)"),
+             "the lost connection's Redis channel, whose restore we turn off (default_channel would open one)", _DC,
+             "kombu 5.3", "getattr default: no patch (see on_connection_error_after_connected)"),
     Internal("kombu.transport.virtual.Channel", "do_restore", _PAT, _CLS,
-             "False: kombu must not restore unacked messages on a dead Redis connection as it closes", _WQ,
+             "False: kombu must not restore unacked messages on a dead Redis connection as it closes", _DC,
              "kombu 5.3", "the flag is set for nothing: Redis outages end the worker on Celery 5.7"),
+    Internal("kombu.message.Message", "channel", _PAT, _INS,
+             "a running task's message moves from the lost Redis channel to the live one at the reconnection, so "
+             "that Celery's acknowledgement reaches Redis", _DC, "kombu 5.3",
+             "AttributeError: the worker exits when a task that ran across a Redis outage is acknowledged"),
     Internal("kombu.transport.virtual.QoS", "ack", _CAL, _CLS,
              "forget a delivery in this worker only (the virtual QoS's ack), not Redis's unacked copy, which may be "
              "another worker's now", _HL, "kombu 5.3",

@@ -222,7 +222,9 @@ class RedisBroker(Broker):
 
     def closed(self, channel: "Channel") -> None:
         """kombu closes the dead channel: with ``do_restore`` it puts back every message it
-        delivered and that was not acknowledged (``QoS.restore_unacked_once``)."""
+        delivered and that was not acknowledged (``QoS.restore_unacked_once``), which happens
+        to leave the channel a client; without it the channel keeps none (see ``Channel.closed``)."""
+        channel.closed = not channel.do_restore
         if channel.do_restore:
             mine = [d for d in self.current.values() if d.channel is channel]
             for delivery in sorted(mine, key=lambda d: -d.fetched_at):
@@ -439,9 +441,27 @@ class Channel(_Base):
         self.visibility_timeout = broker.visibility_timeout
         self.qos = _QoS(self)
         self.do_restore = True  # kombu's flag: restore the unacknowledged as the channel closes
+        # Closed without its restore: kombu let go of its pool and its connection, and an ack,
+        # reject or command on it raises AttributeError (``_connparams``), which Celery does not
+        # catch: the worker exits.  Before the close, a dead connection raises a connection error.
+        self.closed = False
+
+    def _usable(self) -> None:
+        if self.closed:
+            raise AttributeError("'NoneType' object has no attribute 'client' (kombu: a channel closed without its "
+                                 "restore has no connection)")
+
+    def ack(self, delivery: Delivery) -> None:
+        self._usable()
+        super().ack(delivery)
+
+    def reject(self, delivery: Delivery, requeue: bool) -> None:
+        self._usable()
+        super().reject(delivery, requeue)
 
     @contextmanager
     def conn_or_acquire(self):
+        self._usable()
         if self.dead:
             raise ConnectionLost("the channel's connection is gone")
         yield _Client(self)

@@ -286,6 +286,8 @@ class SimHub:
         if not main.alive or self.world.now < self.next_turn - 1e-9:
             return  # a later turn was asked for after an earlier one was scheduled: that one runs
         self.next_turn = float("inf")
+        if main.reconnecting:
+            return  # Consumer.start: the steps start again (the step's start first) before the loop turns
         self.turns += 1
         main.enter()
         todo, self.ready = self.ready, deque()
@@ -541,6 +543,7 @@ class CeleryMain:
         self.cut_when_waiting: float | None = None  # a fault: cut the connection (for this long) when a
         # granted request next waits for a pool process
         self.unreachable_until = -1.0  # the broker cannot be reached from this host (a reconnection's gap)
+        self.reconnecting = False  # between a loss and its reconnection: the event loop does not turn
         pools = worker.pool_count
         c = self.c = SimpleNamespace()
         c.hub = self.hub
@@ -582,7 +585,7 @@ class CeleryMain:
         self.channel.on_wake = lambda: self.alive and self.hub.wake(latency=self.brpop.uniform(0.0001, 0.002))
         c.qos = _QoS(self.channel, 4 * self.worker.pool_count)  # worker_prefetch_multiplier 4
         c.task_consumer = SimpleNamespace(channel=self.channel)
-        c.connection = SimpleNamespace(_default_channel=self.channel)
+        c.connection = SimpleNamespace(_default_channel=self.channel, default_channel=self.channel)
 
     # a broker connection lost, and made again (celery/worker/consumer/consumer.py, Consumer.start)
     def cut_connection(self, gap: float) -> None:
@@ -617,12 +620,15 @@ class CeleryMain:
         self.broker.closed(channel)
         self.hub.readers.clear()
         self.hub.writers.clear()
+        self.reconnecting = True
         self.proc.pause(gap)  # Connection step: ensure_connection blocks the main process
         self.unreachable_until = world.now + gap  # for this host's pool processes too
         world.at(world.now + gap, f"{self.proc.name}.reconnect", self._reconnected, proc=self.proc)
 
     def _reconnected(self) -> None:
+        self.reconnecting = False
         if not self.alive or self.stopping:
+            self.hub.wake()
             return
         self.world.log(f"{self.proc.name}: broker connection made again")
         self.enter()

@@ -446,6 +446,16 @@ MUTANTS = [
            "engine/driver.py",
            "            continue\n        distance = (seq - origin) % SEQUENCE_WRAP - HALF_WRAP\n",
            "            continue\n        distance = seq - mine\n"),
+    # Where the lock meets the broker, after a reconnection (scenario held-aside-reconnect):
+    Mutant("dead-channel-acks", "67. at a Redis reconnection the messages of the tasks that were running, or "
+           "already written to a pool process, stay on the channel lost with the connection: Celery acknowledges "
+           "them there after the reconnection, kombu raises AttributeError on that closed channel, and the worker "
+           "exits with every queued task unrun (found by a slow real-broker fault test first, "
+           "test_broker_restarted_mid_run_with_acks_late; since then by tests/worker/test_held_aside.py::"
+           "test_a_task_that_ends_while_redis_is_away_is_acknowledged_once_it_is_back)",
+           "worker/wait_outside_pool.py",
+           "        moved = sum(channel.move_to(live) for channel in dead) if live is not None else 0\n",
+           "        moved = 0\n"),
 ]
 
 #: Planted bugs that wait for a finding's fix before a scenario can prove them (none now):

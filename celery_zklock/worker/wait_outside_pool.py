@@ -55,6 +55,7 @@ from .agent_protocol import (
     as_wire,
 )
 from .agent_supervisor import NotStarted
+from .dead_channel import DeadChannel
 from .held_lease import SWEEP_EVERY, HeldLeases, delivery_tag, forget_delivery, redis_channel
 from .next_in_line import NextInLine, handoff_slots, pool_size, run_next
 from .prefetch_window import PrefetchWindow
@@ -104,6 +105,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         # Redis messages held aside: leased, not left to the visibility timeout (held_lease).
         self.leases = HeldLeases(process.settings.session_timeout if process is not None else 10.0)
         self.seq = 0  # numbers the deliveries sent to the agent (a task id can come again)
+        self.dead_channels: list[DeadChannel] = []  # lost with the connection, their deliveries not moved yet
         self.timers: list = []
         if self.active:
             c.on_task_request = self.on_request
@@ -115,7 +117,10 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             if lost is not None:
 
                 def connection_lost(exc: BaseException) -> Any:
-                    no_restore_on_a_dead_channel(c)
+                    dead = DeadChannel.at_loss(getattr(c, "connection", None),
+                                               {*worker_state.reserved_requests, *worker_state.active_requests})
+                    if dead is not None:
+                        self.dead_channels.append(dead)
                     return lost(exc)
 
                 c.on_connection_error_after_connected = connection_lost
@@ -132,6 +137,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         reconnection stops and starts the consumer's steps, the agent link stays)."""
         if not self.active:
             return
+        self._move_deliveries(c)
         self.agent.open(c.hub)
         if not self.timers:
             self.timers = [c.hub.call_repeatedly(0.1, self._check_revoked),
@@ -139,6 +145,18 @@ class WaitOutsidePool(bootsteps.StartStopStep):
                            c.hub.call_repeatedly(HEARTBEAT * 2, self.agent.check),
                            c.hub.call_repeatedly(self.leases.lease / 4, self._renew_leases),
                            c.hub.call_repeatedly(SWEEP_EVERY, self._sweep)]
+
+    def _move_deliveries(self, c) -> None:
+        """Reconnected: the tasks still running from before acknowledge through the live
+        channel, not the dead one (:mod:`.dead_channel`)."""
+        dead, self.dead_channels = self.dead_channels, []
+        if not dead:
+            return
+        live = redis_channel(c.connection.default_channel)
+        moved = sum(channel.move_to(live) for channel in dead) if live is not None else 0
+        if moved:
+            logger.info("celery-zklock: %d task(s) running since before the broker reconnection will acknowledge on "
+                        "the new connection", moved)
 
     def register_with_event_loop(self, c, hub) -> None:
         """The event loop (re)starts, with a hub reset at a broker reconnection: the agent's
@@ -578,21 +596,6 @@ class BeatTicks:
         held = list(self.held.values())
         self.held.clear()
         return held
-
-
-def no_restore_on_a_dead_channel(c) -> None:
-    """The broker connection is lost: kombu must not try to give the unacknowledged messages
-    of its Redis channel back on it as the connection is closed.  Why: Celery 5.7 closes the
-    lost connection after ``collect()`` has already let go of its transport, and kombu's
-    restore then fails on that closed transport with an AttributeError, which Celery does not
-    ignore: the worker exited ("Unrecoverable error") at every Redis outage with messages held
-    aside (372 of 430 never ran).  Nothing is lost by it: the restore could not reach Redis
-    anyway (before Celery 5.7 it failed quietly), held messages come back when their leases
-    lapse (:mod:`.held_lease`), and the others at Redis's visibility timeout, as before.
-    Reads the Celery consumer's ``connection`` and kombu's ``do_restore`` flag."""
-    channel = redis_channel(getattr(getattr(c, "connection", None), "_default_channel", None))
-    if channel is not None:
-        channel.do_restore = False
 
 
 def returned_to_broker(req) -> bool:

@@ -20,7 +20,7 @@ import pytest
 
 from celery_zklock.engine import FairLock
 from support.workers import Worker
-from tests.lockedapp import held_aside, history, started
+from tests.lockedapp import active_ids, held_aside, history, started
 from tests.polling import holds_for, wait_until
 
 
@@ -346,6 +346,36 @@ def test_a_task_whose_acknowledgement_was_lost_with_its_connection_runs_once(mod
         if broker == "rabbitmq":
             assert reached, "no task began while the connection stalled (four tries): the case was not reached"
             assert copies >= 1, "no redelivered copy was recognised (were acknowledgements lost?)"
+
+
+def test_a_task_that_ends_while_redis_is_away_is_acknowledged_once_it_is_back(mod, env):
+    """An ``acks_late`` task ends in its pool process while the worker's Redis connection is
+    cut: Celery acknowledges it once the consumer has reconnected, through the message's
+    channel, which died with the old connection.  Promise: the worker lives on, and the
+    acknowledgement reaches Redis (the message leaves its unacknowledged set: it is not
+    delivered again at the visibility timeout, and the next task runs).  Before: the dead
+    channel could not reach Redis (its restore was turned off at the connection loss, and with
+    it the client kombu would have made), kombu raised AttributeError, and the worker exited
+    ("Unrecoverable error") with every queued task unrun."""
+    key = f"ackback-{uuid.uuid4().hex[:6]}"
+    with _through_proxy(env, "redis", "ackback") as (proxy, conn, w, queue):
+        late = mod.hold_late.apply_async((key, 2500, "late"), queue=queue, connection=conn)
+        wait_until(lambda: late.id in active_ids(mod, w.name), 30, what="the acks_late task to run")
+        proxy.outage(4.0)  # the task ends inside it (and its acknowledgement waits for the reconnection)
+        wait_until(lambda: "late" in _runs(mod), 30, what="the acks_late task to end")
+        wait_until(lambda: "Connected to " in _whole_log(w).split("restarts:")[-1], 30, what="a reconnection")
+        after = mod.hold.apply_async((key, 20, "after"), queue=queue, connection=conn)
+        wait_until(lambda: "after" in _runs(mod) or not w.alive(), 30, what="the next task to run")
+        assert w.alive(), w.log_tail(3000)
+        wait_until(lambda: not _unacked(conn, late.id), 10, what="the acknowledgement to reach Redis")
+        assert _runs(mod) == {"late": 1, "after": 1}, after.id
+
+
+def _unacked(conn, task_id: str) -> bool:
+    """Is ``task_id``'s message in Redis's set of delivered, unacknowledged messages?"""
+    channel = conn.default_channel
+    return any((json.loads(raw)[0].get("headers") or {}).get("id") == task_id
+               for _tag, raw in channel.client.hscan_iter(channel.unacked_key))
 
 
 def _stall_until_a_task_begins(mod, proxy, tries: int = 4) -> tuple[float, float, bool]:
