@@ -132,8 +132,9 @@ INTERNALS: tuple[Internal, ...] = (
              "getattr default: no patch, and on Celery 5.7 a Redis outage with messages held aside ends the "
              "worker ('Unrecoverable error': kombu restores on a closed transport)"),
     Internal("celery.worker.consumer.tasks", "Tasks", _REA, _MOD,
-             "FastChildLossStep requires the consumer's Tasks step, named by its path (the pool is known then)",
-             ("worker.worker_hooks",), "celery 5.3",
+             "FastChildLossStep and WaitOutsidePool require the consumer's Tasks step, named by its path (the pool, "
+             "the new connection and its QoS are known then)", ("worker.worker_hooks", "worker.wait_outside_pool"),
+             "celery 5.3",
              "the consumer's blueprint cannot resolve the requirement: no worker starts"),
     Internal("celery.worker.state", "reserved_requests", _PAT, _MOD,
              "which requests no pool process has taken (Consumer.on_close drops them); a request we hold or "

@@ -58,6 +58,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from celery.bootsteps import CLOSE, RUN
@@ -308,6 +309,12 @@ class SimHub:
         elif self.timers:
             self.wake(self.timers[0][0])
 
+    def run_ready(self) -> None:
+        """kombu's ``Hub.reset`` (``_close``): the callbacks that were ready run now."""
+        todo, self.ready = self.ready, deque()
+        for fn, args in todo:
+            fn(*args)
+
     def _sockets(self):
         return [_by_fd[fd] for fd in self.readers if fd in _by_fd]
 
@@ -419,22 +426,32 @@ class SimRequest:
         self.eventer = None
         self.delivery_info = {"redelivered": delivery.redelivered}
         self.acknowledged = False
+        self.main = main
 
     def acknowledge(self) -> None:  # Celery: a failed ack is logged, not raised (ack_log_error)
         if not self.acknowledged:
-            try:
+            with self._lost_at_shutdown():
                 self.message.ack()
-            except (RuntimeError, ConnectionError):
-                pass
             self.acknowledged = True
 
     def reject(self, requeue: bool = False) -> None:
         if not self.acknowledged:
-            try:
+            with self._lost_at_shutdown():
                 self.message.reject(requeue)
-            except (RuntimeError, ConnectionError):
-                pass
             self.acknowledged = True
+
+    @contextmanager
+    def _lost_at_shutdown(self):
+        """A connection error is logged (``ack_log_error``).  kombu's AttributeError on a
+        closed Redis channel is not: it ends the worker ("Unrecoverable error", the run
+        crashes), except in a warm shutdown, whose hub close logs it ("Error on stopping Hub")."""
+        try:
+            yield
+        except (RuntimeError, ConnectionError):
+            pass
+        except AttributeError:
+            if not self.main.stopping:
+                raise
 
     def revoked(self) -> bool:
         self.acknowledge()
@@ -613,6 +630,7 @@ class CeleryMain:
         world = self.world
         self.enter()
         noticed(channel)
+        self.hub.run_ready()  # asynloop's error: kombu's Hub.reset runs what was ready (an ack meets the lost connection)
         self.c.on_connection_error_after_connected(ConnectionLost("connection lost"))
         self.c.on_close()
         self.c.blueprint.state = RUN

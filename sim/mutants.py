@@ -453,9 +453,9 @@ MUTANTS = [
            "exits with every queued task unrun (found by a slow real-broker fault test first, "
            "test_broker_restarted_mid_run_with_acks_late; since then by tests/worker/test_held_aside.py::"
            "test_a_task_that_ends_while_redis_is_away_is_acknowledged_once_it_is_back)",
-           "worker/wait_outside_pool.py",
-           "        moved = sum(channel.move_to(live) for channel in dead) if live is not None else 0\n",
-           "        moved = 0\n"),
+           "worker/dead_channel.py",
+           "        moved = [req for dead in self._dead for req in dead.move_to(live)] if live is not None else []\n",
+           "        moved = []\n"),
 ]
 
 #: Planted bugs that wait for a finding's fix before a scenario can prove them (none now):

@@ -48,20 +48,56 @@ class DeadChannel:
         if channel is None:
             return None
         channel.do_restore = False
-        return cls(channel, tuple(r for r in requests if getattr(getattr(r, "message", None), "channel", None)
-                                  is channel))
+        return cls(channel, tuple(r for r in requests if _owed(r, channel)))
 
-    def move_to(self, live: Any) -> int:
-        """Point the messages of the requests not acknowledged yet at ``live``; returns how many
-        moved.  Not into ``live``'s prefetch books: plain Celery's do not count them after a
+    def move_to(self, live: Any) -> list[Any]:
+        """Point the messages of the requests not acknowledged yet at ``live``; returns their
+        requests.  Not into ``live``'s prefetch books: plain Celery's do not count them after a
         reconnection either.  Their acknowledgement on ``live`` is of a tag its books do not
         hold, as kombu's own is after a restore: the tag counts as acked until the books' next
         flush (the channel may fetch one message more meanwhile), and Redis's reject with
         requeue reads the message from Redis, not from the books."""
-        moved = 0
+        moved = []
         for req in self.requests:
-            message = req.message
-            if message.channel is self.channel and not message.acknowledged:
-                message.channel = live
-                moved += 1
+            if _owed(req, self.channel):
+                req.message.channel = live
+                moved.append(req)
         return moved
+
+
+class LostChannels:
+    """The Redis channels this worker lost with its broker connection, until the reconnection
+    moves their deliveries to the live one.
+
+    The requests moved at the last reconnection are kept until the next loss: one whose
+    acceptance the event loop had not read yet is in none of Celery's lists by then (Celery's
+    close forgot it at the first loss), and a second loss before it is acknowledged must move
+    it again."""
+
+    def __init__(self) -> None:
+        self._dead: list[DeadChannel] = []
+        self._moved: tuple[Any, ...] = ()
+
+    def lost(self, connection: Any, requests: Iterable[Any]) -> None:
+        """The broker ``connection`` is lost; ``requests``: Celery's reserved and active ones."""
+        dead = DeadChannel.at_loss(connection, (*requests, *self._moved))
+        if dead is not None:
+            self._dead.append(dead)
+            self._moved = ()
+
+    def reconnected(self, connection: Any) -> int:
+        """The consumer reconnected on ``connection``: move what the lost channels delivered and
+        may still be acknowledged; returns how many moved.  Kept if the new channel cannot be
+        had (a connection error: Celery starts again, and so does this)."""
+        if not self._dead:
+            return 0
+        live = redis_channel(connection.default_channel)
+        moved = [req for dead in self._dead for req in dead.move_to(live)] if live is not None else []
+        self._dead, self._moved = [], tuple(moved)
+        return len(moved)
+
+
+def _owed(req: Any, channel: Any) -> bool:
+    """Does ``channel`` still owe ``req``'s message an acknowledgement?"""
+    message = getattr(req, "message", None)
+    return message is not None and message.channel is channel and not message.acknowledged

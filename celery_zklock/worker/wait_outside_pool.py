@@ -55,7 +55,7 @@ from .agent_protocol import (
     as_wire,
 )
 from .agent_supervisor import NotStarted
-from .dead_channel import DeadChannel
+from .dead_channel import LostChannels
 from .held_lease import SWEEP_EVERY, HeldLeases, delivery_tag, forget_delivery, redis_channel
 from .next_in_line import NextInLine, handoff_slots, pool_size, run_next
 from .prefetch_window import PrefetchWindow
@@ -84,6 +84,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
     window), :meth:`next_in_line`, then :meth:`decided` → :meth:`hand_over` to the pool."""
 
     label = "zklock wait outside the pool"
+    requires = ("celery.worker.consumer.tasks:Tasks",)  # its start reads the new connection and QoS
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
@@ -105,7 +106,7 @@ class WaitOutsidePool(bootsteps.StartStopStep):
         # Redis messages held aside: leased, not left to the visibility timeout (held_lease).
         self.leases = HeldLeases(process.settings.session_timeout if process is not None else 10.0)
         self.seq = 0  # numbers the deliveries sent to the agent (a task id can come again)
-        self.dead_channels: list[DeadChannel] = []  # lost with the connection, their deliveries not moved yet
+        self.lost_channels = LostChannels()  # Redis channels lost with the connection, until the reconnection
         self.timers: list = []
         if self.active:
             c.on_task_request = self.on_request
@@ -117,10 +118,8 @@ class WaitOutsidePool(bootsteps.StartStopStep):
             if lost is not None:
 
                 def connection_lost(exc: BaseException) -> Any:
-                    dead = DeadChannel.at_loss(getattr(c, "connection", None),
-                                               {*worker_state.reserved_requests, *worker_state.active_requests})
-                    if dead is not None:
-                        self.dead_channels.append(dead)
+                    self.lost_channels.lost(getattr(c, "connection", None),
+                                            {*worker_state.reserved_requests, *worker_state.active_requests})
                     return lost(exc)
 
                 c.on_connection_error_after_connected = connection_lost
@@ -147,16 +146,12 @@ class WaitOutsidePool(bootsteps.StartStopStep):
                            c.hub.call_repeatedly(SWEEP_EVERY, self._sweep)]
 
     def _move_deliveries(self, c) -> None:
-        """Reconnected: the tasks still running from before acknowledge through the live
-        channel, not the dead one (:mod:`.dead_channel`)."""
-        dead, self.dead_channels = self.dead_channels, []
-        if not dead:
-            return
-        live = redis_channel(c.connection.default_channel)
-        moved = sum(channel.move_to(live) for channel in dead) if live is not None else 0
+        """Reconnected: what the lost Redis channel delivered is acknowledged through the live
+        one (:mod:`.dead_channel`).  Runs after Celery's Tasks step (``requires``), so the
+        connection is the new one, and before the event loop reads a pool process's news."""
+        moved = self.lost_channels.reconnected(c.connection)
         if moved:
-            logger.info("celery-zklock: %d task(s) running since before the broker reconnection will acknowledge on "
-                        "the new connection", moved)
+            logger.debug("celery-zklock: %d delivery(ies) of the lost Redis channel acknowledge on the new one", moved)
 
     def register_with_event_loop(self, c, hub) -> None:
         """The event loop (re)starts, with a hub reset at a broker reconnection: the agent's
