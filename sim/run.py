@@ -176,7 +176,10 @@ SETTLE = 40.0
 
 
 class _PerProcess:
-    """``RecentPaths``' table, one per simulated process (it is per process in production)."""
+    """A module-level table of the package, one per simulated process (it is per process in
+    production): ``RecentPaths``' paths, and the keys ``Makers`` sees being made.  Shared, one
+    agent's attempt waited for another agent's multi, and for good once that agent was killed
+    with its multi in flight (held-aside-rabbitmq-cut, seed 83)."""
 
     def __init__(self, world: World) -> None:
         from collections import OrderedDict
@@ -210,6 +213,12 @@ class _PerProcess:
     def pop(self, path, default=None):
         return self._table().pop(path, default)
 
+    def get(self, path, default=None):
+        return self._table().get(path, default)
+
+    def setdefault(self, path, default=None):
+        return self._table().setdefault(path, default)
+
 
 def fresh_process_state(world: World) -> None:
     """What the package keeps per process, made new for each seed (a replay must not depend
@@ -218,6 +227,7 @@ def fresh_process_state(world: World) -> None:
 
     clock.use(SimClocks(world))
     attempt.RECENT._paths = _PerProcess(world)
+    attempt.MAKERS._waiting = _PerProcess(world)
     znodes._NO_CONTAINERS.clear()
     znodes._CONTAINERS_WORK.clear()
     rng = world.rng("uuid")
