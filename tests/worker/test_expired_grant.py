@@ -20,12 +20,14 @@ def clean(mod):
 
 
 def test_a_request_that_expires_while_it_waits_stops_waiting(mod, env):
-    """Behind a 3 s holder, a request with ``expires=0.8`` is REVOKED while the holder still
-    runs (not granted and dropped after it), and the next request on the key runs."""
+    """Behind a 6 s holder, a request with ``expires=0.8`` is REVOKED while the holder still
+    runs (not granted and dropped after it), and the next request on the key runs.  Why 6 s:
+    the wait for REVOKED (5 s) must end before the holder could, or a request dropped only
+    at the grant also reads REVOKED in time (mutant 27 survived 2 runs in 3 with a 3 s holder)."""
     w = Worker(env, "exp1", concurrency=2).start(mod.app)
     try:
         key = "exp-" + uuid.uuid4().hex[:6]
-        holder = mod.hold.delay(key, 3000, "holder")
+        holder = mod.hold.delay(key, 6000, "holder")
         wait_until(lambda: started(mod, "holder"), 10, what="the holder runs")
         expiring = mod.hold_tracked.apply_async((key, 10, "expiring"), expires=0.8)
         after = mod.hold.delay(key, 10, "after")
