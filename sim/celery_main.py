@@ -291,9 +291,7 @@ class SimHub:
             return  # Consumer.start: the steps start again (the step's start first) before the loop turns
         self.turns += 1
         main.enter()
-        todo, self.ready = self.ready, deque()
-        for fn, args in todo:
-            fn(*args)
+        self.run_ready()
         parts = [self._fire_timers, self._poll, main.consume]
         self.rng.shuffle(parts)
         for part in parts:
@@ -310,7 +308,8 @@ class SimHub:
             self.wake(self.timers[0][0])
 
     def run_ready(self) -> None:
-        """kombu's ``Hub.reset`` (``_close``): the callbacks that were ready run now."""
+        """The callbacks that were ready run now: at each turn, and at a loss (kombu's
+        ``Hub.reset``, ``_close``)."""
         todo, self.ready = self.ready, deque()
         for fn, args in todo:
             fn(*args)

@@ -367,15 +367,16 @@ def test_a_task_that_ends_while_redis_is_away_is_acknowledged_once_it_is_back(mo
         after = mod.hold.apply_async((key, 20, "after"), queue=queue, connection=conn)
         wait_until(lambda: "after" in _runs(mod) or not w.alive(), 30, what="the next task to run")
         assert w.alive(), w.log_tail(3000)
-        wait_until(lambda: not _unacked(conn, late.id), 10, what="the acknowledgement to reach Redis")
+        wait_until(lambda: _unacked_tag(conn, late.id) is None, 10, what="the acknowledgement to reach Redis")
         assert _runs(mod) == {"late": 1, "after": 1}, after.id
 
 
-def _unacked(conn, task_id: str) -> bool:
-    """Is ``task_id``'s message in Redis's set of delivered, unacknowledged messages?"""
+def _unacked_tag(conn, task_id: str):
+    """The delivery tag of ``task_id``'s message in Redis's hash of delivered, unacknowledged
+    messages (None: not there)."""
     channel = conn.default_channel
-    return any((json.loads(raw)[0].get("headers") or {}).get("id") == task_id
-               for _tag, raw in channel.client.hscan_iter(channel.unacked_key))
+    return next((tag for tag, raw in channel.client.hscan_iter(channel.unacked_key)
+                 if (json.loads(raw)[0].get("headers") or {}).get("id") == task_id), None)
 
 
 def _stall_until_a_task_begins(mod, proxy, tries: int = 4) -> tuple[float, float, bool]:
@@ -468,14 +469,13 @@ def _never_leased(conn, task_id: str, cuts: list[float], within: float = 1.0) ->
     less the visibility timeout)?  Why Redis, not the worker's "received" line: that line can
     come half a second after the cut (a reply read before it, the main process slow to log;
     seen 0.48 s), and only Redis tells a message never leased from one stranded by its lease."""
-    channel = conn.default_channel
-    for tag, raw in channel.client.hscan_iter(channel.unacked_key):
-        if (json.loads(raw)[0].get("headers") or {}).get("id") == task_id:
-            score = channel.client.zscore(channel.unacked_index_key, tag)
-            # kombu scores it as it appends it, a round trip through the proxy (down for 3 s
-            # from the cut): before the cut, or seconds after it.
-            return score is not None and any(abs(score - cut) <= within for cut in cuts)
-    return False
+    tag = _unacked_tag(conn, task_id)
+    if tag is None:
+        return False
+    score = conn.default_channel.client.zscore(conn.default_channel.unacked_index_key, tag)
+    # kombu scores it as it appends it, a round trip through the proxy (down for 3 s from the
+    # cut): before the cut, or seconds after it.
+    return score is not None and any(abs(score - cut) <= within for cut in cuts)
 
 
 
