@@ -74,8 +74,10 @@ class AgentClient:
         # (answer type, id) -> its caller's queue; a None there ends the wait (the link ended).
         self._replies: dict[tuple[type, str | None], queue.SimpleQueue[Any]] = {}
         self._locks: dict[str, "AgentLock"] = {}
-        # A state pushed between the claim's reply and the lock's registration: kept for it.
-        self._early: dict[str, LockState] = {}
+        # A state pushed between the claim's reply and the lock's registration: kept for it,
+        # with its place among the pushes (see _take).
+        self._early: dict[str, tuple[int, LockState]] = {}
+        self._pushes = 0  # pushes taken off the socket so far
         self._guard = threading.Lock()
         self._receiving = threading.Lock()  # held by whichever thread takes bytes off the socket
         self._turn = threading.Condition()
@@ -148,9 +150,9 @@ class AgentClient:
                 if ready:
                     self._take(self.conn.receive(block=False))
 
-    def register(self, lock: AgentLock) -> LockState | None:
+    def register(self, lock: AgentLock) -> tuple[int, LockState] | None:
         """Route the agent's states of ``lock`` to it from now on; the state pushed before it
-        registered (after its claim's answer), if one came."""
+        registered (after its claim's answer), if one came, with its place among the pushes."""
         with self._guard:
             self._locks[lock.id] = lock
             early = self._early.pop(lock.id, None)
@@ -221,14 +223,18 @@ class AgentClient:
         self.last_heard = time.monotonic()
         for msg in messages:
             if isinstance(msg, LockState):
+                # Numbered as read: one thread at a time reads (_receiving), so this is the
+                # order the agent sent them in, and a lock applies none older than one it has.
                 with self._guard:
+                    self._pushes += 1
+                    place = self._pushes
                     lock = self._locks.get(msg.id)
                     if lock is None:
                         if len(self._early) > 1000:
                             self._early.clear()
-                        self._early[msg.id] = msg
+                        self._early[msg.id] = (place, msg)
                 if lock is not None:
-                    lock.update(msg.held, msg.lost, msg.reason)
+                    lock.pushed(place, msg)
                 continue
             with self._guard:
                 replies = self._replies.get((type(msg), getattr(msg, "id", None)))
@@ -289,15 +295,18 @@ class AgentLock:
         self.lost_reason: str | None = None
         self._held = True
         self._settled = threading.Event()  # set whenever the agent says held, or lost
-        # The claim's answer first, then what the agent pushed since: a push the link delivers
-        # once this lock is registered is newer than both, and must not be overwritten by them.
+        self._applying = threading.RLock()  # a push's place checked and its state applied as one
+        self._last_push = 0  # the place of the newest push applied
+        # The claim's answer first, then what the agent pushed since.  A push kept for this
+        # lock before it registered (newer than the answer) and one the link's thread delivers
+        # as it registers may be applied in either order: their places decide which stands.
         if state is None:
             self.update(True, False, None)
         else:
             self.update(state.held, state.lost, state.reason)
         early = link.register(self)
-        if early is not None:  # pushed after the claim's answer, so newer than ``state``
-            self.update(early.held, early.lost, early.reason)
+        if early is not None:
+            self.pushed(*early)
 
     @property
     def locks(self) -> list["AgentLock"]:
@@ -306,19 +315,28 @@ class AgentLock:
     def is_held(self) -> bool:
         return self._held and self.link.alive and self.link.silent_for() < self.grace
 
+    def pushed(self, place: int, state: LockState) -> None:
+        """A state the agent pushed, ``place``-th off the link: applied unless a newer push was."""
+        with self._applying:
+            if place <= self._last_push:
+                return
+            self._last_push = place
+            self.update(state.held, state.lost, state.reason)
+
     def update(self, held: bool, lost: bool, reason: str | None) -> None:
         """What the agent says of this lock now (its claim's answer, a pushed state, its end)."""
-        self._held = held and not lost and self.lost_reason is None  # lost stays lost: an older
-        # answer applied after a newer push (the claim's, at registration) must not revive it
-        if lost and self.lost_reason is None:
-            self.lost_reason = reason or "lock lost"
-            if self.on_lost is not None:
-                self.on_lost(self)
-        self.suspended_reason = None if (held or lost) else (reason or "not held")
-        if held or lost:
-            self._settled.set()
-        else:
-            self._settled.clear()
+        with self._applying:  # the link's end (any thread) and a push may come at once
+            # lost stays lost: an older answer applied after a newer push must not revive it
+            self._held = held and not lost and self.lost_reason is None
+            if lost and self.lost_reason is None:
+                self.lost_reason = reason or "lock lost"
+                if self.on_lost is not None:
+                    self.on_lost(self)
+            self.suspended_reason = None if (held or lost) else (reason or "not held")
+            if held or lost:
+                self._settled.set()
+            else:
+                self._settled.clear()
 
     def confirmed(self, timeout: float) -> bool:
         """Wait until the agent says the lock is safe to hold (True), or lost, or ``timeout``

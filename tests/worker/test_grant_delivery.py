@@ -206,3 +206,38 @@ def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypat
         assert not lock.is_held()
     finally:
         agent.close()
+
+
+class _PushAtRegistration(agent_client.AgentClient):
+    """A link whose agent pushes a state the moment a lock registers, and whose thread
+    delivers it before the registering lock applies what was pushed for it earlier."""
+
+    def __init__(self, agent: _FakeAgent, push: LockState) -> None:
+        super().__init__(agent.path)
+        self.agent, self.push = agent, push
+
+    def register(self, lock):
+        early = super().register(lock)
+        self.agent.peer.send(self.push)
+        wait_until(lambda: lock.suspended_reason == self.push.reason, 5, "the link's thread delivers the push", 0.005)
+        return early
+
+
+def test_a_state_pushed_before_registration_never_overrides_a_newer_one():
+    """Pushes reach a lock in the order the agent sent them, whichever thread applies them.
+    Here the agent says the lock is safe again before the lock registers (kept for it), then
+    suspended as it registers (delivered by the link's thread at once): the lock must read
+    suspended, as the agent last said, not held (before: the older push was applied last)."""
+    agent = _FakeAgent()
+    suspended = LockState("r1", held=False, reason="ZooKeeper connection suspended")
+    link = _PushAtRegistration(agent, suspended)
+    agent.ready.wait(5)
+    try:
+        agent.peer.send(LockState("r1", held=True))
+        assert link.heard_within(5.0)  # read now: nothing registered for r1, so it is kept for it
+        answer = Claimed("r1", Verdict.GRANTED, tokens={"/k": 1}, held=False, reason="ZooKeeper connection lost")
+        lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0, state=answer)
+        assert not lock.is_held() and lock.suspended_reason == "ZooKeeper connection suspended"
+        assert not lock.confirmed(0.0)
+    finally:
+        agent.close()
