@@ -334,8 +334,9 @@ class SimHub:
             sock = _by_fd.get(fd)
             if sock is not None and sock.readable() and self.readers.get(fd) == (cb, args):
                 cb(*args)
-        for cb, args in list(self.writers.values()):
-            cb(*args)
+        for fd, (cb, args) in list(self.writers.items()):
+            if self.writers.get(fd) == (cb, args):  # kombu looks each up as it comes: one removed
+                cb(*args)                            # earlier in the same turn does not fire
 
 
 class _PostToLoop:
