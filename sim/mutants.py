@@ -455,7 +455,8 @@ MUTANTS = [
            "test_a_task_that_ends_while_redis_is_away_is_acknowledged_once_it_is_back)",
            "worker/dead_channel.py",
            "        moved = [req for dead in self._dead for req in dead.move_to(live)] if live is not None else []\n",
-           "        moved = []\n"),    Mutant("early-push-last", "68. a pool process's lock applies a state pushed before it registered after one the "
+           "        moved = []\n"),
+    Mutant("early-push-last", "68. a pool process's lock applies a state pushed before it registered after one the "
            "link's thread delivered as it registered: it reads held while its agent last said suspended "
            "(the simulator models the pool process, not AgentLock: found by a test)",
            "worker/agent_client.py",
