@@ -166,6 +166,11 @@ class AgentClient:
     def send(self, message: Claim | Release) -> bool:
         """A message whose answer nobody waits for here (a carried grant's claim, a release
         whose proof nobody waits for)."""
+        if isinstance(message, Claim):  # a carried grant's: no answer will clear what was kept
+            with self._guard:
+                # A state kept for its id until now was pushed to an earlier lock of that id
+                # (a retry keeps its task's id), never to this one, not yet claimed.
+                self._early.pop(message.id, None)
         return self.conn.send(message)
 
     def unclaim(self, request_id: str) -> None:
@@ -237,6 +242,10 @@ class AgentClient:
                     lock.pushed(place, msg)
                 continue
             with self._guard:
+                if isinstance(msg, Claimed):
+                    # What was kept for its id came before the claim's answer, so it was
+                    # pushed to an earlier lock of that id (a retry keeps its task's id).
+                    self._early.pop(msg.id, None)
                 replies = self._replies.get((type(msg), getattr(msg, "id", None)))
             if replies is not None:
                 replies.put(msg)
@@ -326,9 +335,10 @@ class AgentLock:
     def update(self, held: bool, lost: bool, reason: str | None) -> None:
         """What the agent says of this lock now (its claim's answer, a pushed state, its end)."""
         with self._applying:  # the link's end (any thread) and a push may come at once
-            # lost stays lost: an older answer applied after a newer push must not revive it
-            self._held = held and not lost and self.lost_reason is None
-            if lost and self.lost_reason is None:
+            if self.lost_reason is not None:
+                return  # lost stays lost: nothing said after it (an older state) changes it
+            self._held = held and not lost
+            if lost:
                 self.lost_reason = reason or "lock lost"
                 if self.on_lost is not None:
                     self.on_lost(self)

@@ -228,13 +228,17 @@ def test_a_granted_claims_answer_is_held_as_it_says(answer, suspended, carried, 
     assert lock.grace == pytest.approx(grace) and decision.confirm_within == 10.0 and decision.copies is None
 
 
-def test_a_lock_told_lost_stays_lost_when_an_older_state_comes_after():
-    """The claim's answer is applied at registration, after a push the link may already have
-    delivered: an older "held" must not revive a lock the agent said was lost."""
+@pytest.mark.parametrize("held, reason", [(True, None), (False, "ZooKeeper connection suspended")],
+                         ids=["held", "suspended"])
+def test_a_lock_told_lost_stays_lost_when_an_older_state_comes_after(held, reason):
+    """The claim's answer and a push kept for the lock are applied at registration, after a
+    push the link may already have delivered: an older state must neither revive a lock the
+    agent said was lost nor make it read suspended (a body would wait to see it safe again)."""
     lock = agent_client.AgentLock(_Link(), "r1", {"/a": 3}, grace=5.0, release_bound=5.0)
     lock.update(False, True, "the node is gone")
-    lock.update(True, False, None)
+    lock.update(held, False, reason)
     assert not lock.is_held() and lock.lost_reason == "the node is gone"
+    assert lock.suspended_reason is None and not lock.confirmed(0.0)
 
 
 class _PushingLink(_Link):

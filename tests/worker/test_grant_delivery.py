@@ -17,9 +17,20 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from celery_zklock.engine.session import LEASED
 from celery_zklock.worker import agent_client
-from celery_zklock.worker.agent_protocol import Claim, ClaimAnswer, Claimed, Connection, LockState, Released, Verdict
+from celery_zklock.worker.agent_protocol import (
+    Carry,
+    Claim,
+    ClaimAnswer,
+    Claimed,
+    Connection,
+    LockState,
+    Released,
+    Verdict,
+)
 from celery_zklock.worker.agent_requests import Requests, WaitRequest
 from tests.polling import wait_until
 from tests.worker.cohort_host import first_granted
@@ -208,7 +219,14 @@ def test_a_lock_registered_after_an_idle_spell_is_read_within_the_poll(monkeypat
         agent.close()
 
 
-class _PushAtRegistration(agent_client.AgentClient):
+class _KeepingLink(agent_client.AgentClient):
+    """A link that says whether it keeps a push for a lock not registered (yet)."""
+
+    def kept(self, lock_id: str) -> bool:
+        return lock_id in self._early
+
+
+class _PushAtRegistration(_KeepingLink):
     """A link whose agent pushes a state the moment a lock registers, and whose thread
     delivers it before the registering lock applies what was pushed for it earlier."""
 
@@ -234,10 +252,50 @@ def test_a_state_pushed_before_registration_never_overrides_a_newer_one():
     agent.ready.wait(5)
     try:
         agent.peer.send(LockState("r1", held=True))
-        assert link.heard_within(5.0)  # read now: nothing registered for r1, so it is kept for it
+        wait_until(lambda: link.kept("r1"), 5, "the push kept for r1 (nothing registered for it yet)", 0.005)
         answer = Claimed("r1", Verdict.GRANTED, tokens={"/k": 1}, held=False, reason="ZooKeeper connection lost")
         lock = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0, state=answer)
         assert not lock.is_held() and lock.suspended_reason == "ZooKeeper connection suspended"
         assert not lock.confirmed(0.0)
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("claim, read", [("answered", "before-the-claim"), ("answered", "while-the-claim-waits"),
+                                         ("carried", "before-the-claim")])
+def test_a_state_pushed_to_an_earlier_lock_of_the_same_id_is_not_applied_to_the_next(claim, read):
+    """A retry keeps its task's id.  A state the agent pushed to the first run's lock as it
+    let go is not the next claim's, whether the link read it before that claim was sent or
+    while it waited for the answer, and whether the claim is answered or starts on a carried
+    grant: the next lock reads as its claim's answer (or grant) says.  Before: suspended; its
+    body waited a session timeout for a "held" that never came, then failed."""
+    agent = _FakeAgent()
+    link = _KeepingLink(agent.path)
+    agent.ready.wait(5)
+    stale = LockState("r1", held=False, reason="ZooKeeper connection suspended")
+    try:
+        first = agent_client.AgentLock(link, "r1", {"/k": 1}, grace=5.0, release_bound=5.0)
+        first.abandon()
+        agent.peer.receive()  # its release
+        if read == "before-the-claim":
+            agent.peer.send(stale)
+            wait_until(lambda: link.kept("r1"), 5, "the stale push read and kept", 0.005)
+        if claim == "carried":
+            carry = Carry(proof=time.monotonic(), session_timeout=10.0, waited=0.0, tokens={"/k": 2})
+            assert link.send(Claim("r1", carried=True))
+            answer = carry.as_claimed("r1")
+        else:
+            def agent_answers() -> None:
+                [request] = agent.peer.receive()
+                if read == "while-the-claim-waits":
+                    agent.peer.send(stale)  # still on its way when the claim went out
+                agent.peer.send(Claimed(request.id, Verdict.GRANTED, tokens={"/k": 2}, held=True))
+
+            answering = threading.Thread(target=agent_answers, daemon=True)
+            answering.start()
+            answer = link.call(Claim("r1"), Claimed, 5.0)
+            answering.join(5)
+        lock = agent_client.AgentLock(link, "r1", {"/k": 2}, grace=5.0, release_bound=5.0, state=answer)
+        assert lock.is_held() and lock.suspended_reason is None and lock.confirmed(0.0)
     finally:
         agent.close()
