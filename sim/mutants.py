@@ -463,7 +463,8 @@ MUTANTS = [
            "            if place <= self._last_push:\n                return\n",
            "            pass\n",
            killer="tests/worker/test_grant_delivery.py::"
-                  "test_a_state_pushed_before_registration_never_overrides_a_newer_one"),    Mutant("stale-push-kept", "69. a state pushed to a lock as it let go is kept for its id and applied to the next lock "
+                  "test_a_state_pushed_before_registration_never_overrides_a_newer_one"),
+    Mutant("stale-push-kept", "69. a state pushed to a lock as it let go is kept for its id and applied to the next lock "
            "of that id (a retry keeps its task's id): the new lock reads suspended, and its body waits a session "
            "timeout for a \"held\" that never comes (found by a test: the simulator models the pool process)",
            "worker/agent_client.py",
