@@ -166,17 +166,20 @@ class AgentClient:
     def send(self, message: Claim | Release) -> bool:
         """A message whose answer nobody waits for here (a carried grant's claim, a release
         whose proof nobody waits for)."""
-        if isinstance(message, Claim):  # a carried grant's: no answer will clear what was kept
-            with self._guard:
-                # A state kept for its id until now was pushed to an earlier lock of that id
-                # (a retry keeps its task's id), never to this one, not yet claimed.
-                self._early.pop(message.id, None)
+        if isinstance(message, Claim):
+            # A carried grant's: no answer will clear what was kept for its id, which was
+            # pushed to an earlier lock of that id (a retry keeps its task's id).
+            self._void_kept(message.id)
         return self.conn.send(message)
 
     def unclaim(self, request_id: str) -> None:
         """This process stopped waiting for a claim's answer: the agent is to let go of
         whatever it decides for it, and a state it pushed early is void."""
         self.conn.send(Unclaim(request_id))
+        self._void_kept(request_id)
+
+    def _void_kept(self, request_id: str) -> None:
+        """A state kept for ``request_id`` is for no lock this process will register."""
         with self._guard:
             self._early.pop(request_id, None)
 
